@@ -1,0 +1,62 @@
+"""The `rackcast` command line: one entry point, one module per subcommand group.
+
+Each module in COMMAND_MODULES exposes `register(subparsers)`, which adds its subcommand(s) and sets
+`func(args) -> int` on the parser. Bad input raises RackcastError anywhere below; `main` prints its one line on
+stderr and exits 2. Ctrl-C exits 130 without a traceback. Heavy modules (torch, textual) are imported inside the
+handlers that need them, so `rackcast --help` and planning commands start fast.
+
+    rackcast --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rackcast import __version__
+from rackcast.errors import RackcastError
+
+COMMAND_MODULES = [
+    "rackcast.cli.models",
+    "rackcast.cli.topologies",
+    "rackcast.cli.estimate",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line with exit code 2 (its default code, kept)."""
+
+    def error(self, message: str):
+        self.exit(2, f"rackcast {self.prog.partition(' ')[2] or ''}: error: {message}\n".replace("  ", " "))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rackcast", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"rackcast {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except RackcastError as exc:
+        print(f"rackcast {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"rackcast {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

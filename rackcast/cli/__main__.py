@@ -1,0 +1,7 @@
+"""`python -m rackcast.cli` runs the CLI."""
+
+import sys
+
+from rackcast.cli import main
+
+sys.exit(main())

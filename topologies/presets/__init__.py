@@ -1,0 +1,1 @@
+"""Topology preset YAML files (package data)."""

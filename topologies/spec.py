@@ -1,0 +1,224 @@
+"""Topology: the hardware as typed data (accelerator, host memory tier, scale-up domain, scale-out fabric, size),
+with the efficiency profile that turns peak figures into achieved ones.
+
+Every number lives in the YAML presets beside this file (topologies/presets/*.yaml), each with its source in a
+comment; this module only defines the types, validates them and interpolates the efficiency curves.
+
+Units: bytes, seconds, FLOP/s, bytes/s (suffix _Bps). Link bandwidths are per GPU and per direction.
+Collective efficiencies follow the nccl-tests bus-bandwidth convention: the achieved bus bandwidth of a collective is
+`efficiency(message_bytes) x link bandwidth of the slowest hop`, and its time is `algorithm bytes / algbw`, with
+algbw = busbw / factor (all_reduce 2(n-1)/n, all_gather / reduce_scatter / all_to_all (n-1)/n).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+Span = Literal["scale_up", "scale_out"]
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
+COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """One measured point of an efficiency curve: at `size` (bytes or FLOPs), `value` (fraction of peak)."""
+
+    size: float
+    value: float
+
+    def __post_init__(self):
+        if self.size <= 0:
+            raise ValueError(f"curve point size must be positive, got {self.size}")
+        if not 0.0 < self.value <= 1.0:
+            raise ValueError(f"curve point value must lie in (0, 1], got {self.value}")
+
+
+def interpolate(curve: list[CurvePoint], size: float) -> float:
+    """Piecewise-linear in log(size), clamped at both ends. A one-point curve is a constant."""
+    if not curve:
+        raise ValueError("empty efficiency curve")
+    sizes = [p.size for p in curve]
+    if size <= sizes[0]:
+        return curve[0].value
+    if size >= sizes[-1]:
+        return curve[-1].value
+    i = bisect.bisect_right(sizes, size)
+    lo, hi = curve[i - 1], curve[i]
+    t = (math.log(size) - math.log(lo.size)) / (math.log(hi.size) - math.log(lo.size))
+    return lo.value + t * (hi.value - lo.value)
+
+
+def _check_curve(name: str, curve: list[CurvePoint]) -> None:
+    if not curve:
+        raise ValueError(f"{name} needs at least one point")
+    sizes = [p.size for p in curve]
+    if sizes != sorted(sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"{name} sizes must increase strictly")
+
+
+@dataclass(frozen=True)
+class CollectiveCurves:
+    """Achieved bus-bandwidth fraction of the slowest hop, by message size, inside and across scale-up domains."""
+
+    scale_up: list[CurvePoint]
+    scale_out: list[CurvePoint]
+
+    def __post_init__(self):
+        _check_curve("scale_up", self.scale_up)
+        _check_curve("scale_out", self.scale_out)
+
+
+@dataclass(frozen=True)
+class EfficiencyProfile:
+    gemm: list[CurvePoint]  # size = FLOPs of one GEMM; value = fraction of dense peak achieved
+    grouped_gemm: list[CurvePoint]  # size = FLOPs of one expert's GEMM inside a grouped GEMM
+    attention: float  # fraction of dense peak achieved by attention kernels
+    memory_bound: float  # fraction of HBM bandwidth achieved by elementwise / norm kernels
+    host_link: float  # fraction of the host link bandwidth achieved by bulk copies
+    collectives: dict[str, CollectiveCurves]
+    comm_compute_slowdown: float = 0.0  # compute slows by this fraction while communication kernels run
+    source: str = ""
+
+    def __post_init__(self):
+        _check_curve("gemm", self.gemm)
+        _check_curve("grouped_gemm", self.grouped_gemm)
+        for name in ("attention", "memory_bound", "host_link"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"efficiency.{name} must lie in (0, 1], got {getattr(self, name)}")
+        missing = [k for k in COLLECTIVE_KINDS if k not in self.collectives]
+        if missing:
+            raise ValueError(f"efficiency.collectives is missing {', '.join(missing)}")
+        unknown = [k for k in self.collectives if k not in COLLECTIVE_KINDS]
+        if unknown:
+            raise ValueError(f"efficiency.collectives.{unknown[0]}: unknown collective")
+        if not 0.0 <= self.comm_compute_slowdown < 1.0:
+            raise ValueError("efficiency.comm_compute_slowdown must lie in [0, 1)")
+
+    def gemm_efficiency(self, flops: float) -> float:
+        return interpolate(self.gemm, flops)
+
+    def grouped_gemm_efficiency(self, flops_per_group: float) -> float:
+        return interpolate(self.grouped_gemm, flops_per_group)
+
+    def collective_efficiency(self, kind: str, span: Span, message_bytes: float) -> float:
+        curves = self.collectives[kind]
+        return interpolate(curves.scale_up if span == "scale_up" else curves.scale_out, message_bytes)
+
+
+@dataclass(frozen=True)
+class AcceleratorSpec:
+    name: str
+    peak_flops: dict[str, float]  # dense FLOP/s per dtype ("bf16", "fp8", "fp32", ...)
+    hbm_bytes: float  # usable device memory
+    hbm_bandwidth_Bps: float
+
+    def __post_init__(self):
+        if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
+            raise ValueError("accelerator.peak_flops needs at least one positive dtype entry")
+        if self.hbm_bytes <= 0 or self.hbm_bandwidth_Bps <= 0:
+            raise ValueError("accelerator.hbm_bytes and hbm_bandwidth_Bps must be positive")
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """The host memory tier (Grace LPDDR5X on GB200) and the GPU-host link (NVLink-C2C or PCIe)."""
+
+    memory_bytes: float  # per host
+    memory_bandwidth_Bps: float  # per host
+    gpus_per_host: int
+    link_bandwidth_Bps: float  # per GPU, per direction
+    link_latency_s: float
+
+    def __post_init__(self):
+        if min(self.memory_bytes, self.memory_bandwidth_Bps, self.link_bandwidth_Bps) <= 0 or self.gpus_per_host <= 0:
+            raise ValueError("host figures must be positive")
+
+
+@dataclass(frozen=True)
+class ScaleUpSpec:
+    """One NVLink (or shared-memory) domain: an NVL72 rack, an HGX node."""
+
+    domain_size: int  # GPUs physically in one domain
+    usable_gpus: int  # GPUs a plan may use per domain (64 of 72 on NVL72 leaves two trays spare)
+    bandwidth_Bps: float  # per GPU, per direction
+    latency_s: float
+    switches: int  # switch chips in the domain (non-blocking crossbar)
+    gpus_per_tray: int = 0  # GPUs per compute tray or board (0: the whole domain is one tray)
+
+    def __post_init__(self):
+        if not 0 < self.usable_gpus <= self.domain_size:
+            raise ValueError(f"scale_up.usable_gpus must lie in 1..{self.domain_size}, got {self.usable_gpus}")
+        if self.bandwidth_Bps <= 0 or self.latency_s < 0 or self.switches < 0:
+            raise ValueError("scale_up bandwidth must be positive and latency, switches >= 0")
+
+
+@dataclass(frozen=True)
+class ScaleOutSpec:
+    """The fabric between domains: one or more NICs per GPU, rail-optimised, possibly oversubscribed."""
+
+    nics_per_gpu: int
+    nic_bandwidth_Bps: float  # per NIC, per direction
+    latency_s: float
+    rails: int
+    oversubscription: float = 1.0  # >= 1; 1 is non-blocking
+
+    def __post_init__(self):
+        if self.nics_per_gpu < 0 or self.rails < 0 or self.oversubscription < 1.0 or self.latency_s < 0:
+            raise ValueError("scale_out: nics_per_gpu, rails >= 0, latency >= 0 and oversubscription >= 1")
+
+    @property
+    def bandwidth_per_gpu_Bps(self) -> float:
+        return self.nics_per_gpu * self.nic_bandwidth_Bps / self.oversubscription
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    accelerator: AcceleratorSpec
+    host: HostSpec
+    scale_up: ScaleUpSpec
+    scale_out: ScaleOutSpec
+    efficiency: EfficiencyProfile
+    domains: int = 1  # racks or nodes in the cluster
+    domain_label: str = "node"  # what one domain is called: "rack" or "node"
+    description: str = ""
+    checkpoint_storage_Bps: float = 0.0  # aggregate storage write bandwidth per domain (0: unknown)
+
+    def __post_init__(self):
+        if self.domains <= 0:
+            raise ValueError(f"domains must be positive, got {self.domains}")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs a plan may use: usable GPUs per domain x domains."""
+        return self.scale_up.usable_gpus * self.domains
+
+    def peak_flops(self, dtype: str = "bf16") -> float:
+        try:
+            return self.accelerator.peak_flops[dtype]
+        except KeyError:
+            raise ValueError(f"{self.name} has no peak for dtype {dtype!r} (has {sorted(self.accelerator.peak_flops)})")
+
+    def with_domains(self, domains: int) -> "Topology":
+        return replace(self, domains=domains)
+
+    def with_usable_gpus(self, usable: int) -> "Topology":
+        return replace(self, scale_up=replace(self.scale_up, usable_gpus=usable))
+
+    def with_efficiency(self, efficiency: EfficiencyProfile) -> "Topology":
+        return replace(self, efficiency=efficiency)
+
+    def link_bandwidth_Bps(self, span: Span) -> float:
+        """Per-GPU, per-direction bandwidth of the slowest hop of a group with this span."""
+        if span == "scale_up":
+            return self.scale_up.bandwidth_Bps
+        return min(self.scale_up.bandwidth_Bps, self.scale_out.bandwidth_per_gpu_Bps)
+
+    def link_latency_s(self, span: Span) -> float:
+        if span == "scale_up":
+            return self.scale_up.latency_s
+        return self.scale_up.latency_s + self.scale_out.latency_s
+
