@@ -62,6 +62,10 @@ def _convert(tp: Any, value: Any, where: str, field: str) -> Any:
                 errors.append(exc)
         if len(errors) == 1:
             raise errors[0]
+        if isinstance(value, dict):  # a mapping was meant for the dataclass member: its error is the useful one
+            for arg, exc in zip([a for a in args if a is not type(None)], errors):
+                if dataclasses.is_dataclass(arg):
+                    raise exc
         raise RackcastError(f"{field}: expected {_type_name(tp)}, got {value!r}", where=where)
     if origin is Literal:
         for allowed in typing.get_args(tp):

@@ -1,0 +1,257 @@
+"""Plan: what to run — model, hardware, parallel layout, batch, schedule, optimizer — plus what was predicted.
+
+A plan file is YAML, loaded strictly (unknown keys, wrong types and layouts that do not divide the hardware or the
+model are refused with one line naming the file and field) and written back byte-identically (round-trip).
+
+Parallel layout convention (Megatron-style "MoE parallel folding"): the GPUs form a grid
+    gpus = data x fsdp x context x tensor x pipeline
+`data` replicas hold full copies of their shard; `fsdp` shards parameters, gradients and optimizer state (ZeRO-3);
+`context` splits the sequence; `tensor` splits matrices (with optional sequence parallelism); `pipeline` splits
+layers into stages of `virtual` chunks each. Expert layers re-fold the same ranks of one pipeline stage:
+`expert x expert_tensor` ranks out of data x fsdp x context x tensor own disjoint slices of the experts; the rest
+replicate them (expert data parallelism). Inner axes are placed first: tensor, then context, then fsdp, then data,
+so a group stays inside one scale-up domain whenever its size allows.
+
+    python -m rackcast.plan examples/plans/marin-535b-hero.yaml    # validate a plan file
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from rackcast import __version__
+from rackcast.errors import RackcastError
+from rackcast.modelspec import ModelSpec
+from rackcast.presets import load_model
+from rackcast.strict import dump_yaml, from_data, load_yaml, to_data, write_text_atomic
+
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "dualpipev"]
+
+
+@dataclass(frozen=True)
+class TopologyRef:
+    name: str  # preset name or YAML path
+    domains: int = 1  # racks or nodes
+    usable_gpus: int = 0  # GPUs used per domain; 0 keeps the preset's default (64 of 72 on NVL72)
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    virtual: int = 1  # model chunks per pipeline rank (interleaved / V schedules)
+    expert: int = 1
+    expert_tensor: int = 1
+    context: int = 1
+    sequence_parallel: bool = False  # with tensor > 1: shard norms and dropout along the sequence
+
+    @property
+    def gpus(self) -> int:
+        return self.data * self.fsdp * self.context * self.tensor * self.pipeline
+
+    @property
+    def dense_replicas(self) -> int:
+        """Ranks of one pipeline stage that see different tokens (data x fsdp x context)."""
+        return self.data * self.fsdp * self.context
+
+    @property
+    def expert_data(self) -> int:
+        """How many copies of each expert slice exist within one pipeline stage."""
+        return self.data * self.fsdp * self.context * self.tensor // (self.expert * self.expert_tensor)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    global_batch: int  # sequences per optimizer step
+    micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: Literal["adamw", "muonh"] = "adamw"
+    state_location: Literal["hbm", "host"] = "hbm"  # optimizer state and fp32 master weights
+    master_weights: bool = True  # keep an fp32 master copy
+    lr: float = 3e-4
+    adam_lr: float = 3e-4  # MuonH: the Adam groups' learning rate
+
+
+@dataclass(frozen=True)
+class ExpertTransport:
+    mode: Literal["dropless", "capacity"] = "dropless"
+    capacity_factor: float = 1.0  # capacity mode: slots per expert = factor x tokens x top_k / experts
+    routing: Literal["uniform", "zipf", "histogram"] = "uniform"
+    zipf_s: float = 1.0  # Zipf exponent for routing: zipf
+    histogram: str = ""  # routing: histogram -> path to a recorded histogram (Parquet or YAML)
+
+    def __post_init__(self):
+        if self.capacity_factor <= 0:
+            raise ValueError(f"expert_transport.capacity_factor must be positive, got {self.capacity_factor}")
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """What a prediction said about this plan (estimate or simulation)."""
+
+    source: Literal["estimate", "simulate", "plan"]
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    peak_memory_bytes: float
+    days_to_budget: float
+    phases_s: dict[str, float] = field(default_factory=dict)
+    flops_convention: str = ""
+    drop_fraction: float = 0.0
+    fits: bool = True
+
+
+@dataclass(frozen=True)
+class Provenance:
+    rackcast_version: str
+    inputs_sha256: dict[str, str] = field(default_factory=dict)
+    command: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    model: str | ModelSpec  # preset name, YAML path, or an inline spec
+    topology: TopologyRef
+    parallel: ParallelSpec
+    batch: BatchSpec
+    schedule: Schedule = "1f1b"
+    recompute: Literal["none", "selective", "full"] = "none"
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    expert_transport: ExpertTransport = field(default_factory=ExpertTransport)
+    precision: Literal["bf16", "fp8"] = "bf16"
+    grad_dtype: Literal["bf16", "fp32"] = "fp32"  # gradient accumulation and reduction dtype
+    attention_kernel: Literal["flash", "materialized"] = "flash"
+    dropout: bool = False
+    tokens: float = 0.0  # token budget for days-to-budget (0: not set)
+    start: str = ""  # ISO date
+    deadline: str = ""  # ISO date
+    seed: int = 0
+    predicted: Predicted | None = None
+    provenance: Provenance | None = None
+
+    def model_spec(self) -> ModelSpec:
+        return self.model if isinstance(self.model, ModelSpec) else load_model(self.model)
+
+    def topology_spec(self):
+        from topologies import load_topology
+
+        return load_topology(self.topology.name, self.topology.domains, self.topology.usable_gpus or None)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step on one data-parallel rank."""
+        return self.batch.global_batch // (self.parallel.data * self.parallel.fsdp * self.batch.micro_batch)
+
+    def tokens_per_step(self, spec: ModelSpec) -> int:
+        return self.batch.global_batch * spec.seq_len
+
+
+def validate(plan: Plan, spec: ModelSpec, gpus_available: int, where: str = "") -> None:
+    """Refuse layouts that do not divide the hardware or the model; each error names the field."""
+    p, b = plan.parallel, plan.batch
+
+    def fail(field_name: str, message: str):
+        raise RackcastError(f"{field_name}: {message}", where=where)
+
+    for name in ("data", "fsdp", "tensor", "pipeline", "virtual", "expert", "expert_tensor", "context"):
+        if getattr(p, name) <= 0:
+            fail(f"parallel.{name}", f"must be positive, got {getattr(p, name)}")
+    if p.gpus != gpus_available:
+        fail("parallel", f"data x fsdp x context x tensor x pipeline = {p.gpus} GPUs, but the topology provides "
+                         f"{gpus_available} (topology.domains x usable GPUs per domain)")
+    a = spec.attention
+    if a.heads % p.tensor:
+        fail("parallel.tensor", f"{a.heads} attention heads are not divisible by tensor={p.tensor}")
+    for kv in {a.kv_heads_local, a.kv_heads_global}:
+        if kv % p.tensor and p.tensor % kv:
+            fail("parallel.tensor", f"{kv} KV heads neither divide nor are divisible by tensor={p.tensor}")
+    if spec.layers % (p.pipeline * p.virtual):
+        fail("parallel.pipeline", f"{spec.layers} layers are not divisible by pipeline x virtual = "
+                                  f"{p.pipeline} x {p.virtual}")
+    if p.virtual > 1 and plan.schedule not in ("interleaved_1f1b", "dualpipev", "zb_h1"):
+        fail("parallel.virtual", f"virtual={p.virtual} needs an interleaved or V schedule, not {plan.schedule}")
+    if plan.schedule == "dualpipev" and p.virtual != 2:
+        fail("parallel.virtual", "the dualpipev schedule places exactly 2 chunks per rank (virtual: 2)")
+    if spec.seq_len % p.context:
+        fail("parallel.context", f"seq_len {spec.seq_len} is not divisible by context={p.context}")
+    if spec.moe is None:
+        if p.expert != 1 or p.expert_tensor != 1:
+            fail("parallel.expert", f"model {spec.name} has no experts; expert and expert_tensor must be 1")
+    else:
+        if spec.moe.experts % p.expert:
+            fail("parallel.expert", f"{spec.moe.experts} experts are not divisible by expert={p.expert}")
+        if spec.moe.expert_ffn % p.expert_tensor:
+            fail("parallel.expert_tensor", f"expert width {spec.moe.expert_ffn} is not divisible by "
+                                           f"expert_tensor={p.expert_tensor}")
+        fold = p.data * p.fsdp * p.context * p.tensor
+        if fold % (p.expert * p.expert_tensor):
+            fail("parallel.expert", f"expert x expert_tensor = {p.expert * p.expert_tensor} must divide "
+                                    f"data x fsdp x context x tensor = {fold}")
+    if p.sequence_parallel and p.tensor == 1:
+        fail("parallel.sequence_parallel", "needs tensor > 1")
+    if b.global_batch <= 0 or b.micro_batch <= 0:
+        fail("batch", "global_batch and micro_batch must be positive")
+    per_step = p.data * p.fsdp * b.micro_batch
+    if b.global_batch % per_step:
+        fail("batch.global_batch", f"{b.global_batch} sequences are not divisible by data x fsdp x micro_batch "
+                                   f"= {per_step}")
+    m = plan.microbatches
+    if p.pipeline > 1 and plan.schedule in ("1f1b", "interleaved_1f1b", "zb_h1", "dualpipev") and m < p.pipeline:
+        fail("batch", f"{m} micro-batches per step are fewer than the {p.pipeline} pipeline stages that "
+                      f"{plan.schedule} needs")
+    if plan.schedule == "interleaved_1f1b" and p.pipeline > 1 and m % p.pipeline:
+        fail("batch", f"interleaved_1f1b needs micro-batches ({m}) divisible by pipeline ({p.pipeline})")
+    if plan.expert_transport.routing == "histogram" and not plan.expert_transport.histogram:
+        fail("expert_transport.histogram", "routing: histogram needs the path of a recorded histogram")
+    if plan.tokens < 0:
+        fail("tokens", f"must be >= 0, got {plan.tokens}")
+
+
+def load_plan(path: str, check: bool = True) -> Plan:
+    """Load and (by default) validate a plan file against its model and topology."""
+    plan = from_data(Plan, load_yaml(path), where=str(path))
+    if check:
+        try:
+            spec = plan.model_spec()
+            topo = plan.topology_spec()
+        except RackcastError as exc:
+            raise RackcastError(str(exc) if exc.where else f"model/topology: {exc}", where="" if exc.where
+                                else str(path)) from None
+        validate(plan, spec, topo.gpus, where=str(path))
+    return plan
+
+
+def plan_to_yaml(plan: Plan) -> str:
+    return dump_yaml(to_data(plan))
+
+
+def save_plan(plan: Plan, path: str) -> None:
+    write_text_atomic(path, plan_to_yaml(plan))
+
+
+def inputs_hash(plan: Plan) -> str:
+    """SHA-256 of the plan's inputs (everything but the predicted block and provenance)."""
+    return hashlib.sha256(plan_to_yaml(replace(plan, predicted=None, provenance=None)).encode()).hexdigest()
+
+
+def with_prediction(plan: Plan, predicted: Predicted, command: str = "") -> Plan:
+    spec = plan.model_spec()
+    hashes = {"plan": inputs_hash(plan),
+              "model": hashlib.sha256(dump_yaml(to_data(spec)).encode()).hexdigest()}
+    return replace(plan, predicted=predicted,
+                   provenance=Provenance(rackcast_version=__version__, inputs_sha256=hashes, command=command))
+
+
+if __name__ == "__main__":
+    for plan_path in sys.argv[1:]:
+        load_plan(plan_path)
+        print(f"{plan_path}: ok")

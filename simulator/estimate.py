@@ -1,0 +1,292 @@
+"""Closed-form step-time estimate of a plan: roofline compute with the efficiency profile, alpha-beta collectives on
+the links each group spans, the pipeline bubble by schedule formula, and exposed versus overlapped communication.
+
+Two stages, so the planner can rank thousands of layouts at once:
+1. `plan_features(spec, plan, topo)` reduces one plan to a flat dict of scalars (FLOPs, bytes, group sizes, spans);
+2. `step_time(features, topo)` evaluates the formulas on numpy arrays, one element per candidate.
+`estimate(plan)` runs both for one plan and adds memory, MFU and days to the token budget.
+
+Conventions: compute time = FLOPs / (peak x efficiency(GEMM size)); backward = 2 x forward; hardware attention work
+is counted causally over the window (what the kernel does), model FLOPs (the MFU numerator) by the plan's
+FlopsConvention. A collective of `nbytes` per rank over n ranks takes steps x latency + factor x nbytes / (bandwidth x
+efficiency(nbytes)) with the nccl-tests factors (all_reduce 2(n-1)/n, all_gather/reduce_scatter/all_to_all
+(n-1)/n). Overlap: the expert all-to-all hides behind shared-expert compute, data-parallel gradient reduction
+behind the last micro-batch's backward, FSDP gathers behind the previous layer's compute; the rest is exposed.
+
+    python -m simulator.estimate examples/plans/marin-535b-hero.yaml
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from rackcast.modelspec import FlopsConvention, ModelSpec
+from rackcast.plan import Plan
+from simulator.memory import BYTES, FP32, MemoryBreakdown, memory_breakdown, rank_layers, rank_params, expert_fsdp
+from simulator.placement import place
+from simulator.routing import expected_max_load_factor
+from simulator.schedule_formulas import bubble_fraction
+from topologies.spec import Topology
+
+SECONDS_PER_DAY = 86400.0
+NEWTON_SCHULZ_STEPS = 5  # MuonH: 5 quintic Newton-Schulz iterations (Jordan et al. 2024, Muon)
+
+
+def _interp(curve, sizes):
+    """Vectorised version of topologies.spec.interpolate (log-linear, clamped)."""
+    xs = np.log([p.size for p in curve])
+    ys = np.array([p.value for p in curve])
+    return np.interp(np.log(np.maximum(sizes, 1e-30)), xs, ys)
+
+
+def collective_time(topo: Topology, kind: str, n, nbytes, span_out):
+    """Alpha-beta time of a collective; arrays broadcast. span_out: 1 where the group crosses domains."""
+    n = np.asarray(n, dtype=float)
+    nbytes = np.asarray(nbytes, dtype=float)
+    span_out = np.asarray(span_out, dtype=bool)
+    eff = topo.efficiency
+    curves = eff.collectives[kind]
+    e = np.where(span_out, _interp(curves.scale_out, nbytes), _interp(curves.scale_up, nbytes))
+    bw = np.where(span_out, topo.link_bandwidth_Bps("scale_out"), topo.link_bandwidth_Bps("scale_up"))
+    lat = np.where(span_out, topo.link_latency_s("scale_out"), topo.link_latency_s("scale_up"))
+    safe_n = np.maximum(n, 1.0)
+    if kind == "all_reduce":
+        factor, steps = 2 * (safe_n - 1) / safe_n, 2 * (safe_n - 1)
+    elif kind in ("all_gather", "reduce_scatter"):
+        factor, steps = (safe_n - 1) / safe_n, safe_n - 1
+    elif kind == "all_to_all":
+        factor, steps = (safe_n - 1) / safe_n, np.minimum(safe_n - 1, 1.0)
+    else:  # send_recv
+        factor, steps = np.ones_like(safe_n), np.ones_like(safe_n)
+    t = steps * lat + factor * nbytes / (bw * e)
+    return np.where((n > 1) & (nbytes > 0), t, 0.0)
+
+
+def _matrix_ns_flops(m: int, n: int) -> float:
+    """FLOPs of one quintic Newton-Schulz iteration on an m x n matrix (A = X X^T, B = bA + cA^2, X' = aX + BX)."""
+    m, n = min(m, n), max(m, n)
+    return 2 * m * m * n + 2 * m * m * m + 2 * m * m * n
+
+
+def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
+    """The scalars the step-time formulas need, for pipeline rank 0 (the heaviest)."""
+    par, b = plan.parallel, plan.batch
+    pl = place(plan, topo.scale_up.usable_gpus)
+    t, cp = par.tensor, par.context
+    tokens_mb = b.micro_batch * spec.seq_len / cp
+    hw = FlopsConvention(attention="causal", window="window", head=True)  # the work kernels really do
+    layers = rank_layers(spec, plan, 0)
+    gemm = attn = experts = shared = elementwise = 0.0
+    moe_layers = 0
+    for i in layers:
+        parts = spec.layer_flops_breakdown(i, hw)
+        attn += parts.get("attn_scores_values", 0.0)
+        experts += parts.get("experts", 0.0)
+        shared += parts.get("shared_experts", 0.0)
+        gemm += sum(v for k, v in parts.items() if k not in ("attn_scores_values", "experts"))
+        moe_layers += spec.is_moe(i)
+    # The head runs on the last stage; with one stage (or the V shape) rank 0 carries it.
+    if par.pipeline == 1 or plan.schedule == "dualpipev":
+        gemm += spec.head_flops_fwd(hw)
+    from simulator.memory import layer_activation_bytes_per_token
+
+    for i in layers:
+        elementwise += 2 * layer_activation_bytes_per_token(spec, i, plan)  # written in forward, read in backward
+    w_bytes = BYTES["bf16"]
+    g_bytes = BYTES[plan.grad_dtype]
+    rp = rank_params(spec, plan, 0)
+    m_imbalance = 1.0
+    drop = 0.0
+    if spec.moe is not None:
+        tokens_group = tokens_mb * par.expert  # tokens routed inside one expert group per micro-batch
+        m_imbalance, drop = expected_max_load_factor(plan.expert_transport, spec.moe.experts, spec.moe.top_k,
+                                                     par.expert, tokens_group, seed=plan.seed)
+    x = spec.expert_input_dim if spec.moe else 0
+    a2a_bytes = tokens_mb * (spec.moe.top_k if spec.moe else 0) * x * w_bytes  # per direction, per MoE layer
+    recompute_fwd = {"none": 0.0, "selective": attn, "full": gemm + attn + experts}[plan.recompute]
+    efsdp = expert_fsdp(plan)
+    # MuonH Newton-Schulz work on this rank's share of the matrices (dense split fsdp ways, experts efsdp ways).
+    ns = 0.0
+    if plan.optimizer.name == "muonh":
+        d, a = spec.d_model, spec.attention
+        for i in layers:
+            kv = spec.kv_heads_stored(i) * a.head_dim
+            dense_mats = [(d, a.heads * a.head_dim), (d, kv), (d, kv), (a.heads * a.head_dim, d)]
+            if spec.is_moe(i):
+                mo = spec.moe
+                dense_mats += [(d, mo.shared_ffn)] * 3 * mo.shared_experts
+                dense_mats += [(d, mo.latent_dim)] * 2 if mo.latent_dim else []
+                ns += NEWTON_SCHULZ_STEPS * mo.experts / (par.expert * efsdp) * 3 * _matrix_ns_flops(x, mo.expert_ffn)
+            else:
+                dense_mats += [(d, spec.ffn)] * (3 if spec.activation == "swiglu" else 2)
+            ns += NEWTON_SCHULZ_STEPS * sum(_matrix_ns_flops(*mat) for mat in dense_mats) / (t * par.fsdp)
+    states = 2 if plan.optimizer.name == "adamw" else 1
+    shard = rp.dense / par.fsdp + rp.expert / efsdp
+    opt_bytes = shard * (2 * w_bytes + g_bytes + (2 * FP32 if plan.optimizer.master_weights else 0)
+                         + 2 * FP32 * states)
+    host_bytes = 0.0
+    if plan.optimizer.state_location == "host":
+        host_bytes = 2 * shard * ((FP32 if plan.optimizer.master_weights else 0) + FP32 * states)
+    return {
+        "microbatches": plan.microbatches,
+        "bubble_fraction": bubble_fraction(plan.schedule, par.pipeline, plan.microbatches, par.virtual),
+        "tokens_mb": tokens_mb,
+        "gemm_flops": gemm * tokens_mb / t,
+        "gemm_size": 2 * tokens_mb * spec.d_model * spec.d_model / t,
+        "attn_flops": attn * tokens_mb / t,
+        "expert_flops": experts * tokens_mb / par.expert_tensor * m_imbalance,
+        "expert_gemm_size": 2 * max(tokens_mb * par.expert * (spec.moe.top_k / spec.moe.experts if spec.moe else 0),
+                                    1.0) * x * (spec.moe.expert_ffn if spec.moe else 0) / par.expert_tensor,
+        "shared_flops": shared * tokens_mb / t,
+        "recompute_flops": recompute_fwd * tokens_mb / t,
+        "elementwise_bytes": elementwise * tokens_mb,
+        "tp_n": t, "tp_out": pl.tensor.span == "scale_out",
+        "tp_bytes": tokens_mb * spec.d_model * w_bytes, "tp_count": 4 * len(layers),
+        "cp_n": cp, "cp_out": pl.context.span == "scale_out",
+        "cp_bytes": tokens_mb * 2 * spec.attention.kv_heads_local * spec.attention.head_dim * w_bytes / t,
+        "cp_count": 3 * len(layers),
+        "ep_n": par.expert, "ep_out": pl.expert.span == "scale_out",
+        "a2a_bytes": a2a_bytes * m_imbalance, "a2a_count": 4 * moe_layers,
+        "pp_n": par.pipeline, "pp_out": pl.pipeline.span == "scale_out",
+        "pp_bytes": tokens_mb * spec.d_model * w_bytes,
+        "dense_grad_bytes": rp.dense * g_bytes,
+        "inner_n": par.fsdp * cp, "inner_out": make_inner_span(pl),
+        "outer_n": par.data, "outer_out": pl.data.span == "scale_out",
+        "expert_grad_bytes": rp.expert / efsdp * g_bytes,
+        "edp_n": par.expert_data, "edp_out": pl.expert_data.span == "scale_out",
+        "fsdp_n": par.fsdp, "fsdp_out": pl.fsdp.span == "scale_out",
+        "fsdp_bytes": rp.dense * w_bytes,
+        "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": 2 * spec.d_model ** 3,
+        "host_bytes": host_bytes,
+        "drop_fraction": drop,
+    }
+
+
+def make_inner_span(pl) -> bool:
+    return pl.fsdp.span == "scale_out" or pl.context.span == "scale_out"
+
+
+def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
+    """Phase times (seconds) and the step time, elementwise over arrays of features."""
+    f = {k: np.asarray(v, dtype=float) for k, v in f.items()}
+    eff = topo.efficiency
+    peak = topo.peak_flops("bf16")
+    slow = 1.0 + eff.comm_compute_slowdown
+    gemm_t = f["gemm_flops"] / (peak * _interp(eff.gemm, f["gemm_size"]))
+    attn_t = f["attn_flops"] / (peak * eff.attention)
+    expert_t = f["expert_flops"] / (peak * _interp(eff.grouped_gemm, f["expert_gemm_size"]))
+    shared_t = f["shared_flops"] / (peak * _interp(eff.gemm, f["gemm_size"]))
+    elem_t = f["elementwise_bytes"] / (topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound)
+    recompute_t = f["recompute_flops"] / (peak * _interp(eff.gemm, f["gemm_size"]))
+    fwd = gemm_t + attn_t + expert_t
+    compute_mb = 3 * fwd + recompute_t + elem_t  # forward + backward (2x) + recomputation + elementwise
+    tp_t = f["tp_count"] * collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"])
+    cp_t = f["cp_count"] * collective_time(topo, "send_recv", f["cp_n"], f["cp_bytes"], f["cp_out"]) * \
+        np.maximum(f["cp_n"] - 1, 0)
+    cp_exposed = np.maximum(0.0, cp_t - 3 * attn_t)
+    a2a_t = f["a2a_count"] * collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
+    a2a_exposed = np.maximum(0.0, a2a_t - 3 * shared_t)  # shared experts run while tokens travel
+    fsdp_t = 2 * collective_time(topo, "all_gather", f["fsdp_n"], f["fsdp_bytes"], f["fsdp_out"])
+    fsdp_exposed = np.maximum(0.0, fsdp_t - compute_mb)
+    pp_t = 2 * collective_time(topo, "send_recv", np.minimum(f["pp_n"], 2), f["pp_bytes"], f["pp_out"])
+    mb_time = compute_mb * np.where(a2a_t + tp_t + fsdp_t > 0, slow, 1.0) + tp_t + cp_exposed + a2a_exposed + \
+        fsdp_exposed + pp_t
+    m = f["microbatches"]
+    busy = m * mb_time
+    pipeline_t = busy / (1.0 - f["bubble_fraction"])
+    bubble_t = pipeline_t - busy
+    # Gradient reduction: reduce-scatter inside the fsdp/context group, all-reduce of the shard across data
+    # replicas, all-reduce of expert gradients across expert copies; hidden behind the last backward.
+    dp_t = collective_time(topo, "reduce_scatter", f["inner_n"], f["dense_grad_bytes"], f["inner_out"]) + \
+        collective_time(topo, "all_reduce", f["outer_n"], f["dense_grad_bytes"] / np.maximum(f["inner_n"], 1),
+                        f["outer_out"]) + \
+        collective_time(topo, "all_reduce", f["edp_n"], f["expert_grad_bytes"], f["edp_out"])
+    dp_exposed = np.maximum(0.0, dp_t - 2 * fwd)
+    optimizer_t = f["opt_bytes"] / (topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound) + \
+        f["ns_flops"] / (peak * _interp(eff.gemm, f["ns_size"]))
+    host_t = f["host_bytes"] / (topo.host.link_bandwidth_Bps * eff.host_link)
+    step = pipeline_t + dp_exposed + optimizer_t + host_t
+    compute_total = m * (compute_mb * np.where(a2a_t + tp_t + fsdp_t > 0, slow, 1.0))
+    return {
+        "step_time_s": step,
+        "compute": compute_total,
+        "exposed_expert_a2a": m * a2a_exposed,
+        "exposed_tensor_comm": m * (tp_t + cp_exposed),
+        "exposed_fsdp_gather": m * fsdp_exposed,
+        "pipeline_p2p": m * pp_t,
+        "pipeline_bubble": bubble_t,
+        "exposed_dp_comm": dp_exposed,
+        "optimizer": optimizer_t,
+        "host_transfer": host_t,
+        "expert_a2a_total": m * a2a_t,
+        "dp_comm_total": dp_t,
+    }
+
+
+PHASES = ("compute", "exposed_expert_a2a", "exposed_tensor_comm", "exposed_fsdp_gather", "pipeline_p2p",
+          "pipeline_bubble", "exposed_dp_comm", "optimizer", "host_transfer")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    fits: bool
+    memory: MemoryBreakdown
+    hbm_bytes: float
+    host_bytes_per_host: float
+    host_capacity_bytes: float
+    step_time_s: float
+    phases_s: dict[str, float]
+    tokens_per_step: int
+    tokens_per_s: float
+    mfu: float
+    model_flops_per_step: float
+    days_to_budget: float
+    drop_fraction: float
+    flops_convention: str
+    gpus: int
+
+    def as_dict(self) -> dict:
+        return {
+            "fits": self.fits, "gpus": self.gpus,
+            "memory_per_gpu_bytes": self.memory.as_dict(), "hbm_bytes": self.hbm_bytes,
+            "host_bytes_per_host": self.host_bytes_per_host, "host_capacity_bytes": self.host_capacity_bytes,
+            "step_time_s": self.step_time_s, "phases_s": self.phases_s,
+            "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+            "model_flops_per_step": self.model_flops_per_step, "days_to_budget": self.days_to_budget,
+            "drop_fraction": self.drop_fraction, "flops_convention": self.flops_convention,
+        }
+
+
+def estimate(plan: Plan, convention: FlopsConvention = FlopsConvention(), spec: ModelSpec | None = None,
+             topo: Topology | None = None) -> Estimate:
+    spec = spec or plan.model_spec()
+    topo = topo or plan.topology_spec()
+    mem = memory_breakdown(spec, plan)
+    feats = plan_features(spec, plan, topo)
+    times = {k: float(v) for k, v in step_time(feats, topo).items()}
+    tokens = plan.tokens_per_step(spec)
+    step = times["step_time_s"]
+    model_flops = spec.flops_per_token_train(convention) * tokens
+    host_per_host = mem.host * topo.host.gpus_per_host
+    fits = mem.total <= topo.accelerator.hbm_bytes and host_per_host <= topo.host.memory_bytes
+    tokens_per_s = tokens / step
+    return Estimate(
+        fits=fits, memory=mem, hbm_bytes=topo.accelerator.hbm_bytes, host_bytes_per_host=host_per_host,
+        host_capacity_bytes=topo.host.memory_bytes, step_time_s=step,
+        phases_s={k: times[k] for k in PHASES}, tokens_per_step=tokens, tokens_per_s=tokens_per_s,
+        mfu=model_flops / (step * topo.gpus * topo.peak_flops("bf16")), model_flops_per_step=model_flops,
+        days_to_budget=(plan.tokens / tokens_per_s / SECONDS_PER_DAY) if plan.tokens else math.nan,
+        drop_fraction=feats["drop_fraction"], flops_convention=convention.label, gpus=topo.gpus,
+    )
+
+
+if __name__ == "__main__":
+    from rackcast.plan import load_plan
+
+    result = estimate(load_plan(sys.argv[1]))
+    for key, value in result.as_dict().items():
+        print(f"{key}: {value}")

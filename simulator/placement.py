@@ -1,0 +1,71 @@
+"""Placement of a plan's parallel groups on the hardware: which groups stay inside one scale-up domain.
+
+Ranks are numbered with the innermost axis fastest: tensor, context, fsdp, data, then pipeline outermost; GPUs of
+one domain hold consecutive ranks. A group is the set of ranks that differ only along its axis (or, for experts,
+a run of consecutive ranks of the folded tensor x context x fsdp x data grid). A group whose ranks all fall in one
+domain talks over NVLink ("scale_up"); otherwise its traffic crosses the NICs ("scale_out").
+
+    python -m simulator.placement examples/plans/marin-535b-hero.yaml
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from rackcast.plan import Plan
+
+
+@dataclass(frozen=True)
+class Group:
+    size: int
+    stride: int  # rank distance between neighbours in the group
+    span: Literal["scale_up", "scale_out"]
+    per_domain: int  # members that share one domain
+    domains: int  # domains the group touches
+
+
+def make_group(size: int, stride: int, usable_per_domain: int) -> Group:
+    members = [k * stride for k in range(size)]
+    domains = sorted({r // usable_per_domain for r in members})
+    per_domain = sum(1 for r in members if r // usable_per_domain == domains[0])
+    span = "scale_up" if len(domains) == 1 else "scale_out"
+    return Group(size=size, stride=stride, span=span, per_domain=per_domain, domains=len(domains))
+
+
+@dataclass(frozen=True)
+class Placement:
+    tensor: Group
+    context: Group
+    fsdp: Group
+    data: Group
+    pipeline: Group
+    expert: Group  # the ranks that split the experts (expert x expert_tensor)
+    expert_data: Group  # the copies of one expert slice
+    dense_replicas: Group  # fsdp x data x context as one group (gradient reduction of dense parameters)
+
+
+def place(plan: Plan, usable_per_domain: int) -> Placement:
+    par = plan.parallel
+    u = usable_per_domain
+    t, c, f, d = par.tensor, par.context, par.fsdp, par.data
+    ep = par.expert * par.expert_tensor
+    return Placement(
+        tensor=make_group(t, 1, u),
+        context=make_group(c, t, u),
+        fsdp=make_group(f, t * c, u),
+        data=make_group(d, t * c * f, u),
+        pipeline=make_group(par.pipeline, t * c * f * d, u),
+        expert=make_group(ep, 1, u),
+        expert_data=make_group(par.expert_data, ep, u),
+        dense_replicas=make_group(c * f * d, t, u),
+    )
+
+
+if __name__ == "__main__":
+    from rackcast.plan import load_plan
+
+    loaded = load_plan(sys.argv[1])
+    for name, group in vars(place(loaded, loaded.topology_spec().scale_up.usable_gpus)).items():
+        print(f"{name:15s} {group}")

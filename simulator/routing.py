@@ -1,0 +1,110 @@
+"""Expert routing distributions: how many tokens each expert (and each expert-parallel rank) receives.
+
+A plan's `expert_transport` names the distribution: "uniform" (every expert equally likely), "zipf" (probability
+of the i-th most popular expert proportional to 1/(i+1)^s, experts shuffled over ranks by the seed) or "histogram"
+(per-expert counts recorded by the trainer, a YAML file `{counts: [[layer0 counts...], ...]}` or a Parquet file with
+columns layer, expert, count). Token assignments are drawn multinomially with a seeded generator, so the same seed
+gives the same counts.
+
+Dropless transport: every assignment is computed and the step waits for the most loaded rank. Capacity transport
+(factor c): each expert takes at most c x tokens x top_k / experts assignments; the rest are dropped.
+
+    python -m simulator.routing zipf 384 8 64 65536
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from rackcast.errors import RackcastError
+from rackcast.plan import ExpertTransport
+from rackcast.strict import load_yaml
+
+LOAD_SAMPLES = 8  # draws averaged by the closed-form estimate
+
+
+@lru_cache(maxsize=64)
+def _histogram_probs(path: str, experts: int) -> tuple[float, ...]:
+    p = Path(path)
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(p, columns=["expert", "count"]).to_pydict()
+        except Exception as exc:  # pyarrow raises several types for unreadable files
+            raise RackcastError(f"cannot read routing histogram: {exc}", where=path) from None
+        counts = np.zeros(experts)
+        for e, c in zip(table["expert"], table["count"]):
+            if not 0 <= e < experts:
+                raise RackcastError(f"expert index {e} outside 0..{experts - 1}", where=path)
+            counts[e] += c
+    else:
+        data = load_yaml(p)
+        if not isinstance(data, dict) or "counts" not in data:
+            raise RackcastError("counts: required key is missing (a list of per-layer expert counts)", where=path)
+        rows = np.asarray(data["counts"], dtype=float)
+        if rows.ndim == 1:
+            rows = rows[None, :]
+        if rows.shape[1] != experts:
+            raise RackcastError(f"counts: {rows.shape[1]} experts per row, the model has {experts}", where=path)
+        counts = rows.sum(axis=0)
+    if counts.sum() <= 0:
+        raise RackcastError("counts: the histogram is empty", where=path)
+    return tuple(counts / counts.sum())
+
+
+def expert_probabilities(transport: ExpertTransport, experts: int, seed: int = 0) -> np.ndarray:
+    if transport.routing == "uniform":
+        return np.full(experts, 1.0 / experts)
+    if transport.routing == "zipf":
+        ranks = np.arange(1, experts + 1, dtype=float)
+        probs = ranks ** -transport.zipf_s
+        probs /= probs.sum()
+        return np.random.default_rng(seed).permutation(probs)
+    return np.asarray(_histogram_probs(transport.histogram, experts))
+
+
+def draw_expert_counts(probs: np.ndarray, tokens: int, top_k: int, rng: np.random.Generator) -> np.ndarray:
+    """Assignments per expert for `tokens` tokens routed top_k ways (multinomial over all assignments)."""
+    return rng.multinomial(int(tokens) * top_k, probs)
+
+
+def rank_loads(counts: np.ndarray, ep: int, capacity_factor: float | None, tokens: int, top_k: int):
+    """Per-rank computed assignments and the dropped count, for experts laid out contiguously over ep ranks."""
+    experts = counts.shape[-1]
+    if capacity_factor is not None:
+        cap = np.floor(capacity_factor * tokens * top_k / experts)
+        kept = np.minimum(counts, cap)
+    else:
+        kept = counts
+    dropped = float(counts.sum() - kept.sum())
+    return kept.reshape(ep, experts // ep).sum(axis=1), dropped
+
+
+def expected_max_load_factor(transport: ExpertTransport, experts: int, top_k: int, ep: int, tokens_group: float,
+                             seed: int = 0) -> tuple[float, float]:
+    """(most loaded rank / mean rank load, drop fraction), averaged over LOAD_SAMPLES seeded draws.
+
+    `tokens_group` is the number of tokens routed inside one expert-parallel group per micro-batch.
+    """
+    tokens = max(int(round(tokens_group)), 1)
+    probs = expert_probabilities(transport, experts, seed)
+    rng = np.random.default_rng(seed)
+    cf = transport.capacity_factor if transport.mode == "capacity" else None
+    mean_load = tokens * top_k / ep
+    factors, drops = [], []
+    for _ in range(LOAD_SAMPLES):
+        loads, dropped = rank_loads(draw_expert_counts(probs, tokens, top_k, rng), ep, cf, tokens, top_k)
+        factors.append(loads.max() / mean_load)
+        drops.append(dropped / (tokens * top_k))
+    return float(np.mean(factors)), float(np.mean(drops))
+
+
+if __name__ == "__main__":
+    kind, e, k, ep_size, toks = sys.argv[1], *map(int, sys.argv[2:6])
+    factor, drop = expected_max_load_factor(ExpertTransport(routing=kind), e, k, ep_size, toks)
+    print(f"max/mean rank load {factor:.4f}, drop fraction {drop:.4f}")
