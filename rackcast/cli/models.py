@@ -48,7 +48,7 @@ def _show(args) -> int:
     out.print(f"parameters: total {spec.params_total:,}  active per token {spec.params_active:,}  "
               f"embedding+head {spec.params_embedding:,}")
     out.print(f"model FLOPs per token: forward {summary['flops_per_token_fwd']:.4g}, "
-              f"train (fwd+bwd) {summary['flops_per_token_train']:.4g}  [{convention.label}]")
+              f"train (fwd+bwd) {summary['flops_per_token_train']:.4g}  ({convention.label})")
     rows = [[str(r.index), r.attention, str(r.context), str(r.kv_heads), r.mlp, f"{r.params:,}",
              f"{r.params_active:,}", f"{r.flops_fwd:.4g}"] for r in spec.layer_table(convention)]
     out.print(table("Per layer", ["layer", "attention", "context", "kv heads", "mlp", "params", "active",
