@@ -1,0 +1,107 @@
+"""Marin-style causal self-attention built from a ModelSpec layer.
+
+Per layer: grouped-query attention whose K/V projections store `spec.kv_heads_stored(layer)` heads and attend with
+the first `spec.kv_heads(layer)` of them (Marin scans one uniform block and slices global layers' heads at run
+time); a sliding window on local layers (a query at position i sees keys j with 0 <= i - j < window) and the whole
+causal prefix on global layers; RoPE on `rope_fraction` of each head's dims (none on global layers unless
+rope_on_global); optional parameter-free RMS q/k norm and a q multiplier; exclusive self-attention (each head's
+output loses its component along the token's own value vector, "XSA" in Marin's CausalSelfAttention); the per-head
+2*sigmoid(x W_g) output gate, zero-initialised so it starts as the identity; causal short convolutions after the K
+and/or V projections. GPT models get biases on Q, K, V and O instead.
+
+    .venv/bin/pytest -q tests/test_backend_model.py -k mask
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from backend.layers import Normal, ShortConv, apply_rope, rms_norm, rotary_dims
+from rackcast.modelspec import ModelSpec
+
+XSA_EPS = 1e-6  # Marin: z = y - (y.v / (|v|^2 + 1e-6)) v
+
+
+class HeadGate(nn.Linear):
+    """W_g: d_model -> heads, no bias; the gate is 2*sigmoid(x W_g), so zero weights give exactly 1 at init."""
+
+    OPTIM_GROUP = "adam"
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__(d_model, heads, bias=False)
+
+    def init_weights(self, normal: Normal) -> None:
+        nn.init.zeros_(self.weight)
+
+
+_MASK_CACHE: dict[tuple, Tensor] = {}
+
+
+def window_mask(seq: int, window: int, device: torch.device) -> Tensor:
+    """Boolean [seq, seq] mask, True where query i may attend key j: 0 <= i - j < window."""
+    key = (seq, window, str(device))
+    if key not in _MASK_CACHE:
+        i = torch.arange(seq, device=device)[:, None]
+        j = torch.arange(seq, device=device)[None, :]
+        _MASK_CACHE[key] = (j <= i) & (i - j < window)
+    return _MASK_CACHE[key]
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int, *, qk_norm: bool):
+        super().__init__()
+        a, d = spec.attention, spec.d_model
+        self.heads, self.head_dim = a.heads, a.head_dim
+        self.kv_stored, self.kv_heads = spec.kv_heads_stored(layer), spec.kv_heads(layer)
+        self.is_global = spec.is_global(layer)
+        self.window = 0 if self.is_global else spec.context(layer)
+        q_dim, kv_dim = a.heads * a.head_dim, self.kv_stored * a.head_dim
+        self.q = nn.Linear(d, q_dim, bias=a.bias)
+        self.k = nn.Linear(d, kv_dim, bias=a.bias)
+        self.v = nn.Linear(d, kv_dim, bias=a.bias)
+        self.o = nn.Linear(q_dim, d, bias=a.bias)
+        self.gate = HeadGate(d, a.heads) if a.output_gate else None
+        sites = spec.conv.sites if spec.conv is not None else []
+        self.conv_k = ShortConv(kv_dim, spec.conv.kernel) if "k" in sites else None
+        self.conv_v = ShortConv(kv_dim, spec.conv.kernel) if "v" in sites else None
+        roped = spec.positional == "rope" and (not self.is_global or a.rope_on_global)
+        self.rot_dim = rotary_dims(a.head_dim, a.rope_fraction) if roped else 0
+        self.rope_theta = spec.rope_theta
+        self.qk_norm = qk_norm
+        self.qk_multiplier = a.qk_multiplier
+        self.exclusive = a.exclusive
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [B, S, d_model], already normed
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim)
+        k, v = self.k(x), self.v(x)
+        if self.conv_k is not None:
+            k = self.conv_k(k)
+        if self.conv_v is not None:
+            v = self.conv_v(v)
+        # Slice the stored heads to the layer's logical count (Marin: projection[:, :, :num_kv_heads, :]).
+        k = k.view(b, s, self.kv_stored, self.head_dim)[:, :, : self.kv_heads]
+        v = v.view(b, s, self.kv_stored, self.head_dim)[:, :, : self.kv_heads]
+        if self.qk_norm:
+            q, k = rms_norm(q), rms_norm(k)
+        if self.rot_dim:
+            q, k = apply_rope(q, self.rot_dim, self.rope_theta), apply_rope(k, self.rot_dim, self.rope_theta)
+        if self.qk_multiplier != 1.0:
+            q = q * self.qk_multiplier
+        group = self.heads // self.kv_heads  # query head h reads KV head h // group
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.window and self.window < s:
+            y = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=window_mask(s, self.window, x.device))
+        else:
+            y = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        y = y.transpose(1, 2)  # [B, S, H, hd]
+        if self.exclusive:
+            dot = (y * v).sum(-1, keepdim=True)
+            y = y - dot / ((v * v).sum(-1, keepdim=True) + XSA_EPS) * v
+        if self.gate is not None:
+            y = y * (2.0 * torch.sigmoid(self.gate(x)))[..., None]
+        return self.o(y.reshape(b, s, self.heads * self.head_dim))

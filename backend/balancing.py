@@ -1,0 +1,126 @@
+"""Quantile balancing (QB) of MoE router biases, Marin 535B-A23B's balancer (shared/reference/marin-535b.md).
+
+Per token t and expert e, with router logit s_te and bias b_e (no gradient):
+1. the top K+1 of s_te + b_e: the first K are the chosen experts, the (K+1)-th biased value is the threshold a_t;
+2. margins m_te = s_te - a_t (recorded by backend.moe.MoE.route during training forwards);
+3. beta_e = the (1 - K/E) quantile over the step's tokens of m_te, i.e. the margin above which exactly K/E of the
+   tokens sit, read from a per-expert histogram over the live [min, max] margin range (Marin's HIST estimator,
+   `_bincount_upper_quantile`, linear interpolation inside the crossing bin);
+4. for the next step b = -beta, mean-centred (Marin's apply_qb_betas; a uniform shift does not change any top-k).
+The update replaces the bias (it is not an increment) and is applied after the step's forward passes, so routing
+lags the statistics by one step.
+
+Data-parallel ranks route different tokens, so the histogram must pool them: pass `reduce_counts`, a callable that
+sums a tensor across the ranks in place (e.g. `torch.distributed.all_reduce`, default op SUM), and `reduce_max`,
+which takes the elementwise max in place (`lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX)`), used for the
+shared [min, max] grid. Every rank then computes the same beta. Without hooks the statistics are local.
+
+    balancer = QuantileBalancer(model, bins=1000, reduce_counts=dist.all_reduce, reduce_max=...)
+    ... forward/backward of every micro-batch, optimizer.step() ...
+    balancer.step()       # sets each MoE layer's router bias for the next step; returns beta per layer
+
+    .venv/bin/pytest -q tests/test_backend_model.py -k balancing
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from backend.moe import MoE
+
+Reduce = Callable[[Tensor], object]  # reduces its argument in place (a return value, if a tensor, is used instead)
+
+DEFAULT_BINS = 1000  # Marin's qb_hist_bins default (the 535B run used 10,000)
+RANGE_EPS = 1e-6  # Marin: hi = max(hi, lo + 1e-6) guards an all-equal range
+
+
+def _apply(reduce: Reduce | None, t: Tensor) -> Tensor:
+    if reduce is None:
+        return t
+    out = reduce(t)
+    return out if isinstance(out, Tensor) else t
+
+
+def histogram_upper_quantile(
+    margins: Tensor,
+    top_k: int,
+    *,
+    bins: int = DEFAULT_BINS,
+    reduce_counts: Reduce | None = None,
+    reduce_max: Reduce | None = None,
+) -> Tensor:
+    """beta [E]: per expert, the value with (tokens x K / E) margins above it, from a histogram of margins [T, E]."""
+    m = margins.float()
+    num_experts = m.shape[1]
+    with torch.no_grad():
+        extremes = torch.stack([-m.min(), m.max()]) if m.numel() else m.new_full((2,), -torch.inf)
+        extremes = _apply(reduce_max, extremes)
+        lo, hi = -extremes[0], extremes[1]
+        hi = torch.maximum(hi, lo + RANGE_EPS)
+        width = (hi - lo) / bins
+        idx = ((m - lo) / width).long().clamp_(0, bins - 1)
+        flat = (torch.arange(num_experts, device=m.device) * bins + idx).reshape(-1)
+        counts = torch.bincount(flat, minlength=num_experts * bins)
+        # The token count rides along with the histogram so one reduction pools both.
+        packed = torch.cat([counts, counts.new_tensor([m.shape[0]])]).to(torch.int64)
+        packed = _apply(reduce_counts, packed)
+        if int(packed[-1]) == 0:  # no tokens on any rank: nothing to balance
+            return m.new_zeros(num_experts)
+        counts = packed[:-1].view(num_experts, bins).double()
+        target = packed[-1].double() * top_k / num_experts
+        from_top = counts.flip(-1).cumsum(-1).flip(-1)  # from_top[e, b] = margins of e in bins >= b
+        bstar = ((from_top >= target).sum(-1) - 1).clamp(0, bins - 1)
+        ct_b = from_top.gather(1, bstar[:, None])[:, 0]
+        h_b = counts.gather(1, bstar[:, None])[:, 0]
+        lower = lo.double() + bstar.double() * width.double()
+        beta = lower + width.double() * (ct_b - target) / h_b.clamp(min=1.0)
+    return beta.float()
+
+
+class QuantileBalancer:
+    """Collects each MoE layer's margins during training forwards and sets router biases once per step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        bins: int = DEFAULT_BINS,
+        reduce_counts: Reduce | None = None,
+        reduce_max: Reduce | None = None,
+    ):
+        self.bins, self.reduce_counts, self.reduce_max = bins, reduce_counts, reduce_max
+        self.layers: list[MoE] = [m for m in model.modules() if isinstance(m, MoE) and m.router.bias is not None]
+        for moe in self.layers:
+            moe.collect_margins = True
+            moe.margins.clear()
+
+    def step(self) -> list[Tensor]:
+        """Set b = -beta (mean-centred) on every balanced layer from the margins seen since the last call.
+
+        Every rank must call this (the reductions are collectives), even one whose layers saw no tokens.
+        Returns beta per balanced layer, in model order.
+        """
+        betas = []
+        for moe in self.layers:
+            if moe.margins:
+                margins = torch.cat(moe.margins)
+            else:
+                margins = moe.router.bias.new_zeros(0, moe.num_experts, dtype=torch.float32)
+            moe.margins.clear()
+            beta = histogram_upper_quantile(
+                margins, moe.top_k, bins=self.bins, reduce_counts=self.reduce_counts, reduce_max=self.reduce_max
+            )
+            with torch.no_grad():
+                bias = -beta
+                moe.router.bias.copy_(bias - bias.mean())
+            betas.append(beta)
+        return betas
+
+    def detach(self) -> None:
+        """Stop collecting margins (e.g. before evaluation-only use of the model)."""
+        for moe in self.layers:
+            moe.collect_margins = False
+            moe.margins.clear()

@@ -1,0 +1,198 @@
+"""Latent mixture-of-experts layer (Marin 535B-A23B's MoE block) with a seam for expert parallelism.
+
+Forward, per token x (full width d_model):
+1. route: fp32 router logits s = x W_r; choose the top K of s + b (b: the balancing bias, a stored parameter with no
+   gradient, set by backend.balancing.QuantileBalancer); the (K+1)-th biased value is the token's quantile-balancing
+   threshold a_t, and the margins s - a_t are kept for the balancer when it is attached. Combine weights are
+   sigmoid of the chosen *unbiased* logits, renormalised to sum to `combine_sum` per token. We default to 1.0 (a
+   convex combination of expert outputs); Marin renormalises to the constant 2.5 (_ROUTING_RENORM_SUM, DeepSeek-V3's
+   routed scaling factor): pass combine_sum=2.5 to reproduce it.
+2. latent: the routed experts see RMSNorm(x W_down) (latent width, the RMSNorm has a gain); the weighted sum of
+   their outputs is projected back with W_up (LatentMoE, arXiv 2601.18089). Without latent_dim they see x.
+3. `dispatch_compute_combine(tokens, expert_ids, weights)`: the seam. The default runs every expert locally: sort
+   the (token, expert) assignments by expert, run each expert over its contiguous slice (GroupedExperts), scale by
+   the combine weight and scatter-add back per token. An expert-parallel subclass overrides only this method
+   (all_to_all_single the sorted rows with `counts` as split sizes, run its slice of GroupedExperts, send back) and
+   reuses `sort_by_expert` / `combine`. Expert weights are stacked [E, ...] so a rank can own experts[e0:e1].
+4. shared experts: dense SwiGLU MLPs at full width applied to every token, added to the routed output.
+
+Each forward records tokens per expert (`last_routing_counts`, and `routing_counts_sum` until reset) for logging.
+
+    .venv/bin/pytest -q tests/test_backend_model.py -k moe
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from backend.layers import Mlp, Normal, RMSNorm
+from rackcast.modelspec import ModelSpec
+
+
+class Router(nn.Module):
+    """Router weight [E, d_model] and the balancing bias [E] (an nn.Parameter with requires_grad=False: ModelSpec
+    counts it as a parameter, but it is set by quantile balancing, never by gradient)."""
+
+    OPTIM_GROUP = "adam"
+
+    def __init__(self, d_model: int, experts: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, d_model))
+        self.bias = nn.Parameter(torch.empty(experts), requires_grad=False) if bias else None
+
+    def init_weights(self, normal: Normal) -> None:
+        normal(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Logits in fp32 even under autocast (Marin keeps the router path in fp32 before top-k and QB statistics).
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())
+
+
+class GroupedExperts(nn.Module):
+    """E routed experts as stacked tensors: w_gate/w_up [E, dim, width], w_down [E, width, dim] (+ biases [E, .]).
+
+    forward(x_sorted, counts) runs expert e on rows sum(counts[:e]) .. sum(counts[:e+1]) of x_sorted, in a loop over
+    experts (a grouped GEMM kernel can replace the loop without changing the interface). len(counts) must equal the
+    number of experts this module holds, so an expert-parallel rank can hold a slice.
+    """
+
+    OPTIM_GROUPS = {"b_gate": "adam", "b_up": "adam", "b_down": "adam"}  # biases are 2-D here; they are not matrices
+
+    def __init__(self, experts: int, dim: int, width: int, activation: str, bias: bool):
+        super().__init__()
+        self.activation = activation
+        swiglu = activation == "swiglu"
+        self.w_gate = nn.Parameter(torch.empty(experts, dim, width)) if swiglu else None
+        self.w_up = nn.Parameter(torch.empty(experts, dim, width))
+        self.w_down = nn.Parameter(torch.empty(experts, width, dim))
+        self.b_gate = nn.Parameter(torch.empty(experts, width)) if bias and swiglu else None
+        self.b_up = nn.Parameter(torch.empty(experts, width)) if bias else None
+        self.b_down = nn.Parameter(torch.empty(experts, dim)) if bias else None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_up.shape[0]
+
+    def init_weights(self, normal: Normal) -> None:
+        for name, p in self.named_parameters(recurse=False):
+            if name.startswith("w_"):
+                normal(p)
+            else:
+                nn.init.zeros_(p)
+
+    def _expert(self, e: int, x: Tensor) -> Tensor:
+        up = x @ self.w_up[e]
+        if self.b_up is not None:
+            up = up + self.b_up[e]
+        if self.w_gate is not None:
+            gate = x @ self.w_gate[e]
+            if self.b_gate is not None:
+                gate = gate + self.b_gate[e]
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(up)
+        y = h @ self.w_down[e]
+        return y + self.b_down[e] if self.b_down is not None else y
+
+    def forward(self, x_sorted: Tensor, counts: list[int]) -> Tensor:
+        if len(counts) != self.num_experts:
+            raise ValueError(f"counts has {len(counts)} entries for {self.num_experts} experts")
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(self._expert(e, x_sorted[start : start + n]))
+                start += n
+        if not outs:  # no rows here: keep every expert weight in the graph so gradients exist (as zeros)
+            anchor = sum(p.sum() for p in self.parameters(recurse=False)) * 0.0
+            return x_sorted.new_zeros(0, self.w_down.shape[-1]) + anchor
+        return torch.cat(outs)
+
+
+class MoE(nn.Module):
+    def __init__(self, spec: ModelSpec, *, combine_sum: float = 1.0):
+        super().__init__()
+        m, d = spec.moe, spec.d_model
+        assert m is not None
+        self.num_experts, self.top_k, self.combine_sum = m.experts, m.top_k, combine_sum
+        self.router = Router(d, m.experts, m.router_bias)
+        self.latent_down = nn.Linear(d, m.latent_dim, bias=False) if m.latent_dim else None
+        self.latent_norm = RMSNorm(m.latent_dim) if m.latent_dim else None
+        self.latent_up = nn.Linear(m.latent_dim, d, bias=False) if m.latent_dim else None
+        self.experts = GroupedExperts(m.experts, spec.expert_input_dim, m.expert_ffn, spec.activation, spec.mlp_bias)
+        self.shared = nn.ModuleList(
+            Mlp(d, m.shared_ffn, spec.activation, spec.mlp_bias) for _ in range(m.shared_experts)
+        )
+        self.collect_margins = False  # set by QuantileBalancer
+        self.margins: list[Tensor] = []  # [T, E] fp32 margins s - a_t per training forward, until the balancer reads
+        self.last_routing_counts: Tensor | None = None
+        self.routing_counts_sum: Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------------ routing
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, d_model] -> expert ids [T, K] (int64) and combine weights [T, K] (fp32, each row sums to combine_sum)."""
+        logits = self.router(x)
+        with torch.no_grad():
+            biased = logits.detach()
+            if self.router.bias is not None:
+                biased = biased + self.router.bias.float()
+            top_vals, top_idx = biased.topk(self.top_k + 1, dim=-1)
+            if self.collect_margins and self.training:
+                self.margins.append(logits.detach() - top_vals[:, self.top_k :])
+        ids = top_idx[:, : self.top_k]
+        weights = torch.sigmoid(logits.gather(1, ids))
+        weights = weights * (self.combine_sum / weights.sum(-1, keepdim=True))
+        self._record_counts(ids)
+        return ids, weights
+
+    def _record_counts(self, ids: Tensor) -> None:
+        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).detach()
+        self.last_routing_counts = counts
+        self.routing_counts_sum = counts.clone() if self.routing_counts_sum is None else self.routing_counts_sum + counts
+
+    def reset_routing_counts(self) -> None:
+        self.routing_counts_sum = None
+
+    # ------------------------------------------------------------------------------------------------ dispatch
+    def sort_by_expert(self, expert_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Assignment order grouped by expert (stable) and tokens per expert [E].
+
+        order indexes the flattened [T*K] assignments; the token of assignment a is a // K.
+        """
+        flat = expert_ids.reshape(-1)
+        return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=self.num_experts)
+
+    def combine(self, y_sorted: Tensor, order: Tensor, weights: Tensor, num_tokens: int) -> Tensor:
+        """Scale expert outputs (in `order`) by their combine weights and sum them per token -> [T, dim]."""
+        w = weights.reshape(-1)[order].to(y_sorted.dtype)
+        out = y_sorted.new_zeros(num_tokens, y_sorted.shape[-1])
+        return out.index_add_(0, order // self.top_k, y_sorted * w[:, None])
+
+    def dispatch_compute_combine(self, tokens: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        """Run the routed experts on `tokens` [T, dim] and return the weighted sum per token [T, dim].
+
+        The default is single-process: every expert is local. Expert parallelism overrides this method.
+        """
+        order, counts = self.sort_by_expert(expert_ids)
+        x_sorted = tokens.index_select(0, order // self.top_k)
+        y_sorted = self.experts(x_sorted, counts.tolist())
+        return self.combine(y_sorted, order, weights, tokens.shape[0])
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        expert_ids, weights = self.route(flat)
+        routed_in = flat
+        if self.latent_down is not None:
+            routed_in = self.latent_norm(self.latent_down(flat))
+        routed = self.dispatch_compute_combine(routed_in, expert_ids, weights)
+        if self.latent_up is not None:
+            routed = self.latent_up(routed)
+        for shared in self.shared:
+            routed = routed + shared(flat)
+        return routed.view(shape)

@@ -1,0 +1,243 @@
+"""Optimizers: MuonH with AdamH and Adam groups (Marin 535B-A23B's "hyperball" recipe), and AdamW.
+
+Groups, assigned by `param_groups(model)`; the first rule that matches wins:
+1. a module's `OPTIM_GROUPS[param_name]` (GroupedExperts' 2-D expert biases -> adam);
+2. a module's `OPTIM_GROUP` (Router weight and balancing bias, the attention HeadGate, ShortConv kernels -> adam;
+   the untied output head LMHead -> adamh);
+3. nn.Embedding (token embedding, learned positions) -> adam;
+4. any parameter with fewer than 2 dims (norm gains, LayerNorm/Linear biases, the latent RMSNorm gain) -> adam;
+5. everything else, i.e. 2-D and 3-D matrices (attention Q/K/V/O, routed expert stacks [E, ., .], shared experts,
+   dense MLPs, latent down/up projections, gated-norm matrices) -> muonh.
+Tied weights appear once (the tied head is the embedding: adam).
+
+Rules (shared/reference/marin-535b.md, marin experiments/grug/moe_hero_ep/optimizer.py):
+- muonh: Nesterov momentum (buf = mu*buf + g; u = g + mu*buf), then 5 quintic Newton-Schulz steps with the
+  coefficients (3.4445, -4.7750, 2.0315) (Jordan et al., Muon), then the hyperball step.
+- adamh: the Adam direction m_hat / (sqrt(v_hat) + eps), then the hyperball step, at the MuonH learning rate.
+- adam: plain Adam at adam_lr.
+- hyperball: W' = W - lr * U * |W|_F / max(|U|_F, 1e-10); W_new = W' * |W|_F / max(|W'|_F, 1e-10), per matrix,
+  and per expert (norms over the last two dims) for [E, ., .] stacks, so each matrix keeps its Frobenius norm.
+No weight decay and no gradient clipping in MuonH (Marin). State: one momentum buffer per muonh parameter, two
+moments per adam/adamh parameter (and none for parameters that never get a gradient, e.g. the balancing bias).
+AdamW (torch.optim.AdamW) is the alternative: weight decay on the muonh and adamh groups' matrices, none elsewhere.
+
+    opt = build_optimizer(model, "muonh")   # or "adamw"
+    .venv/bin/pytest -q tests/test_backend_optim.py
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+from torch import Tensor, nn
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan's Muon)
+NORM_FLOOR = 1e-10  # Marin: max(|U|_F, 1e-10)
+MARIN_LR = 0.003291  # MuonH / AdamH learning rate of the 535B run
+MARIN_ADAM_LR = 0.000759
+MARIN_BETAS = (0.90, 0.95)
+ADAMW_LR = 3e-4
+ADAMW_WEIGHT_DECAY = 0.1
+
+GroupName = Literal["muonh", "adamh", "adam"]
+GROUPS: tuple[GroupName, ...] = ("muonh", "adamh", "adam")
+
+
+# -------------------------------------------------------------------------------------------------- grouping
+def _group_of(module: nn.Module, name: str, p: nn.Parameter) -> GroupName:
+    overrides = getattr(module, "OPTIM_GROUPS", {})
+    if name in overrides:
+        return overrides[name]
+    if hasattr(module, "OPTIM_GROUP"):
+        return module.OPTIM_GROUP
+    if isinstance(module, nn.Embedding) or p.ndim < 2:
+        return "adam"
+    return "muonh"
+
+
+def param_group_names(model: nn.Module) -> dict[str, GroupName]:
+    """Qualified parameter name -> group, each parameter once (see the module docstring for the rule)."""
+    out: dict[str, GroupName] = {}
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            out[f"{mod_name}.{name}" if mod_name else name] = _group_of(module, name, p)
+    return out
+
+
+def param_groups(model: nn.Module) -> dict[GroupName, list[nn.Parameter]]:
+    """Parameters per group ("muonh", "adamh", "adam"), each parameter exactly once."""
+    params = dict(model.named_parameters())
+    groups: dict[GroupName, list[nn.Parameter]] = {g: [] for g in GROUPS}
+    for name, group in param_group_names(model).items():
+        groups[group].append(params[name])
+    return groups
+
+
+# -------------------------------------------------------------------------------------------------- MuonH
+def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+    """Approximately orthogonalise each matrix of g [..., m, n] (singular values pushed into about [0.7, 1.2]).
+
+    The quintic iteration X <- aX + (b A + c A^2) X with A = X X^T, after scaling X to unit Frobenius norm; run on
+    the wide orientation so A is the smaller Gram matrix. Computed in fp32.
+    """
+    a, b, c = NS_COEFFICIENTS
+    x = g.float()
+    wide = x.shape[-2] <= x.shape[-1]
+    if not wide:
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x if wide else x.mT
+
+
+def _fro(t: Tensor) -> Tensor:
+    """Frobenius norm of each matrix (over the last two dims), kept broadcastable; whole-tensor for 1-D."""
+    if t.ndim < 2:
+        return t.norm().reshape([1] * t.ndim)
+    return torch.linalg.matrix_norm(t, keepdim=True)
+
+
+@torch.no_grad()
+def hyperball_step_(p: Tensor, update: Tensor, lr: float) -> None:
+    """Move p along `update` by lr of its own norm, then project back onto its Frobenius sphere (per matrix)."""
+    w = p.float()
+    u = update.float()
+    w_norm = _fro(w)
+    moved = w - lr * u * (w_norm / _fro(u).clamp(min=NORM_FLOOR))
+    p.copy_(moved * (w_norm / _fro(moved).clamp(min=NORM_FLOOR)))
+
+
+class MuonH(torch.optim.Optimizer):
+    """One optimizer over the three kinds of group; each param group carries "kind" in {"muonh","adamh","adam"}."""
+
+    def __init__(
+        self,
+        groups: list[dict],
+        *,
+        lr: float = MARIN_LR,
+        betas: tuple[float, float] = MARIN_BETAS,
+        eps: float = 1e-8,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+    ):
+        defaults = dict(lr=lr, betas=betas, eps=eps, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
+        super().__init__(groups, defaults)
+        for group in self.param_groups:
+            if group.get("kind") not in GROUPS:
+                raise ValueError(f"param group kind must be one of {GROUPS}, got {group.get('kind')!r}")
+            if group["kind"] == "muonh" and any(p.ndim < 2 for p in group["params"]):
+                raise ValueError("muonh groups take matrices (2-D or stacked 3-D) only")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["kind"] == "muonh":
+                    self._muonh(p, group)
+                else:
+                    self._adam(p, group)
+        return loss
+
+    def _muonh(self, p: Tensor, group: dict) -> None:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        buf, mu = state["momentum_buffer"], group["momentum"]
+        buf.mul_(mu).add_(p.grad)
+        u = p.grad.add(buf, alpha=mu) if group["nesterov"] else buf
+        hyperball_step_(p, newton_schulz(u, group["ns_steps"]), group["lr"])
+
+    def _adam(self, p: Tensor, group: dict) -> None:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        (b1, b2), t, g = group["betas"], state["step"], p.grad
+        state["exp_avg"].lerp_(g, 1 - b1)
+        state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = (state["exp_avg_sq"] / (1 - b2**t)).sqrt_().add_(group["eps"])
+        direction = (state["exp_avg"] / (1 - b1**t)) / denom
+        if group["kind"] == "adamh":
+            hyperball_step_(p, direction, group["lr"])
+        else:
+            p.add_(direction, alpha=-group["lr"])
+
+
+# -------------------------------------------------------------------------------------------------- factory
+def build_optimizer(
+    model: nn.Module,
+    name: Literal["muonh", "adamw"] = "muonh",
+    *,
+    lr: float | None = None,
+    adam_lr: float | None = None,
+    betas: tuple[float, float] = MARIN_BETAS,
+    eps: float = 1e-8,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    weight_decay: float = ADAMW_WEIGHT_DECAY,
+) -> torch.optim.Optimizer:
+    """MuonH (lr: MuonH/AdamH rate, adam_lr: the Adam group's; Marin's run values by default) or AdamW (lr only).
+
+    Every param group carries "kind" (and AdamW groups "decay"), for logging and schedulers (torch LambdaLR scales
+    each group's own initial lr, so the MuonH/Adam ratio is kept).
+    """
+    groups = param_groups(model)
+    if name == "muonh":
+        lr = MARIN_LR if lr is None else lr
+        adam_lr = MARIN_ADAM_LR if adam_lr is None else adam_lr
+        spec = [
+            {"params": groups["muonh"], "kind": "muonh", "lr": lr},
+            {"params": groups["adamh"], "kind": "adamh", "lr": lr},
+            {"params": groups["adam"], "kind": "adam", "lr": adam_lr},
+        ]
+        return MuonH([g for g in spec if g["params"]], lr=lr, betas=betas, eps=eps, momentum=momentum,
+                     nesterov=nesterov, ns_steps=ns_steps)
+    if name == "adamw":
+        lr = ADAMW_LR if lr is None else lr
+        spec = [
+            {"params": groups["muonh"] + groups["adamh"], "kind": "decay", "weight_decay": weight_decay},
+            {"params": groups["adam"], "kind": "no_decay", "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW([g for g in spec if g["params"]], lr=lr, betas=betas, eps=eps)
+    raise ValueError(f"unknown optimizer {name!r} (use 'muonh' or 'adamw')")
+
+
+def marin_lr_lambda(total_steps: int, warmup_fraction: float = 0.01, floor: float = 0.05) -> Callable[[int], float]:
+    """Marin's schedule as a LambdaLR factor: linear warmup over 1% of steps, linear decay to a 5% floor."""
+    warmup = max(1, int(total_steps * warmup_fraction))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = (step - warmup) / max(1, total_steps - warmup)
+        return max(floor, 1.0 - (1.0 - floor) * frac)
+
+    return factor
+
+
+def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Elements of per-parameter state tensors (scalar step counters excluded), per group kind."""
+    out: dict[str, int] = {}
+    for group in optimizer.param_groups:
+        kind = group.get("kind", "default")
+        for p in group["params"]:
+            n = sum(v.numel() for v in optimizer.state.get(p, {}).values() if isinstance(v, Tensor) and v.ndim > 0)
+            out[kind] = out.get(kind, 0) + n
+    return out
