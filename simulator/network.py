@@ -1,0 +1,363 @@
+"""Flow-level network model: the topology graph's directed links as shared resources with max-min fair sharing.
+
+Every directed edge (u, v) of the graph (attributes `capacity_Bps`, per direction, and `latency_s`) is a link. A
+transfer is a flow of bytes over a route (a list of directed edges); all active flows get the max-min fair rates of
+simulator.fairshare, re-solved whenever a flow starts or finishes (flows started at the same simulated instant are
+solved once, together; so are flows finishing together). A flow's bytes occupy its links from its start; it is
+delivered the route's summed latency after its last byte has been sent, so a flow alone takes
+`latency + bytes / rate`.
+
+`transfer_many` starts a batch of flows (an all-to-all, the n flows of a ring) with vectorised bookkeeping and one
+event for the whole batch, which succeeds when its last flow is delivered.
+
+Efficiency (how much of a link a real collective achieves, EfficiencyProfile.collective_efficiency): a transfer with
+`efficiency=e` puts `bytes / e` on the wire. Alone it then takes exactly the calibrated time; under contention the
+lost fraction still occupies the links (the pessimistic choice: protocol overhead and retransmits load the wire).
+A hard per-flow rate cap (`rate_cap_Bps`) is available as well.
+
+Link utilisation is kept as change points (time, link, bytes/s in use) for trace counters.
+
+    import simpy
+    from simulator.network import Network
+    env = simpy.Environment()
+    net = Network(env, graph)                      # graph: topologies.graph format (networkx.DiGraph)
+    done = net.send("d0/gpu0", "d0/gpu1", 1e9)     # a simpy event
+    env.run()
+
+Tests: `.venv/bin/pytest -q tests/test_network.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import simpy
+
+from simulator.fairshare import maxmin_rates, maxmin_rates_numpy
+
+Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
+
+# Flows due to finish within this many seconds (absolute plus relative to the clock) of now finish now: float
+# rounding of `now + remaining / rate` must not leave a flow with a few bytes for a separate, spurious event.
+_TIME_EPS_ABS = 1e-12
+_TIME_EPS_REL = 1e-12
+
+
+def _default_router(graph, src: str, dst: str):
+    from topologies.graph import route
+
+    return route(graph, src, dst)
+
+
+class Network:
+    """Shared links with max-min fair flow rates inside a SimPy environment.
+
+    router: (graph, src, dst) -> directed edges; default topologies.graph.route.
+    solver: "numba" (default) or "numpy" (the reference implementation, slower).
+    track_utilisation: keep per-link (time, bytes/s) change points.
+    record_flows: keep (tag, start, delivery, wire bytes) per flow in `flow_log`, in start order per finishing instant.
+    quantum_s: flows due to finish within this many seconds of the next finish finish with it (their last bytes
+        delivered up to quantum_s early), which merges rate solves; 0 (default) is exact.
+    """
+
+    def __init__(self, env: simpy.Environment, graph, *, router: Router | None = None, solver: str = "numba",
+                 track_utilisation: bool = True, record_flows: bool = False, quantum_s: float = 0.0):
+        if quantum_s < 0:
+            raise ValueError(f"quantum_s must be >= 0, got {quantum_s}")
+        self.quantum_s = float(quantum_s)
+        if solver not in ("numba", "numpy"):
+            raise ValueError(f"solver must be 'numba' or 'numpy', got {solver!r}")
+        self.env = env
+        self.graph = graph
+        self._router = router or _default_router
+        self._solve = maxmin_rates if solver == "numba" else maxmin_rates_numpy
+        self.links: list[tuple[str, str]] = list(graph.edges())
+        self.link_index = {e: i for i, e in enumerate(self.links)}
+        attrs = [graph.edges[e] for e in self.links]
+        self.capacity = np.array([a["capacity_Bps"] for a in attrs], dtype=np.float64)
+        self.latency = np.array([a.get("latency_s", 0.0) for a in attrs], dtype=np.float64)
+        bad = np.flatnonzero(~(self.capacity > 0))
+        if bad.size:
+            raise ValueError(f"link {self.links[bad[0]]} needs a positive capacity_Bps")
+        self._route_cache: dict[tuple[str, str], np.ndarray] = {}
+        self._matrix_cache: dict[tuple, tuple] = {}
+
+        # Flows live in slots of these arrays; a slot is reused after its flow finishes.
+        self._size = 0  # slots ever used
+        self._hops = np.full((0, 8), -1, dtype=np.int64)  # link indices per slot, padded with -1
+        self._nhops = np.zeros(0, dtype=np.int64)
+        self._remaining = np.zeros(0)
+        self._rate = np.zeros(0)
+        self._cap = np.zeros(0)
+        self._lat = np.zeros(0)
+        self._start = np.zeros(0)
+        self._wire = np.zeros(0)
+        self._active = np.zeros(0, dtype=bool)
+        self._flow_id = np.zeros(0, dtype=np.int64)
+        self._group = np.zeros(0, dtype=np.int64)
+        self._free: list[int] = []
+        self._groups: dict[int, list] = {}  # gid -> [event, flows not yet drained, latest delivery, tag]
+        self._next_group = 0
+        self._next_flow = 0
+        self._pending: list[np.ndarray] = []
+        self._last = env.now
+        self._kick = False
+        self._gen = 0
+        self._wake_at = math.inf
+
+        self.track_utilisation = track_utilisation
+        self._load = np.zeros(len(self.links))
+        self._util_t: list[np.ndarray] = []
+        self._util_l: list[np.ndarray] = []
+        self._util_v: list[np.ndarray] = []
+        self.record_flows = record_flows
+        self.flow_log: list[tuple[object, float, float, float]] = []
+        self.stats = {"flows": 0, "solves": 0, "max_active": 0}
+
+    # ----------------------------------------------------------------------------------------------- routes
+    def route(self, src: str, dst: str) -> np.ndarray:
+        """Link indices of the route src -> dst (cached; empty when src == dst)."""
+        key = (src, dst)
+        r = self._route_cache.get(key)
+        if r is None:
+            r = self.links_of(self._router(self.graph, src, dst) if src != dst else [])
+            self._route_cache[key] = r
+        return r
+
+    def links_of(self, edges: Sequence[tuple[str, str]]) -> np.ndarray:
+        try:
+            return np.array([self.link_index[tuple(e)] for e in edges], dtype=np.int64)
+        except KeyError as exc:
+            raise ValueError(f"route edge {exc.args[0]} is not a link of the graph") from None
+
+    def route_latency(self, src: str, dst: str) -> float:
+        return float(self.latency[self.route(src, dst)].sum())
+
+    def route_matrix(self, srcs: Sequence[str], dsts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Padded link indices (k x hops, -1 padded) and hop counts of the routes srcs[i] -> dsts[i] (cached)."""
+        key = (tuple(srcs), tuple(dsts))
+        hit = self._matrix_cache.get(key)
+        if hit is None:
+            routes = [self.route(s, d) for s, d in zip(srcs, dsts)]
+            nhops = np.array([len(r) for r in routes], dtype=np.int64)
+            hops = np.full((len(routes), max(1, int(nhops.max(initial=0)))), -1, dtype=np.int64)
+            for i, r in enumerate(routes):
+                hops[i, : len(r)] = r
+            hit = (hops, nhops)
+            self._matrix_cache[key] = hit
+        return hit
+
+    def all_pairs(self, group: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(src index, dst index, padded hops, hop counts) of every ordered pair i != j of group (cached)."""
+        key = ("all_pairs", tuple(group))
+        hit = self._matrix_cache.get(key)
+        if hit is None:
+            n = len(group)
+            src, dst = np.nonzero(~np.eye(n, dtype=bool))
+            hops, nhops = self.route_matrix([group[i] for i in src], [group[j] for j in dst])
+            hit = (src, dst, hops, nhops)
+            self._matrix_cache[key] = hit
+        return hit
+
+    # ------------------------------------------------------------------------------------------- transfers
+    def send(self, src: str, dst: str, nbytes: float, *, tag=None, efficiency: float = 1.0,
+             rate_cap_Bps: float = math.inf) -> simpy.Event:
+        """A point-to-point transfer src -> dst along the router's route; see `transfer`."""
+        return self.transfer(self.route(src, dst), nbytes, tag=tag, efficiency=efficiency,
+                             rate_cap_Bps=rate_cap_Bps)
+
+    def transfer(self, route, nbytes: float, *, tag=None, efficiency: float = 1.0,
+                 rate_cap_Bps: float = math.inf) -> simpy.Event:
+        """Start a flow of `nbytes / efficiency` wire bytes over `route` (directed edges, or link indices from
+        `route()`); the returned event succeeds (value: tag) when the bytes are delivered."""
+        links = route if isinstance(route, np.ndarray) else self.links_of(route)
+        return self.transfer_many(links[None, :], np.array([links.size]), nbytes, tag=tag, efficiency=efficiency,
+                                  rate_cap_Bps=rate_cap_Bps)
+
+    def transfer_many(self, hops: np.ndarray, nhops: np.ndarray, nbytes, *, tag=None, efficiency: float = 1.0,
+                      rate_cap_Bps=math.inf) -> simpy.Event:
+        """Start k flows at once: hops (k x h link indices, -1 padded, as from `route_matrix`), nhops (k), nbytes
+        (scalar or k), rate_cap_Bps (scalar or k). One event (value: tag) succeeds when all k are delivered."""
+        if not 0.0 < efficiency <= 1.0:
+            raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
+        k = hops.shape[0]
+        wire = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), (k,)) / efficiency
+        if k and wire.min() < 0:
+            raise ValueError("nbytes must be >= 0")
+        nhops = np.asarray(nhops, dtype=np.int64)
+        lat = np.where(hops >= 0, self.latency[hops], 0.0).sum(axis=1) if k else np.zeros(0)
+        moving = (wire > 0) & (nhops > 0)
+        now = self.env.now
+        # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
+        deliver = float((now + lat[~moving]).max(initial=now))
+        done = self.env.event()
+        m = int(moving.sum())
+        if m == 0:
+            self._deliver(done, tag, deliver - now)
+            return done
+        gid = self._next_group
+        self._next_group += 1
+        self._groups[gid] = [done, m, deliver, tag]
+        slots = self._alloc(m, hops.shape[1])
+        h = hops[moving]
+        self._hops[slots] = -1
+        self._hops[slots, : h.shape[1]] = h
+        self._nhops[slots] = nhops[moving]
+        self._remaining[slots] = wire[moving]
+        self._wire[slots] = wire[moving]
+        self._rate[slots] = 0.0
+        self._cap[slots] = np.broadcast_to(np.asarray(rate_cap_Bps, dtype=np.float64), (k,))[moving]
+        self._lat[slots] = lat[moving]
+        self._start[slots] = now
+        self._group[slots] = gid
+        self._flow_id[slots] = np.arange(self._next_flow, self._next_flow + m)
+        self._next_flow += m
+        self._pending.append(slots)
+        self.stats["flows"] += m
+        if not self._kick:
+            self._kick = True
+            self.env.timeout(0).callbacks.append(self._on_kick)
+        return done
+
+    def _alloc(self, m: int, width: int) -> np.ndarray:
+        if width > self._hops.shape[1]:
+            grown = np.full((self._hops.shape[0], width), -1, dtype=np.int64)
+            grown[:, : self._hops.shape[1]] = self._hops
+            self._hops = grown
+        take = min(m, len(self._free))
+        reused = self._free[len(self._free) - take:]
+        del self._free[len(self._free) - take:]
+        fresh = m - take
+        if self._size + fresh > len(self._active):
+            grow = max(64, self._size + fresh, 2 * len(self._active)) - len(self._active)
+            self._hops = np.vstack([self._hops, np.full((grow, self._hops.shape[1]), -1, dtype=np.int64)])
+            for name in ("_nhops", "_flow_id", "_group"):
+                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow, dtype=np.int64)]))
+            for name in ("_remaining", "_rate", "_cap", "_lat", "_start", "_wire"):
+                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow)]))
+            self._active = np.concatenate([self._active, np.zeros(grow, dtype=bool)])
+        slots = np.concatenate([np.array(reused, dtype=np.int64),
+                                np.arange(self._size, self._size + fresh, dtype=np.int64)])
+        self._size += fresh
+        return slots
+
+    def _deliver(self, event: simpy.Event, tag, delay: float) -> None:
+        if delay > 0:
+            self.env.timeout(delay).callbacks.append(lambda _e: event.succeed(tag))
+        else:
+            event.succeed(tag)
+
+    # ------------------------------------------------------------------------------------------ event loop
+    def _on_kick(self, _event) -> None:
+        self._kick = False
+        self._update()
+
+    def _on_wake(self, gen: int, _event) -> None:
+        if gen == self._gen:
+            self._wake_at = math.inf
+            self._update()
+
+    def _update(self) -> None:
+        now = self.env.now
+        act = np.flatnonzero(self._active[: self._size])
+        if act.size:
+            dt = now - self._last
+            if dt > 0:
+                self._remaining[act] -= self._rate[act] * dt
+            eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
+            finished = self._remaining[act] <= self._rate[act] * eps
+            if finished.any():
+                self._finish(act[finished], now)
+                act = act[~finished]
+        self._last = now
+        if self._pending:
+            new = np.concatenate(self._pending)
+            self._pending.clear()
+            self._active[new] = True
+            act = np.union1d(act, new)
+        self.stats["max_active"] = max(self.stats["max_active"], int(act.size))
+        if act.size == 0:
+            self._gen += 1  # no wake-up is needed any more
+            self._wake_at = math.inf
+            self._record_load(now, None, None)
+            return
+        nh = self._nhops[act]
+        indptr = np.zeros(act.size + 1, dtype=np.int64)
+        np.cumsum(nh, out=indptr[1:])
+        hops = self._hops[act]
+        indices = hops[hops >= 0]
+        rates = self._solve(indptr, indices, self.capacity, self._cap[act])
+        self.stats["solves"] += 1
+        self._rate[act] = rates
+        self._record_load(now, indices, np.repeat(rates, nh))
+        t_next = now + float((self._remaining[act] / rates).min())
+        if t_next == self._wake_at:
+            return  # the pending wake-up is still the right one
+        # SimPy cannot cancel a timeout: the superseded wake-up stays queued and is ignored when it fires (it may
+        # still advance env.now past the last delivery, so time collectives by their process, not env.now).
+        self._gen += 1
+        gen = self._gen
+        self._wake_at = t_next
+        self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda ev, g=gen: self._on_wake(g, ev))
+
+    def _finish(self, slots: np.ndarray, now: float) -> None:
+        slots = slots[np.argsort(self._flow_id[slots], kind="stable")]
+        self._active[slots] = False
+        self._rate[slots] = 0.0
+        deliver = now + self._lat[slots]
+        gids = self._group[slots]
+        if self.record_flows:
+            for g, s, d, w in zip(gids.tolist(), self._start[slots].tolist(), deliver.tolist(),
+                                  self._wire[slots].tolist()):
+                self.flow_log.append((self._groups[g][3], s, d, w))
+        uniq, inv = np.unique(gids, return_inverse=True)
+        counts = np.bincount(inv)
+        latest = np.full(uniq.size, -np.inf)
+        np.maximum.at(latest, inv, deliver)
+        for g, c, d in zip(uniq.tolist(), counts.tolist(), latest.tolist()):
+            rec = self._groups[g]
+            rec[1] -= c
+            rec[2] = max(rec[2], d)
+            if rec[1] == 0:
+                del self._groups[g]
+                self._deliver(rec[0], rec[3], rec[2] - now)
+        self._free.extend(slots.tolist())
+
+    # ---------------------------------------------------------------------------------------- observation
+    def _record_load(self, now: float, indices, weights) -> None:
+        if not self.track_utilisation:
+            return
+        if indices is None:
+            load = np.zeros(len(self.links))
+        else:
+            load = np.bincount(indices, weights=weights, minlength=len(self.links))
+        changed = np.flatnonzero(load != self._load)
+        if changed.size:
+            self._util_t.append(np.full(changed.size, now))
+            self._util_l.append(changed)
+            self._util_v.append(load[changed])
+        self._load = load
+
+    def utilisation_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Change points as arrays (times, link indices into `links`, bytes/s in use from that time on)."""
+        if not self._util_t:
+            return np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0)
+        return np.concatenate(self._util_t), np.concatenate(self._util_l), np.concatenate(self._util_v)
+
+    def utilisation(self) -> list[tuple[float, tuple[str, str], float]]:
+        """Change points (time, link (u, v), bytes/s in use from that time on), in time order."""
+        t, l, v = self.utilisation_arrays()
+        return [(float(a), self.links[int(b)], float(c)) for a, b, c in zip(t, l, v)]
+
+    def active_rates(self) -> dict:
+        """tag -> current rate (bytes/s) of each active flow (flows started this instant are not solved yet; flows
+        sharing a tag report the last one's rate)."""
+        act = np.flatnonzero(self._active[: self._size])
+        act = act[np.argsort(self._flow_id[act], kind="stable")]
+        return {self._groups[g][3]: float(r) for g, r in zip(self._group[act].tolist(), self._rate[act].tolist())}
+
+    @property
+    def active_flows(self) -> int:
+        return int(self._active[: self._size].sum()) + sum(len(p) for p in self._pending)
