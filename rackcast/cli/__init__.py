@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "rackcast.cli.models",
     "rackcast.cli.topologies",
     "rackcast.cli.estimate",
+    "rackcast.cli.forecast",
 ]
 
 

@@ -1,0 +1,80 @@
+"""Failure rates and recovery costs for the run forecast, as typed data (YAML files beside this module).
+
+Every figure lives in the YAML files here (default.yaml), each with its source in a comment; this module only
+defines the types, validates them and loads them strictly (unknown keys and wrong types are refused).
+
+    from topologies.reliability import load_reliability
+    spec = load_reliability()                      # default.yaml
+    spec = load_reliability("my-cluster.yaml")     # a user's own figures
+
+Units: rates are failures per unit in use per day (`_per_gpu_day`, ...), times in seconds, bandwidth in bytes/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from rackcast.errors import RackcastError
+from rackcast.strict import from_data, load_yaml
+
+RELIABILITY_DIR = Path(__file__).parent
+SparesPolicy = Literal["shrink", "wait"]
+SPARES_POLICIES: tuple[str, ...] = ("shrink", "wait")
+
+
+@dataclass(frozen=True)
+class FailureRates:
+    """Interruptions per unit in use per day, by the unit a fault takes out."""
+
+    gpu_per_gpu_day: float = 0.0  # the GPU is replaced by a spare of its domain
+    tray_per_tray_day: float = 0.0  # the compute tray (all its GPUs) is replaced by spares
+    rack_per_rack_day: float = 0.0  # the scale-up fabric of one domain (NVLink) stops it; reset, no spare used
+    link_per_link_day: float = 0.0  # one scale-out link (NIC, cable, switch port); no spare used
+    software_per_gpu_day: float = 0.0  # software / collective faults; no spare used
+
+    def __post_init__(self):
+        for name in ("gpu_per_gpu_day", "tray_per_tray_day", "rack_per_rack_day", "link_per_link_day",
+                     "software_per_gpu_day"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"rates.{name} must be >= 0, got {getattr(self, name)}")
+
+    def scaled(self, factor: float) -> "FailureRates":
+        return FailureRates(*(factor * getattr(self, n) for n in self.__dataclass_fields__))
+
+
+@dataclass(frozen=True)
+class ReliabilitySpec:
+    name: str
+    rates: FailureRates
+    detection_s: float  # from the fault to the job noticing it (watchdog timeouts, silent stalls)
+    reschedule_s: float  # gang rescheduling and start-up (the checkpoint reload is added from its size)
+    checkpoint_interval_s: float = 3600.0  # compute time between checkpoints; 0 disables checkpointing
+    fallback_storage_Bps_per_gpu: float = 0.0  # checkpoint bandwidth when the topology's is unknown (0)
+    repair_s: float = 0.0  # time until a failed GPU or tray is back as a spare
+    spares_policy: SparesPolicy = "shrink"
+    source: str = ""
+
+    def __post_init__(self):
+        for name in ("detection_s", "reschedule_s", "checkpoint_interval_s", "fallback_storage_Bps_per_gpu",
+                     "repair_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def list_reliability() -> list[str]:
+    return sorted(p.stem for p in RELIABILITY_DIR.glob("*.yaml"))
+
+
+def load_reliability(name_or_path: str = "default") -> ReliabilitySpec:
+    """A ReliabilitySpec from a file name here (without .yaml) or a YAML path."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+        path = candidate
+    else:
+        path = RELIABILITY_DIR / f"{name_or_path}.yaml"
+        if not path.exists():
+            raise RackcastError(f"unknown reliability figures {name_or_path!r} "
+                                f"(known: {', '.join(list_reliability())}, or a YAML path)")
+    return from_data(ReliabilitySpec, load_yaml(path), where=str(path))
