@@ -21,11 +21,14 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
+from simulator import collective_formulas as formulas
+from simulator.collective_formulas import efficiency_at
 from simulator.memory import BYTES, FP32, MemoryBreakdown, memory_breakdown, rank_layers, rank_params, expert_fsdp
 from simulator.placement import place
 from simulator.routing import expected_max_load_factor
@@ -37,33 +40,28 @@ NEWTON_SCHULZ_STEPS = 5  # MuonH: 5 quintic Newton-Schulz iterations (Jordan et 
 
 
 def _interp(curve, sizes):
-    """Vectorised version of topologies.spec.interpolate (log-linear, clamped)."""
-    xs = np.log([p.size for p in curve])
-    ys = np.array([p.value for p in curve])
-    return np.interp(np.log(np.maximum(sizes, 1e-30)), xs, ys)
+    """Vectorised efficiency-curve lookup (log-linear, clamped), as topologies.spec.interpolate."""
+    return efficiency_at([p.size for p in curve], [p.value for p in curve], np.maximum(sizes, 1e-30))
 
 
 def collective_time(topo: Topology, kind: str, n, nbytes, span_out):
-    """Alpha-beta time of a collective; arrays broadcast. span_out: 1 where the group crosses domains."""
+    """Alpha-beta time of a collective on the topology; arrays broadcast. span_out: true where the group crosses
+    domains (slowest hop: the NIC) — the efficiency curve of that span applies."""
     n = np.asarray(n, dtype=float)
     nbytes = np.asarray(nbytes, dtype=float)
     span_out = np.asarray(span_out, dtype=bool)
-    eff = topo.efficiency
-    curves = eff.collectives[kind]
-    e = np.where(span_out, _interp(curves.scale_out, nbytes), _interp(curves.scale_up, nbytes))
+    curves = topo.efficiency.collectives[kind]
+    eff = np.where(span_out, _interp(curves.scale_out, nbytes), _interp(curves.scale_up, nbytes))
     bw = np.where(span_out, topo.link_bandwidth_Bps("scale_out"), topo.link_bandwidth_Bps("scale_up"))
     lat = np.where(span_out, topo.link_latency_s("scale_out"), topo.link_latency_s("scale_up"))
-    safe_n = np.maximum(n, 1.0)
-    if kind == "all_reduce":
-        factor, steps = 2 * (safe_n - 1) / safe_n, 2 * (safe_n - 1)
-    elif kind in ("all_gather", "reduce_scatter"):
-        factor, steps = (safe_n - 1) / safe_n, safe_n - 1
-    elif kind == "all_to_all":
-        factor, steps = (safe_n - 1) / safe_n, np.minimum(safe_n - 1, 1.0)
-    else:  # send_recv
-        factor, steps = np.ones_like(safe_n), np.ones_like(safe_n)
-    t = steps * lat + factor * nbytes / (bw * e)
+    t = formulas.collective_time(kind, nbytes, np.maximum(n, 2.0), np.maximum(bw, 1e-30), lat, eff)
     return np.where((n > 1) & (nbytes > 0), t, 0.0)
+
+
+@lru_cache(maxsize=4096)
+def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: float, seed: int = 0):
+    """expected_max_load_factor, cached: the planner asks for the same routing geometry many times."""
+    return expected_max_load_factor(transport, experts, top_k, ep, tokens_group, seed=seed)
 
 
 def _matrix_ns_flops(m: int, n: int) -> float:
@@ -103,7 +101,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
     drop = 0.0
     if spec.moe is not None:
         tokens_group = tokens_mb * par.expert  # tokens routed inside one expert group per micro-batch
-        m_imbalance, drop = expected_max_load_factor(plan.expert_transport, spec.moe.experts, spec.moe.top_k,
+        m_imbalance, drop = _load_factor(plan.expert_transport, spec.moe.experts, spec.moe.top_k,
                                                      par.expert, tokens_group, seed=plan.seed)
     x = spec.expert_input_dim if spec.moe else 0
     a2a_bytes = tokens_mb * (spec.moe.top_k if spec.moe else 0) * x * w_bytes  # per direction, per MoE layer
