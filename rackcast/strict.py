@@ -11,6 +11,7 @@ and nested dataclasses. Floats accept ints and YAML strings like "18e12" (PyYAML
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
@@ -189,3 +190,27 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def preset_names(directory: Path) -> list[str]:
+    """Names of the YAML presets in `directory` (file stems), sorted."""
+    return sorted(p.stem for p in Path(directory).glob("*.yaml"))
+
+
+@functools.lru_cache(maxsize=None)
+def _load_typed(cls: type, path: str) -> Any:
+    return from_data(cls, load_yaml(path), where=path)
+
+
+def load_preset(cls: type, directory: Path, name_or_path: str, kind: str) -> Any:
+    """A typed preset by name (a YAML file in `directory`) or by path; an unknown name lists the known ones.
+
+    Loaded objects are cached by path (they are frozen dataclasses, so sharing them is safe)."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+        return _load_typed(cls, str(candidate))
+    preset = Path(directory) / f"{name_or_path}.yaml"
+    if not preset.exists():
+        raise RackcastError(f"unknown {kind} {name_or_path!r} (known: {', '.join(preset_names(directory))}, "
+                            "or a YAML path)")
+    return _load_typed(cls, str(preset))

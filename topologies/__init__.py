@@ -7,35 +7,22 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 from rackcast.errors import RackcastError
-from rackcast.strict import from_data, load_yaml
+from rackcast.strict import load_preset, preset_names
 from topologies.spec import Topology
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
 def list_topologies() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-
-
-@lru_cache(maxsize=None)
-def _load_file(path: str) -> Topology:
-    return from_data(Topology, load_yaml(path), where=path)
+    return preset_names(PRESET_DIR)
 
 
 def load_topology(name_or_path: str, domains: int | None = None, usable_gpus: int | None = None) -> Topology:
     """A Topology from a preset name or YAML path, optionally resized (domains) or with fewer GPUs per domain used."""
-    candidate = Path(name_or_path)
-    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
-        topo = _load_file(str(candidate))
-    else:
-        preset = PRESET_DIR / f"{name_or_path}.yaml"
-        if not preset.exists():
-            raise RackcastError(f"unknown topology preset {name_or_path!r} (known: {', '.join(list_topologies())})")
-        topo = _load_file(str(preset))
+    topo = load_preset(Topology, PRESET_DIR, name_or_path, "topology preset")
     if domains is not None:
         if domains <= 0:
             raise RackcastError(f"number of {topo.domain_label}s must be positive, got {domains}")

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from rackcast.errors import RackcastError
-from rackcast.strict import from_data, load_yaml
+from rackcast.strict import load_preset, preset_names
 
 RELIABILITY_DIR = Path(__file__).parent
 SparesPolicy = Literal["shrink", "wait"]
@@ -64,17 +63,9 @@ class ReliabilitySpec:
 
 
 def list_reliability() -> list[str]:
-    return sorted(p.stem for p in RELIABILITY_DIR.glob("*.yaml"))
+    return preset_names(RELIABILITY_DIR)
 
 
 def load_reliability(name_or_path: str = "default") -> ReliabilitySpec:
     """A ReliabilitySpec from a file name here (without .yaml) or a YAML path."""
-    candidate = Path(name_or_path)
-    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
-        path = candidate
-    else:
-        path = RELIABILITY_DIR / f"{name_or_path}.yaml"
-        if not path.exists():
-            raise RackcastError(f"unknown reliability figures {name_or_path!r} "
-                                f"(known: {', '.join(list_reliability())}, or a YAML path)")
-    return from_data(ReliabilitySpec, load_yaml(path), where=str(path))
+    return load_preset(ReliabilitySpec, RELIABILITY_DIR, name_or_path, "reliability figures")
