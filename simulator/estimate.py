@@ -29,14 +29,14 @@ from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from simulator import collective_formulas as formulas
 from simulator.collective_formulas import efficiency_at
-from simulator.memory import BYTES, FP32, MemoryBreakdown, memory_breakdown, rank_layers, rank_params, expert_fsdp
+from simulator.memory import BYTES, MemoryBreakdown, expert_fsdp, memory_breakdown, rank_layers, rank_params
+from simulator.optimizer_cost import newton_schulz_flops, optimizer_traffic_bytes
 from simulator.placement import place
 from simulator.routing import expected_max_load_factor
 from simulator.schedule_formulas import bubble_fraction
 from topologies.spec import Topology
 
 SECONDS_PER_DAY = 86400.0
-NEWTON_SCHULZ_STEPS = 5  # MuonH: 5 quintic Newton-Schulz iterations (Jordan et al. 2024, Muon)
 
 
 def _interp(curve, sizes):
@@ -62,12 +62,6 @@ def collective_time(topo: Topology, kind: str, n, nbytes, span_out):
 def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: float, seed: int = 0):
     """expected_max_load_factor, cached: the planner asks for the same routing geometry many times."""
     return expected_max_load_factor(transport, experts, top_k, ep, tokens_group, seed=seed)
-
-
-def _matrix_ns_flops(m: int, n: int) -> float:
-    """FLOPs of one quintic Newton-Schulz iteration on an m x n matrix (A = X X^T, B = bA + cA^2, X' = aX + BX)."""
-    m, n = min(m, n), max(m, n)
-    return 2 * m * m * n + 2 * m * m * m + 2 * m * m * n
 
 
 def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
@@ -107,28 +101,8 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
     a2a_bytes = tokens_mb * (spec.moe.top_k if spec.moe else 0) * x * w_bytes  # per direction, per MoE layer
     recompute_fwd = {"none": 0.0, "selective": attn, "full": gemm + attn + experts}[plan.recompute]
     efsdp = expert_fsdp(plan)
-    # MuonH Newton-Schulz work on this rank's share of the matrices (dense split fsdp ways, experts efsdp ways).
-    ns = 0.0
-    if plan.optimizer.name == "muonh":
-        d, a = spec.d_model, spec.attention
-        for i in layers:
-            kv = spec.kv_heads_stored(i) * a.head_dim
-            dense_mats = [(d, a.heads * a.head_dim), (d, kv), (d, kv), (a.heads * a.head_dim, d)]
-            if spec.is_moe(i):
-                mo = spec.moe
-                dense_mats += [(d, mo.shared_ffn)] * 3 * mo.shared_experts
-                dense_mats += [(d, mo.latent_dim)] * 2 if mo.latent_dim else []
-                ns += NEWTON_SCHULZ_STEPS * mo.experts / (par.expert * efsdp) * 3 * _matrix_ns_flops(x, mo.expert_ffn)
-            else:
-                dense_mats += [(d, spec.ffn)] * (3 if spec.activation == "swiglu" else 2)
-            ns += NEWTON_SCHULZ_STEPS * sum(_matrix_ns_flops(*mat) for mat in dense_mats) / (t * par.fsdp)
-    states = 2 if plan.optimizer.name == "adamw" else 1
-    shard = rp.dense / par.fsdp + rp.expert / efsdp
-    opt_bytes = shard * (2 * w_bytes + g_bytes + (2 * FP32 if plan.optimizer.master_weights else 0)
-                         + 2 * FP32 * states)
-    host_bytes = 0.0
-    if plan.optimizer.state_location == "host":
-        host_bytes = 2 * shard * ((FP32 if plan.optimizer.master_weights else 0) + FP32 * states)
+    ns = newton_schulz_flops(spec, plan, layers)
+    opt_bytes, host_bytes = optimizer_traffic_bytes(rp, plan)
     return {
         "microbatches": plan.microbatches,
         "bubble_fraction": bubble_fraction(plan.schedule, par.pipeline, plan.microbatches, par.virtual),

@@ -184,26 +184,40 @@ def inflight_chunk_microbatches(schedule: str, p: int, m: int, v: int) -> float:
     return float(peak_in_flight(schedule, p, m, v))
 
 
+def optimizer_state_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
+    """(fp32 master, optimizer state) bytes per GPU for this rank's shard of the parameters."""
+    shard = rp.dense / plan.parallel.fsdp + rp.expert / expert_fsdp(plan)
+    master = FP32 * shard if plan.optimizer.master_weights else 0.0
+    if plan.optimizer.name == "adamw":
+        return master, 2 * FP32 * shard
+    # MuonH: 1 momentum buffer for matrices, Adam (2) for adam-only groups, AdamH (2) for the head.
+    return master, FP32 * (shard + (rp.adam_only + rp.head) / plan.parallel.fsdp)
+
+
+def static_bytes(rp: RankParams, plan: Plan) -> dict[str, float]:
+    """Bytes per GPU that live for the whole step: weights, gradients, master, optimizer state (HBM) and what is
+    kept in host memory instead when the plan offloads the optimizer."""
+    par = plan.parallel
+    shard = rp.dense / par.fsdp + rp.expert / expert_fsdp(plan)
+    g_bytes = BYTES[plan.grad_dtype]
+    master, states = optimizer_state_bytes(rp, plan)
+    out = {"weights": BYTES[plan.precision if plan.precision != "fp8" else "bf16"] * shard,
+           "gradients": g_bytes * (shard if par.fsdp > 1 else rp.dense + rp.expert),
+           "master": master, "optimizer": states, "host": 0.0}
+    if plan.optimizer.state_location == "host":
+        out.update(host=master + states, master=0.0, optimizer=0.0)
+    return out
+
+
 def memory_breakdown(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
     par, b = plan.parallel, plan.batch
     rp = rank_params(spec, plan, rank=0)
     w_bytes = BYTES[plan.precision if plan.precision != "fp8" else "bf16"]
     g_bytes = BYTES[plan.grad_dtype]
     efsdp = expert_fsdp(plan)
-    dense_shard = rp.dense / par.fsdp
-    expert_shard = rp.expert / efsdp
-    shard = dense_shard + expert_shard
-    weights = w_bytes * shard
-    gradients = g_bytes * (shard if par.fsdp > 1 else rp.dense + rp.expert)
-    master = FP32 * shard if plan.optimizer.master_weights else 0.0
-    if plan.optimizer.name == "adamw":
-        states = 2 * FP32 * shard
-    else:  # MuonH: 1 momentum buffer for matrices, Adam (2) for adam-only groups, AdamH (2) for the head
-        adam_like = (rp.adam_only + rp.head) / par.fsdp
-        states = FP32 * (shard + adam_like)
-    host = 0.0
-    if plan.optimizer.state_location == "host":
-        host, master, states = master + states, 0.0, 0.0
+    static = static_bytes(rp, plan)
+    weights, gradients, master, states, host = (static[k] for k in ("weights", "gradients", "master",
+                                                                     "optimizer", "host"))
     # FSDP gathers one layer while the next is prefetched: two layers of unsharded weights and one of gradients.
     buffers = 0.0
     if par.fsdp > 1:

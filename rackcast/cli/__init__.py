@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "rackcast.cli.topologies",
     "rackcast.cli.estimate",
     "rackcast.cli.forecast",
+    "rackcast.cli.simulate",
 ]
 
 

@@ -1,0 +1,75 @@
+"""Cost of the optimizer step for one rank: Newton-Schulz FLOPs (MuonH), HBM traffic and host transfers.
+
+Shared by the closed-form estimate and the discrete-event workload so both price the step the same way.
+MuonH orthogonalises every matrix with NEWTON_SCHULZ_STEPS quintic iterations (Jordan et al. 2024, "Muon");
+one iteration on an m x n matrix (m <= n) computes A = X X^T, B = bA + cA^2, X' = aX + BX: 4 m^2 n + 2 m^3 FLOPs.
+Dense matrices are split `tensor` ways and their orthogonalisation spread over the `fsdp` shards; expert matrices
+over the expert ranks and the experts' own FSDP shards.
+
+    python -m simulator.optimizer_cost examples/plans/marin-535b-hero.yaml
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rackcast.modelspec import ModelSpec
+from rackcast.plan import Plan
+from simulator.memory import BYTES, RankParams, expert_fsdp, optimizer_state_bytes
+
+NEWTON_SCHULZ_STEPS = 5
+
+
+def matrix_ns_flops(m: int, n: int) -> float:
+    """FLOPs of one quintic Newton-Schulz iteration on an m x n matrix."""
+    m, n = min(m, n), max(m, n)
+    return 4 * m * m * n + 2 * m * m * m
+
+
+def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float:
+    """MuonH orthogonalisation FLOPs per step on one rank holding `layers` (0 for other optimizers)."""
+    if plan.optimizer.name != "muonh":
+        return 0.0
+    par = plan.parallel
+    efsdp = expert_fsdp(plan)
+    d, a = spec.d_model, spec.attention
+    mlp_matrices = 3 if spec.activation == "swiglu" else 2
+    total = 0.0
+    for i in layers:
+        kv = spec.kv_heads_stored(i) * a.head_dim
+        mats = [(d, a.heads * a.head_dim), (d, kv), (d, kv), (a.heads * a.head_dim, d)]
+        if spec.is_moe(i):
+            mo = spec.moe
+            mats += [(d, mo.shared_ffn)] * mlp_matrices * mo.shared_experts
+            mats += [(d, mo.latent_dim)] * 2 if mo.latent_dim else []
+            per_expert = mlp_matrices * matrix_ns_flops(spec.expert_input_dim, mo.expert_ffn)
+            total += NEWTON_SCHULZ_STEPS * mo.experts / (par.expert * efsdp) * per_expert
+        else:
+            mats += [(d, spec.ffn)] * mlp_matrices
+        total += NEWTON_SCHULZ_STEPS * sum(matrix_ns_flops(*m) for m in mats) / (par.tensor * par.fsdp)
+    return total
+
+
+def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
+    """(HBM bytes the update touches, bytes moved between host and GPU) per step on one rank.
+
+    The update reads weights and gradients and writes weights, and reads and writes the fp32 master and the
+    optimizer state; when those live on the host they cross the host link in and out."""
+    par = plan.parallel
+    shard = rp.dense / par.fsdp + rp.expert / expert_fsdp(plan)
+    w_bytes, g_bytes = BYTES["bf16"], BYTES[plan.grad_dtype]
+    master, state = optimizer_state_bytes(rp, plan)
+    hbm = shard * (2 * w_bytes + g_bytes) + 2 * (master + state)
+    host = 2 * (master + state) if plan.optimizer.state_location == "host" else 0.0
+    return hbm, host
+
+
+if __name__ == "__main__":
+    from rackcast.plan import load_plan
+    from simulator.memory import rank_layers, rank_params
+
+    loaded = load_plan(sys.argv[1])
+    spec_ = loaded.model_spec()
+    hbm_bytes, host_bytes = optimizer_traffic_bytes(rank_params(spec_, loaded), loaded)
+    print(f"Newton-Schulz {newton_schulz_flops(spec_, loaded, rank_layers(spec_, loaded)):.4g} FLOPs, "
+          f"HBM traffic {hbm_bytes / 2**30:.1f} GiB, host link {host_bytes / 2**30:.1f} GiB per step")

@@ -1,0 +1,385 @@
+"""Discrete-event simulation (SimPy) of one training step of a plan: `simulate(plan, seed) -> SimResult`.
+
+One process per simulated rank class (a pipeline stage; data-parallel replicas and the ranks of a tensor / fsdp /
+expert group are folded onto it, see simulator.stepnet) runs its pipeline schedule's action list
+(simulator.schedules, the order torch.distributed.pipelining executes) as the ops of simulator.workload. Its
+compute stream runs compute ops one at a time; communication ops run on their own streams (tensor, context,
+expert, fsdp, data-parallel, expert-data-parallel, pipeline, host), in order within a stream and concurrently
+across streams, as flows on the shared links. So the expert all-to-all overlaps the shared-expert compute, the
+data-parallel gradient reduce-scatter / all-reduce overlaps the rest of the backward, pipeline sends overlap the
+next micro-batch, and FSDP gathers are prefetched one layer ahead. A compute op that starts while a communication
+op of its rank is running is slowed by the profile's comm_compute_slowdown (communication kernels take SMs).
+
+After its last backward a rank waits for its gradient reductions, then runs the optimizer: the state comes in
+over the host link when it lives in host memory (NVLink-C2C on GB200), is updated, and goes back.
+
+Phases (estimate.PHASES names) are rank 0's timeline split by what it was doing: compute, or waiting for a given
+communication, for another stage (pipeline_bubble) or for a transfer from it (pipeline_p2p); they sum to the step
+time. Memory: allocation and release events give each rank's peak (static state, saved activations per layer and
+micro-batch, FSDP gather and gradient buffers, the recomputed layer).
+
+    python -m simulator.step examples/plans/marin-535b-hero.yaml
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import simpy
+
+from rackcast.modelspec import FlopsConvention, ModelSpec
+from rackcast.plan import Plan, Predicted
+from simulator.estimate import PHASES, SECONDS_PER_DAY
+from simulator.schedules import pipeline_orders
+from simulator.stepnet import StepNetwork
+from simulator.workload import Comm, StageWork, Workload
+from topologies.spec import Topology
+
+
+@dataclass
+class Timeline:
+    """What happened, for traces: slices (pid, thread, name, start_s, end_s), memory points per pid
+    (time_s, bytes), link utilisation change points (time_s, link index, bytes/s), link names and capacities."""
+
+    process_names: dict[int, str] = field(default_factory=dict)
+    slices: list[tuple[int, str, str, float, float]] = field(default_factory=list)
+    memory: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    links: list[str] = field(default_factory=list)
+    link_capacity_Bps: list[float] = field(default_factory=list)
+    utilisation: tuple = ((), (), ())
+
+
+@dataclass
+class SimResult:
+    plan: str
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    phases_s: dict[str, float]
+    drop_fraction: float
+    peak_memory_bytes: float
+    peak_memory_per_stage_bytes: list[float]
+    events: int
+    tokens_per_step: int
+    model_flops_per_step: float
+    days_to_budget: float
+    flops_convention: str
+    gpus: int
+    simulated_ranks: int
+    fits: bool
+    seed: int
+    reduced: bool
+    timeline: Timeline = field(default_factory=Timeline, repr=False, compare=False)
+
+    def as_dict(self) -> dict:
+        """The metrics (no timeline), with the key names of simulator.estimate.Estimate where they overlap."""
+        return {k: v for k, v in vars(self).items() if k != "timeline"}
+
+    def to_predicted(self) -> Predicted:
+        return Predicted(source="simulate", step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s,
+                         mfu=self.mfu, peak_memory_bytes=self.peak_memory_bytes,
+                         days_to_budget=self.days_to_budget, phases_s=dict(self.phases_s),
+                         flops_convention=self.flops_convention, drop_fraction=self.drop_fraction, fits=self.fits)
+
+
+class _Rank:
+    """One simulated rank class: its compute stream, communication streams, memory and phase accounting."""
+
+    def __init__(self, sim: "_StepSim", stage: int):
+        self.sim, self.env, self.stage = sim, sim.env, stage
+        self.work: StageWork = sim.work.stages[stage]
+        self.tails: dict[str, simpy.Event] = {}
+        self.active = 0
+        self.mem = self.peak = 0.0
+        self.mem_points: list[tuple[float, float]] = []
+        self.phases: dict[str, float] = defaultdict(float)
+        self.pending: list[simpy.Event] = []
+        self.finish = 0.0
+
+    # ------------------------------------------------------------------------------------------------ memory
+    def alloc(self, nbytes: float) -> None:
+        self.mem += nbytes
+        if self.mem > self.peak:
+            self.peak = self.mem
+        if self.sim.record:
+            self.mem_points.append((self.env.now, self.mem))
+
+    # ------------------------------------------------------------------------------------------ communication
+    def start(self, comm: Comm) -> simpy.Event:
+        prev = self.tails.get(comm.stream)
+        proc = self.env.process(self._comm(comm, prev))
+        self.tails[comm.stream] = proc
+        return proc
+
+    def _comm(self, comm: Comm, prev):
+        if prev is not None and not prev.triggered:
+            yield prev
+        self.active += 1
+        t0 = self.env.now
+        yield from self.sim.run_comm(self.stage, comm)
+        self.active -= 1
+        if self.sim.record:
+            self.sim.timeline.slices.append((self.stage, self.sim.thread(comm), comm.name, t0, self.env.now))
+        return self.env.now
+
+    # --------------------------------------------------------------------------------------------------- ops
+    def run(self, ops, handles: dict):
+        env, slow, record = self.env, self.sim.slowdown, self.sim.record
+        for op in ops:
+            tag = op[0]
+            if tag == "c":
+                d = op[2]
+                if d <= 0.0:
+                    continue
+                if self.active and slow:
+                    d *= 1.0 + slow
+                t0 = env.now
+                yield env.timeout(d)
+                self.phases["compute"] += d
+                if record:
+                    self.sim.timeline.slices.append((self.stage, "compute", op[1], t0, env.now))
+            elif tag == "s":
+                handles[op[1]] = self.start(op[2])
+            elif tag == "w":
+                ev = handles.pop(op[1])
+                if not ev.triggered:
+                    t0 = env.now
+                    yield ev
+                    self.phases[op[2]] += env.now - t0
+            elif tag == "r":  # fire and forget (gradient reduction); waited for before the optimizer
+                self.pending.append(self.start(op[1]))
+            else:
+                self.alloc(op[1])
+
+    def wait_dep(self, key):
+        """Wait for an input from another chunk: bubble while its producer computes, p2p while it travels."""
+        sim, env = self.sim, self.env
+        done, arrive = sim.event(("done",) + key), sim.event(("arrive",) + key)
+        if not done.triggered:
+            t0 = env.now
+            yield done
+            self.phases["pipeline_bubble"] += env.now - t0
+        if not arrive.triggered:
+            t0 = env.now
+            yield arrive
+            self.phases["pipeline_p2p"] += env.now - t0
+
+    def process(self, order):
+        sim, env, work = self.sim, self.env, self.work
+        self.alloc(sum(work.static_bytes.values()) + work.io_bytes)
+        last_chunk = sim.work.n_chunks - 1
+        last_grad = {}
+        for idx, a in enumerate(order):
+            if a.kind in ("BW", "W"):
+                last_grad[a.stage] = idx
+        final = max(last_grad.values()) if last_grad else -1
+        for idx, a in enumerate(order):
+            c, i = a.stage, a.microbatch
+            if a.kind == "F" and c > 0:
+                yield from self.wait_dep(("F", c - 1, i))
+            elif a.kind in ("B", "BW") and c < last_chunk:
+                yield from self.wait_dep(("G", c + 1, i))
+            ops = sim.chunk_ops(work, a, reduce=last_grad.get(c) == idx, top=idx == final)
+            yield from self.run(ops, {})
+            if a.kind != "W":
+                key = ("F" if a.kind == "F" else "G", c, i)
+                sim.event(("done",) + key).succeed(env.now)
+                dst = c + 1 if a.kind == "F" else c - 1
+                if 0 <= dst <= last_chunk and sim.work.chunk_rank[dst] != self.stage:
+                    comm = Comm("p2p", str(sim.work.chunk_rank[dst]), sim.p2p_bytes, "pp",
+                                "send activations" if a.kind == "F" else "send gradients")
+                    self.start(comm).callbacks.append(lambda _e, k=key: sim.event(("arrive",) + k).succeed())
+                else:
+                    sim.event(("arrive",) + key).succeed()
+        if self.pending:
+            t0 = env.now
+            yield env.all_of(self.pending)
+            self.phases["exposed_dp_comm"] += env.now - t0
+        host = work.host_bytes
+        for comm, phase in ((Comm("from_host", "host", host, "host", "optimizer state in"), "host_transfer"),
+                            (None, "optimizer"),
+                            (Comm("to_host", "host", host, "host", "optimizer state out"), "host_transfer")):
+            t0 = env.now
+            if comm is None:
+                yield env.timeout(work.optimizer_s)
+                if sim.record:
+                    sim.timeline.slices.append((self.stage, "compute", "optimizer step", t0, env.now))
+            elif host > 0:
+                yield self.start(comm)
+            self.phases[phase] += env.now - t0
+        self.finish = env.now
+
+
+class _StepSim:
+    def __init__(self, plan: Plan, spec: ModelSpec, topo: Topology, seed: int, reduce: bool, record: bool):
+        self.plan, self.spec, self.topo = plan, spec, topo
+        self.env = simpy.Environment()
+        self.record = record
+        self.work = Workload(spec, plan, topo, seed)
+        self.net = StepNetwork(self.env, plan, topo, reduce=reduce, track_utilisation=record)
+        self.slowdown = topo.efficiency.comm_compute_slowdown
+        self.p2p_bytes = self.work.tokens_mb * spec.d_model * 2
+        self.timeline = Timeline()
+        self._events: dict = {}
+        self._cats = {}
+
+    def event(self, key) -> simpy.Event:
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = self.env.event()
+        return ev
+
+    def thread(self, comm: Comm) -> str:
+        if comm.kind in ("to_host", "from_host"):
+            return "host link"
+        if comm.kind == "p2p":
+            span = self.net.group("pipeline").span
+        else:
+            span = self.net.group(comm.axis).span
+        return f"{'nvlink' if span == 'scale_up' else 'nic'} {comm.stream}"
+
+    def run_comm(self, stage: int, comm: Comm):
+        net, k = self.net, comm.kind
+        if k in ("all_reduce", "reduce_scatter", "all_gather"):
+            yield from net.ring(stage, comm.axis, k, comm.nbytes, tag=comm.name)
+        elif k == "all_to_all":
+            cats = self._cats.get(stage)
+            if cats is None:
+                cats = self._cats[stage] = net.a2a_categories(stage)
+            layer, mb, direction = comm.a2a
+            send, recv = self.work.loads.port_bytes(layer, mb, direction, cats)
+            yield from net.all_to_all(stage, send, recv, comm.nbytes, tag=comm.name)
+        elif k == "shift":
+            yield from net.shift(stage, comm.axis, comm.nbytes, tag=comm.name)
+        elif k == "p2p":
+            yield from net.p2p(stage, int(comm.axis), comm.nbytes, tag=comm.name)
+        else:
+            yield from net.host(stage, comm.nbytes, to_host=k == "to_host", tag=comm.name)
+
+    # ------------------------------------------------------------------------------------------ chunk programs
+    def chunk_ops(self, st: StageWork, a, reduce: bool, top: bool) -> list[tuple]:
+        """The ops of one schedule action (F, B, W or BW of one chunk and micro-batch) on stage `st`."""
+        wl, plan = self.work, self.plan
+        layers = st.chunks[a.stage]
+        last = a.stage == wl.n_chunks - 1
+        rc = plan.recompute
+        mb = a.microbatch
+        ops: list[tuple] = []
+        seq = layers if a.kind == "F" else layers[::-1]
+        gathers = [wl.gather_comms(lw) for lw in seq] if a.kind in ("F", "BW", "B") else [[] for _ in seq]
+        if a.kind != "F" and last:
+            ops.append(("c", "head and loss backward", (2.0 if a.kind == "BW" else 1.0) * st.head_s))
+
+        def start_gather(j):
+            for n, (comm, nbytes) in enumerate(gathers[j]):
+                ops.append(("m", nbytes))
+                ops.append(("s", f"ag{j}.{n}", comm))
+
+        for j, lw in enumerate(seq):
+            key = f"{lw.index}."
+            if j == 0:
+                start_gather(0)
+            if j + 1 < len(seq):
+                start_gather(j + 1)  # prefetch the next layer's parameters
+            for n in range(len(gathers[j])):
+                ops.append(("w", f"ag{j}.{n}", "exposed_fsdp_gather"))
+            if a.kind == "F":
+                ops += wl.layer_forward(lw, mb, key)
+                ops.append(("m", lw.kept_bytes if rc == "full" else lw.act_bytes - (lw.core_bytes if rc == "selective"
+                                                                                      else 0.0)))
+            else:
+                grad_buf = wl.grad_buffer_bytes(lw) if a.kind == "BW" else 0.0
+                ops.append(("m", grad_buf))
+                if a.kind != "W" and rc == "full":
+                    ops.append(("m", lw.act_bytes))
+                    ops += wl.layer_forward(lw, mb, key + "r", recompute=True)
+                elif a.kind != "W" and rc == "selective":
+                    ops.append(("c", "recompute attention core", lw.core_s))
+                ops += wl.layer_backward(lw, mb, key, a.kind)
+                if a.kind != "W":
+                    saved = lw.act_bytes + lw.kept_bytes if rc == "full" else \
+                        lw.act_bytes - (lw.core_bytes if rc == "selective" else 0.0)
+                    ops.append(("m", -saved))
+                ops.append(("m", -grad_buf))
+                if reduce:
+                    ops += [("r", comm) for comm in wl.reduction_comms(lw.dense_params, lw.expert_params)]
+            ops += [("m", -nbytes) for _, nbytes in gathers[j]]
+        if a.kind == "F" and last:
+            ops.append(("c", "head and loss", st.head_s))
+        if reduce and top and st.top_params > 0:
+            ops += [("r", comm) for comm in wl.reduction_comms(st.top_params, 0.0)]
+        return ops
+
+    # ------------------------------------------------------------------------------------------------- run
+    def run(self) -> tuple[list[_Rank], int]:
+        par = self.plan.parallel
+        orders = pipeline_orders(self.plan.schedule, par.pipeline, self.plan.microbatches, self.work.v_chunks)
+        ranks = [_Rank(self, s) for s in range(par.pipeline)]
+        for r, order in zip(ranks, orders):
+            self.env.process(r.process(order))
+        events = 0
+        step = self.env.step
+        try:
+            while True:
+                step()
+                events += 1
+        except simpy.core.EmptySchedule:
+            pass
+        return ranks, events
+
+
+def simulate(plan: Plan, seed: int = 0, spec: ModelSpec | None = None, topo: Topology | None = None, *,
+             convention: FlopsConvention = FlopsConvention(), reduce: bool = True, record: bool = True) -> SimResult:
+    """Simulate one training step of `plan` (see the module docstring). reduce=False simulates every GPU's
+    traffic on the full cluster graph (slow; for checking the symmetry reduction). record=False skips the
+    timeline (faster; the metrics are the same)."""
+    spec = spec or plan.model_spec()
+    topo = topo or plan.topology_spec()
+    sim = _StepSim(plan, spec, topo, seed, reduce, record)
+    ranks, events = sim.run()
+    step = max(r.finish for r in ranks)
+    phases = {k: 0.0 for k in PHASES}
+    for k, v in ranks[0].phases.items():
+        phases[k] = phases.get(k, 0.0) + v
+    phases["pipeline_bubble"] += step - ranks[0].finish
+    tokens = plan.tokens_per_step(spec)
+    model_flops = spec.flops_per_token_train(convention) * tokens
+    peaks = [r.peak for r in ranks]
+    host_per_host = ranks[0].work.host_bytes * topo.host.gpus_per_host
+    fits = max(peaks) <= topo.accelerator.hbm_bytes and host_per_host <= topo.host.memory_bytes
+    if record:
+        tl = sim.timeline
+        for r in ranks:
+            tl.process_names[r.stage] = (f"stage {r.stage} (GPU {sim.net.name(sim.net.rep(r.stage))}; stands for "
+                                         f"{par_ranks(plan)} GPUs)")
+            tl.memory[r.stage] = r.mem_points
+        tl.links = [f"{u}->{v}" for u, v in sim.net.net.links]
+        tl.link_capacity_Bps = [float(c) for c in sim.net.net.capacity]
+        tl.utilisation = sim.net.net.utilisation_arrays()
+    tokens_per_s = tokens / step
+    return SimResult(
+        plan=plan.name, step_time_s=step, tokens_per_s=tokens_per_s,
+        mfu=model_flops / (step * topo.gpus * topo.peak_flops("bf16")), phases_s=phases,
+        drop_fraction=sim.work.loads.drop_fraction if sim.work.loads else 0.0,
+        peak_memory_bytes=max(peaks), peak_memory_per_stage_bytes=peaks, events=events, tokens_per_step=tokens,
+        model_flops_per_step=model_flops,
+        days_to_budget=(plan.tokens / tokens_per_s / SECONDS_PER_DAY) if plan.tokens else math.nan,
+        flops_convention=convention.label, gpus=topo.gpus, simulated_ranks=len(ranks), fits=fits, seed=seed,
+        reduced=reduce, timeline=sim.timeline)
+
+
+def par_ranks(plan: Plan) -> int:
+    """GPUs one pipeline stage's representative stands for."""
+    p = plan.parallel
+    return p.data * p.fsdp * p.context * p.tensor
+
+
+if __name__ == "__main__":
+    from rackcast.plan import load_plan
+
+    res = simulate(load_plan(sys.argv[1]))
+    for key, value in res.as_dict().items():
+        print(f"{key}: {value}")

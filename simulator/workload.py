@@ -1,0 +1,336 @@
+"""Workload of a training step: the ops each simulated rank runs per micro-batch, forward and backward.
+
+From a ModelSpec and a Plan, for every pipeline stage (one rank class): per layer the compute ops (attention block
+with its norms, gated norms, convolutions and attention core; router and latent projections; shared experts; grouped
+expert GEMMs; dense MLP; output head and loss) and the communication they need (tensor-parallel all-reduces,
+context-parallel key/value shifts, expert dispatch and combine all-to-alls, FSDP all-gathers, data-parallel gradient
+reduce-scatter / all-reduce, pipeline sends), then the optimizer step with its host <-> GPU state movement.
+
+Durations follow simulator.estimate exactly (the two must agree on simple plans): GEMM time = FLOPs / (peak x
+efficiency(one GEMM of 2 x tokens x d_model^2 / tensor FLOPs)), attention core at the attention efficiency
+(hardware work: causal, over the window), experts at the grouped-GEMM efficiency of one expert's GEMM, elementwise
+work as the activation bytes written in forward and read in backward at the memory-bound fraction of HBM bandwidth,
+backward = 2 x forward. Per-stage sums of these costs equal estimate.plan_features for stage 0 (a test checks).
+
+Ops are plain tuples, interpreted by simulator.step:
+    ("c", name, seconds)              compute on the compute stream
+    ("s", key, Comm)                  start a communication op on its stream (asynchronous)
+    ("w", key, phase)                 wait for it; time waited counts as `phase` (an estimate.PHASES name)
+    ("m", bytes)                      allocate (+) or release (-) memory on this GPU
+Expert all-to-all token counts come from simulator.routing (see ExpertLoads).
+
+    python -m simulator.workload examples/plans/marin-535b-hero.yaml     # per-stage op counts and seconds
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from rackcast.modelspec import FlopsConvention, ModelSpec
+from rackcast.plan import Plan
+from simulator.memory import (BYTES, attention_core_bytes_per_token, expert_fsdp,
+                              layer_activation_bytes_per_token, rank_params, static_bytes)
+from simulator.optimizer_cost import newton_schulz_flops, optimizer_traffic_bytes
+from simulator.routing import expert_probabilities
+from simulator.schedules import stage_to_rank
+from topologies.spec import Topology
+
+HW = FlopsConvention(attention="causal", window="window", head=True)  # the work kernels really do
+W_BYTES = BYTES["bf16"]
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One communication op: a collective over a parallel axis, an all-to-all, a pipeline send or a host copy."""
+
+    kind: str  # all_reduce | reduce_scatter | all_gather | shift | all_to_all | p2p | to_host | from_host
+    axis: str  # a StepNetwork axis; for p2p the destination stage as text
+    nbytes: float  # nccl-tests size (all_to_all: per-rank send buffer)
+    stream: str  # tp | cp | ep | fsdp | dp | edp | pp | host: ops of one stream run one after another
+    name: str
+    a2a: tuple = ()  # all_to_all: (moe layer slot, micro-batch, direction "d" dispatch or "c" combine)
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    index: int
+    moe: bool
+    attn_s: float  # attention block GEMMs, norms, gated norms, convs and the attention core (forward)
+    core_s: float  # the attention core alone (selective recomputation redoes it)
+    router_s: float  # router and latent projections (MoE) or the dense MLP
+    shared_s: float  # shared experts (forward)
+    expert_s_per_row: float  # grouped expert GEMMs per routed row on the most loaded rank (forward)
+    elem_s: float  # elementwise work of forward + backward
+    dense_params: float  # this rank's dense parameters of the layer (after tensor split)
+    expert_params: float  # this rank's routed-expert parameters of the layer (after expert split)
+    act_bytes: float  # activations saved for backward per micro-batch, no recomputation
+    core_bytes: float  # the part selective recomputation does not keep
+    kept_bytes: float  # full recomputation keeps only the layer input
+
+
+@dataclass
+class StageWork:
+    stage: int
+    chunks: dict[int, list[LayerWork]]  # global chunk -> its layers in order
+    head_s: float  # output head and loss (forward) on the stage holding the last chunk
+    top_params: float  # embedding, head and final norms held by this stage (after tensor split)
+    static_bytes: dict[str, float]  # weights, gradients, master, optimizer
+    io_bytes: float  # embedding output and head input (kept once)
+    optimizer_s: float
+    host_bytes: float  # optimizer state + master moved each way between host and GPU
+
+
+def _mlp_matrices(spec: ModelSpec) -> int:
+    return 3 if spec.activation == "swiglu" else 2
+
+
+class Workload:
+    """Per-stage costs of a plan on a topology (see the module docstring)."""
+
+    def __init__(self, spec: ModelSpec, plan: Plan, topo: Topology, seed: int = 0):
+        self.spec, self.plan, self.topo = spec, plan, topo
+        par, b = plan.parallel, plan.batch
+        eff = topo.efficiency
+        self.peak = topo.peak_flops("bf16")
+        self.tokens_mb = b.micro_batch * spec.seq_len / par.context
+        t = par.tensor
+        self.gemm_eff = eff.gemm_efficiency(2 * self.tokens_mb * spec.d_model * spec.d_model / t)
+        self.v_chunks = 2 if plan.schedule == "dualpipev" else par.virtual
+        self.n_chunks = par.pipeline * self.v_chunks
+        owner = stage_to_rank(plan.schedule, par.pipeline, self.v_chunks)
+        self.chunk_rank = owner
+        per_chunk = spec.layers // self.n_chunks
+        moe = spec.moe
+        self.x = spec.expert_input_dim if moe else 0
+        if moe:
+            rows = max(self.tokens_mb * par.expert * moe.top_k / moe.experts, 1.0)
+            self.expert_eff = eff.grouped_gemm_efficiency(2 * rows * self.x * moe.expert_ffn / par.expert_tensor)
+        self.stages: list[StageWork] = []
+        for s in range(par.pipeline):
+            chunks = {c: [self._layer(i) for i in range(c * per_chunk, (c + 1) * per_chunk)]
+                      for c in range(self.n_chunks) if owner[c] == s}
+            self.stages.append(self._stage(s, chunks))
+        self.loads = ExpertLoads(spec, plan, self, seed) if moe else None
+
+    # ------------------------------------------------------------------------------------------------ layers
+    def _gemm_s(self, flops_per_token: float) -> float:
+        return flops_per_token * self.tokens_mb / self.plan.parallel.tensor / (self.peak * self.gemm_eff)
+
+    def _layer(self, i: int) -> LayerWork:
+        spec, plan, par = self.spec, self.plan, self.plan.parallel
+        eff = self.topo.efficiency
+        parts = spec.layer_flops_breakdown(i, HW)
+        core = parts.get("attn_scores_values", 0.0) * self.tokens_mb / par.tensor / (self.peak * eff.attention)
+        mlp_keys = ("router", "latent", "dense_mlp")
+        attn_gemm = sum(v for k, v in parts.items()
+                        if k not in mlp_keys + ("attn_scores_values", "experts", "shared_experts"))
+        per_row = 0.0
+        if spec.is_moe(i):
+            per_row = parts["experts"] / spec.moe.top_k / par.expert_tensor / (self.peak * self.expert_eff)
+        act = layer_activation_bytes_per_token(spec, i, plan) * self.tokens_mb
+        pb = spec.layer_param_breakdown(i)
+        sp = par.tensor if par.sequence_parallel else 1
+        return LayerWork(
+            index=i, moe=spec.is_moe(i), attn_s=self._gemm_s(attn_gemm) + core, core_s=core,
+            router_s=self._gemm_s(sum(parts.get(k, 0.0) for k in mlp_keys)),
+            shared_s=self._gemm_s(parts.get("shared_experts", 0.0)), expert_s_per_row=per_row,
+            elem_s=2 * act / (self.topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound),
+            dense_params=(spec.layer_params(i) - pb.get("experts", 0)) / par.tensor,
+            expert_params=pb.get("experts", 0) / (par.expert * par.expert_tensor),
+            act_bytes=act, core_bytes=attention_core_bytes_per_token(spec, i, plan) * self.tokens_mb,
+            kept_bytes=BYTES["bf16"] * spec.d_model / sp * self.tokens_mb)
+
+    # ------------------------------------------------------------------------------------------------ stages
+    def _stage(self, s: int, chunks: dict[int, list[LayerWork]]) -> StageWork:
+        spec, plan = self.spec, self.plan
+        eff = self.topo.efficiency
+        rp = rank_params(spec, plan, s)
+        layers = [lw.index for c in chunks for lw in chunks[c]]
+        head_s = self._gemm_s(spec.head_flops_fwd(HW)) if (self.n_chunks - 1) in chunks else 0.0
+        static = static_bytes(rp, plan)
+        host_bytes = static.pop("host")  # resident on the host; the step moves it in and back out
+        # Optimizer time as simulator.estimate computes it (same bytes, same Newton-Schulz work).
+        opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
+        ns = newton_schulz_flops(spec, plan, layers)
+        optimizer_s = opt_bytes / (self.topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound) + \
+            ns / (self.peak * eff.gemm_efficiency(2 * spec.d_model ** 3))
+        top = rp.dense - sum(lw.dense_params for c in chunks for lw in chunks[c])
+        return StageWork(stage=s, chunks=chunks, head_s=head_s, top_params=top, static_bytes=static,
+                         io_bytes=2 * BYTES["bf16"] * spec.d_model * self.tokens_mb, optimizer_s=optimizer_s,
+                         host_bytes=host_bytes)
+
+    # ------------------------------------------------------------------------------------------ op programs
+    def layer_forward(self, lw: LayerWork, mb: int, key: str, recompute: bool = False) -> list[tuple]:
+        """Ops of one layer's forward (or its recomputation) for micro-batch mb."""
+        par = self.plan.parallel
+        pre = "recompute " if recompute else ""
+        ops: list[tuple] = []
+        attn_s = lw.attn_s + (0.0 if recompute else lw.elem_s / 2)
+        if par.context > 1:
+            ops.append(("s", key + "cp", self._cp_comm()))
+        ops.append(("c", pre + "attention", attn_s))
+        if par.context > 1:
+            ops.append(("w", key + "cp", "exposed_tensor_comm"))
+        ops += self._tp(key + "tpa")
+        if lw.moe:
+            ops.append(("c", pre + "router", lw.router_s))
+            ops += self._moe_exchange(lw, mb, key, "d", "c", pre + "experts", 1.0, pre + "shared experts")
+        else:
+            ops.append(("c", pre + "mlp", lw.router_s))
+        ops += self._tp(key + "tpm")
+        return ops
+
+    def layer_backward(self, lw: LayerWork, mb: int, key: str, kind: str) -> list[tuple]:
+        """Ops of one layer's backward: kind "BW" (input and weight gradients), "B" (inputs) or "W" (weights)."""
+        if kind == "W":
+            return [("c", "weight grads", lw.attn_s + lw.router_s + lw.shared_s + self._expert_s(lw, mb))]
+        f = 2.0 if kind == "BW" else 1.0
+        ops = self._tp(key + "tpm")
+        if lw.moe:
+            ops += self._moe_exchange(lw, mb, key, "d", "c", "experts backward", f, "shared experts backward")
+            ops.append(("c", "router backward", f * lw.router_s))
+        else:
+            ops.append(("c", "mlp backward", f * lw.router_s))
+        ops += self._tp(key + "tpa")
+        if self.plan.parallel.context > 1:
+            ops.append(("s", key + "cp", self._cp_comm(f)))
+        ops.append(("c", "attention backward", f * lw.attn_s + lw.elem_s / 2))
+        if self.plan.parallel.context > 1:
+            ops.append(("w", key + "cp", "exposed_tensor_comm"))
+        return ops
+
+    def _moe_exchange(self, lw, mb, key, first, second, expert_name, factor, shared_name) -> list[tuple]:
+        """Dispatch, experts, combine; half the shared-expert work runs under each all-to-all."""
+        a2a_bytes = self.tokens_mb * self.spec.moe.top_k * self.x * W_BYTES
+        ops: list[tuple] = []
+        for n, direction in enumerate((first, second)):
+            name = "dispatch" if direction == "d" else "combine"
+            comm = Comm("all_to_all", "expert", a2a_bytes, "ep", name, (lw.index, mb, direction))
+            ops.append(("s", key + name, comm))
+            if lw.shared_s:
+                ops.append(("c", shared_name, factor * lw.shared_s / 2))
+            ops.append(("w", key + name, "exposed_expert_a2a"))
+            if n == 0:
+                ops.append(("c", expert_name, factor * self._expert_s(lw, mb)))
+        return ops
+
+    def _expert_s(self, lw: LayerWork, mb: int) -> float:
+        return lw.expert_s_per_row * self.loads.max_rows(lw.index, mb) if lw.moe else 0.0
+
+    def _tp(self, key: str) -> list[tuple]:
+        par = self.plan.parallel
+        if par.tensor <= 1:
+            return []
+        nbytes = self.tokens_mb * self.spec.d_model * W_BYTES
+        return [("s", key, Comm("all_reduce", "tensor", nbytes, "tp", "tp all-reduce")),
+                ("w", key, "exposed_tensor_comm")]
+
+    def _cp_comm(self, factor: float = 1.0) -> Comm:
+        par, a = self.plan.parallel, self.spec.attention
+        nbytes = self.tokens_mb * 2 * a.kv_heads_local * a.head_dim * W_BYTES / par.tensor
+        return Comm("shift", "context", factor * (par.context - 1) * nbytes, "cp", "cp kv exchange")
+
+    def gather_comms(self, lw: LayerWork) -> list[tuple[Comm, float]]:
+        """FSDP all-gathers of one layer's parameters and the bytes of their unsharded buffers."""
+        par = self.plan.parallel
+        out = []
+        if par.fsdp > 1:
+            out.append((Comm("all_gather", "fsdp", lw.dense_params * W_BYTES, "fsdp", "fsdp all-gather"),
+                        W_BYTES * lw.dense_params))
+        if lw.moe and expert_fsdp(self.plan) > 1:
+            out.append((Comm("all_gather", "expert_fsdp", lw.expert_params * W_BYTES, "fsdp",
+                             "expert fsdp all-gather"), W_BYTES * lw.expert_params))
+        return out
+
+    def grad_buffer_bytes(self, lw: LayerWork) -> float:
+        """Unsharded gradient buffer of one layer during its backward (FSDP only; memory.py counts one layer)."""
+        par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
+        out = g * lw.dense_params if par.fsdp > 1 else 0.0
+        if lw.moe and expert_fsdp(self.plan) > 1:
+            out += g * lw.expert_params
+        return out
+
+    def reduction_comms(self, dense_params: float, expert_params: float) -> list[Comm]:
+        """Gradient reduction of one bucket, as simulator.estimate counts it: reduce-scatter inside the
+        fsdp x context group, all-reduce of the shard across data replicas, all-reduce of expert gradients
+        across the copies of each expert slice."""
+        par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
+        inner = par.fsdp * par.context
+        out = []
+        if dense_params > 0:
+            out.append(Comm("reduce_scatter", "inner", dense_params * g, "dp", "grad reduce-scatter"))
+            out.append(Comm("all_reduce", "data", dense_params * g / inner, "dp", "grad all-reduce"))
+        if expert_params > 0:
+            out.append(Comm("all_reduce", "expert_data", expert_params / expert_fsdp(self.plan) * g, "edp",
+                            "expert grad all-reduce"))
+        return out
+
+
+class ExpertLoads:
+    """Routed rows per (micro-batch, layer, source rank, expert), drawn from the plan's routing distribution.
+
+    Each source rank of an expert group routes its micro-batch's tokens top_k ways (multinomial over the expert
+    probabilities of simulator.routing). Capacity mode keeps at most floor(c x tokens x top_k / experts) rows per
+    expert, dropping the excess of every source in proportion; dropless keeps all. Experts lie contiguously on the
+    expert ranks. All data-parallel replicas replay the same draw (the symmetry the reduction relies on).
+    """
+
+    def __init__(self, spec: ModelSpec, plan: Plan, work: Workload, seed: int):
+        moe, par = spec.moe, plan.parallel
+        ep = par.expert
+        self.layers = sorted({lw.index for st in work.stages for c in st.chunks.values() for lw in c if lw.moe})
+        self.slot = {layer: k for k, layer in enumerate(self.layers)}
+        m = plan.microbatches
+        tokens = max(int(round(work.tokens_mb)), 1)
+        rng = np.random.default_rng(seed)
+        probs = expert_probabilities(plan.expert_transport, moe.experts, seed)
+        size = (m, len(self.layers), ep)
+        if plan.expert_transport.mode == "capacity":
+            counts = rng.multinomial(tokens * moe.top_k, probs, size=size).astype(np.float64)
+            total = counts.sum()
+            cap = np.floor(plan.expert_transport.capacity_factor * tokens * ep * moe.top_k / moe.experts)
+            per_expert = counts.sum(axis=2, keepdims=True)
+            counts = np.floor(counts * np.minimum(1.0, cap / np.maximum(per_expert, 1.0)))
+            self.drop_fraction = float(1.0 - counts.sum() / total) if total else 0.0
+            rows = counts.reshape(*size, ep, moe.experts // ep).sum(axis=4)
+        else:  # dropless needs only rows per expert rank: a multinomial over ranks is the same distribution
+            rank_probs = probs.reshape(ep, moe.experts // ep).sum(axis=1)
+            rows = rng.multinomial(tokens * moe.top_k, rank_probs / rank_probs.sum(), size=size).astype(np.float64)
+            self.drop_fraction = 0.0
+        # rows[mb, layer, src, dst]: rows source rank src sends to expert rank dst
+        self.rows = rows
+        self._max_rows = self.rows.sum(axis=2).max(axis=2)  # most loaded expert rank
+        self.row_bytes = work.x * W_BYTES
+        self._masks: dict[int, tuple] = {}
+
+    def max_rows(self, layer: int, mb: int) -> float:
+        return float(self._max_rows[mb, self.slot[layer]])
+
+    def port_bytes(self, layer: int, mb: int, direction: str, categories: np.ndarray):
+        """(send, recv): (ep, 3) bytes per rank and pair category (stepnet.A2A_CATEGORIES), self excluded."""
+        b = self.rows[mb, self.slot[layer]] * self.row_bytes
+        if direction == "c":
+            b = b.T
+        cached = self._masks.get(id(categories))
+        if cached is None or cached[0] is not categories:  # one-hot (category, src, dst), self pairs excluded
+            off = 1.0 - np.eye(categories.shape[0])
+            cached = self._masks[id(categories)] = (categories, np.stack([(categories == c) * off for c in range(3)]))
+        masks = cached[1]  # pair categories are symmetric: (s, d) and (d, s) are alike
+        send = np.einsum("sd,csd->sc", b, masks)
+        recv = np.einsum("sd,csd->dc", b, masks)
+        return send, recv
+
+
+if __name__ == "__main__":
+    from rackcast.plan import load_plan
+
+    loaded = load_plan(sys.argv[1])
+    wl = Workload(loaded.model_spec(), loaded, loaded.topology_spec(), loaded.seed)
+    for st in wl.stages:
+        n = sum(len(c) for c in st.chunks.values())
+        fwd = sum(lw.attn_s + lw.router_s + lw.shared_s for c in st.chunks.values() for lw in c)
+        print(f"stage {st.stage}: {n} layers, forward GEMM+attention {fwd:.4f} s/micro-batch (experts apart), "
+              f"optimizer {st.optimizer_s:.4f} s, host bytes each way {st.host_bytes / 2**30:.2f} GiB")
