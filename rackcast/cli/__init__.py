@@ -23,6 +23,8 @@ COMMAND_MODULES = [
     "rackcast.cli.estimate",
     "rackcast.cli.forecast",
     "rackcast.cli.simulate",
+    "rackcast.cli.plan",
+    "rackcast.cli.size",
 ]
 
 

@@ -1,0 +1,342 @@
+"""The layout search space: which parallel layouts and knobs the planner enumerates, and how one becomes a Plan.
+
+Axes: data, fsdp, tensor, pipeline (+ virtual chunks), expert, expert_tensor and context degrees; micro-batch;
+global batch (fixed or a range); pipeline schedule; recomputation; optimizer state in HBM or host memory; dropless
+or capacity expert transport; the GPUs used per domain (64 or 72 on an NVL72 rack).
+
+Only layouts whose degrees multiply to the GPU count are generated. Placement rule: tensor x context groups are the
+innermost ranks and must divide the GPUs used per domain, so tensor- and context-parallel traffic never crosses the
+NICs; expert, fsdp, data and pipeline groups may cross domains, and the estimate charges the scale-out link for it.
+Everything else about divisibility (heads, KV heads, layers, experts, expert width, sequence, batch, schedule) is
+decided by rackcast.plan.validate, the single authority: a layout it refuses is kept as a rejected row with the
+RackcastError text.
+
+    python -m planner.space marin-535b-a23b gb200-nvl72 11     # counts the layouts of the default space
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Iterator
+
+from rackcast.errors import RackcastError
+from rackcast.modelspec import FlopsConvention, ModelSpec
+from simulator.schedule_formulas import peak_in_flight
+from rackcast.plan import (BatchSpec, ExpertTransport, OptimizerSpec, ParallelSpec, Plan, TopologyRef,
+                           validate)
+
+# Marin's fixed-capacity transport ran at capacity factor 1.15 (shared/reference/marin-535b.md).
+CAPACITY_FACTOR = 1.15
+# Default tokens per GPU per step: Marin's 11,264 sequences x 4,096 tokens on 11 racks x 64 GPUs = 65,536.
+DEFAULT_TOKENS_PER_GPU = 65536
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "dualpipev")
+RECOMPUTE = ("none", "selective", "full")
+OPT_LOCATIONS = ("hbm", "host")
+TRANSPORTS = ("dropless", "capacity")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space (everything a Plan needs besides the model and the hardware)."""
+
+    usable: int  # GPUs used per domain
+    data: int
+    fsdp: int
+    tensor: int
+    pipeline: int
+    virtual: int
+    expert: int
+    expert_tensor: int
+    context: int
+    global_batch: int
+    micro_batch: int
+    schedule: str
+    recompute: str
+    opt_location: str
+    transport: str
+
+    @property
+    def parallel_label(self) -> str:
+        parts = [f"d{self.data}", f"f{self.fsdp}"]
+        for name, short in (("tensor", "t"), ("context", "c"), ("expert", "e"), ("expert_tensor", "et")):
+            if getattr(self, name) > 1:
+                parts.append(f"{short}{getattr(self, name)}")
+        if self.pipeline > 1:
+            parts.append(f"p{self.pipeline}" + (f"v{self.virtual}" if self.virtual > 1 else ""))
+        return " ".join(parts)
+
+    @property
+    def knobs_label(self) -> str:
+        sched = self.schedule if self.pipeline > 1 else "-"
+        return (f"gb{self.global_batch} mb{self.micro_batch} {sched} rc={self.recompute} opt={self.opt_location} "
+                f"{self.transport} {self.usable}/dom")
+
+    @property
+    def label(self) -> str:
+        return f"{self.parallel_label} | {self.knobs_label}"
+
+    @property
+    def layout_class(self) -> str:
+        """The axes in use (degree > 1), e.g. 'data+fsdp+expert': the class explain groups rejections by."""
+        axes = [n for n in ("data", "fsdp", "tensor", "context", "pipeline", "expert", "expert_tensor")
+                if getattr(self, n) > 1]
+        return "+".join(axes) or "single-gpu"
+
+    def replica_gpus(self) -> int:
+        """GPUs holding one full copy of the model: per pipeline stage, the larger of the dense shard group
+        (tensor x context x fsdp) and the expert group (expert x expert_tensor), both innermost ranks."""
+        return max(self.tensor * self.context * self.fsdp, self.expert * self.expert_tensor) * self.pipeline
+
+
+@dataclass(frozen=True)
+class SpaceOptions:
+    """Which values each axis may take. Degrees not listed are generated from the GPU count's divisors."""
+
+    usable: tuple[int, ...] = ()  # empty: the preset's default and the full domain (64 and 72 on NVL72)
+    global_batch: int = 0  # fixed global batch (sequences); 0: see batch_range, else the default rule
+    batch_range: tuple[int, int] | None = None
+    max_tensor: int = 8
+    contexts: tuple[int, ...] = (1, 2)
+    max_pipeline: int = 8
+    virtuals: tuple[int, ...] = (2,)
+    expert_tensors: tuple[int, ...] = (1, 2)
+    max_micro_batch: int = 16
+    micro_batches: tuple[int, ...] = ()  # empty: every power of two up to max_micro_batch
+    schedules: tuple[str, ...] = PIPELINE_SCHEDULES
+    recompute: tuple[str, ...] = RECOMPUTE
+    opt_locations: tuple[str, ...] = OPT_LOCATIONS
+    transports: tuple[str, ...] = TRANSPORTS
+
+    @classmethod
+    def coarse(cls, **overrides) -> "SpaceOptions":
+        """A smaller space for model-size search, which runs one layout search per shape: no context or expert-tensor
+    parallelism, micro-batches 1, 4 and 16, 1F1B or interleaved pipelines, dropless transport."""
+        base = dict(contexts=(1,), virtuals=(2,), expert_tensors=(1,), micro_batches=(1, 4, 16),
+                    schedules=("1f1b", "interleaved_1f1b"), transports=("dropless",))
+        base.update(overrides)
+        return cls(**base)
+
+
+@lru_cache(maxsize=None)
+def divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def default_global_batch(spec: ModelSpec, default_usable: int, domains: int) -> int:
+    """Sequences per step giving DEFAULT_TOKENS_PER_GPU tokens on every GPU of the preset's default count per
+    domain (11,264 for Marin's 4,096-token sequences on 11 racks of 64). It does not change with --usable-gpus,
+    so 64- and 72-GPU layouts train on the same batch."""
+    return max(1, DEFAULT_TOKENS_PER_GPU * default_usable * domains // spec.seq_len)
+
+
+def global_batches(options: SpaceOptions, replicas: int, micro: int, fallback: int) -> list[int]:
+    """Global batches to try for data x fsdp = `replicas`: the fixed one, or in range mode the smallest and the
+    largest multiples of replicas x micro-batch inside the range."""
+    if options.batch_range is None:
+        return [options.global_batch or fallback]
+    lo, hi = options.batch_range
+    unit = replicas * micro
+    first, last = -(-lo // unit) * unit, hi // unit * unit
+    return sorted({b for b in (first, last) if lo <= b <= hi and b > 0})
+
+
+def usable_options(options: SpaceOptions, default_usable: int, domain_size: int) -> tuple[int, ...]:
+    return options.usable or tuple(sorted({default_usable, domain_size}))
+
+
+def _schedules(options: SpaceOptions, pipeline: int, layers: int) -> list[tuple[str, int]]:
+    if pipeline == 1:
+        return [("1f1b", 1)]
+    out = []
+    for name in options.schedules:
+        if name in ("1f1b", "gpipe"):
+            out.append((name, 1))
+        elif name == "zb_h1":
+            out.append((name, 1))
+        elif name == "interleaved_1f1b":
+            out += [(name, v) for v in options.virtuals]
+        elif name == "dualpipev":
+            out.append((name, 2))
+    return out
+
+
+def structures(spec: ModelSpec, domains: int, usable: int, options: SpaceOptions) -> Iterator[tuple[int, ...]]:
+    """(data, fsdp, tensor, context, pipeline, expert, expert_tensor) whose product matches the GPUs and whose
+    tensor x context groups divide the GPUs of one domain (the placement rule)."""
+    gpus = usable * domains
+    experts = spec.moe.experts if spec.moe else 1
+    for t in divisors(gpus):
+        if t > options.max_tensor or usable % t:
+            continue
+        for c in options.contexts:
+            if usable % (t * c):
+                continue
+            rest = gpus // (t * c)
+            for p in divisors(rest):
+                if p > options.max_pipeline:
+                    continue
+                for f in divisors(rest // p):
+                    d = rest // p // f
+                    fold = d * f * c * t
+                    for e in divisors(fold) if spec.moe else (1,):
+                        if e > experts:
+                            continue
+                        for et in options.expert_tensors if spec.moe else (1,):
+                            if fold % (e * et) == 0:
+                                yield d, f, t, c, p, e, et
+
+
+def knob_variants(spec: ModelSpec, options: SpaceOptions, data: int, fsdp: int, pipeline: int,
+                  fallback_batch: int) -> Iterator[tuple]:
+    """(global_batch, micro_batch, schedule, virtual, transport) for one structure. Recomputation and optimizer
+    location are chosen per layout by the search (planner.search), not enumerated blindly. GPipe is offered only
+    where 1F1B cannot run (fewer micro-batches than stages): otherwise it has the same bubble and holds more
+    activations, so 1F1B dominates it."""
+    transports = enumerated_transports(spec, options)
+    replicas = data * fsdp
+    micro = options.micro_batches or tuple(2 ** i for i in range(options.max_micro_batch.bit_length()))
+    for mb in micro:
+        for gb in global_batches(options, replicas, mb, fallback_batch):
+            if gb % (replicas * mb):
+                continue  # validate would refuse it too; skip the whole knob product at once
+            for sched, v in _schedules(options, pipeline, spec.layers):
+                if sched == "gpipe" and gb // (replicas * mb) >= pipeline:
+                    continue
+                for tr in transports:
+                    yield gb, mb, sched, v, tr
+
+
+def enumerated_transports(spec: ModelSpec, options: SpaceOptions) -> tuple[str, ...]:
+    """Dense models have no expert transport; MoE layouts are enumerated dropless (when asked for) and the search
+    refines its best ones with capacity transport, which changes only the all-to-all, not memory or validity."""
+    if spec.moe is None:
+        return ("dropless",)
+    return ("dropless",) if "dropless" in options.transports else options.transports
+
+
+def optimizer_for(spec: ModelSpec) -> str:
+    """MuonH for MoE models (the Marin recipe), AdamW for dense ones."""
+    return "muonh" if spec.moe is not None else "adamw"
+
+
+def make_plan(layout: Layout, model: str | ModelSpec, topology: str, domains: int, spec: ModelSpec, *,
+              tokens: float = 0.0, start: str = "", deadline: str = "", name: str = "") -> Plan:
+    transport = ExpertTransport(mode=layout.transport,
+                                capacity_factor=CAPACITY_FACTOR if layout.transport == "capacity" else 1.0)
+    return Plan(
+        name=name or f"{spec.name}-{topology}-{domains}",
+        model=model,
+        topology=TopologyRef(name=topology, domains=domains, usable_gpus=layout.usable),
+        parallel=ParallelSpec(data=layout.data, fsdp=layout.fsdp, tensor=layout.tensor, pipeline=layout.pipeline,
+                              virtual=layout.virtual, expert=layout.expert, expert_tensor=layout.expert_tensor,
+                              context=layout.context, sequence_parallel=layout.tensor > 1),
+        batch=BatchSpec(global_batch=layout.global_batch, micro_batch=layout.micro_batch),
+        schedule=layout.schedule,
+        recompute=layout.recompute,
+        optimizer=OptimizerSpec(name=optimizer_for(spec), state_location=layout.opt_location),
+        expert_transport=transport,
+        tokens=tokens, start=start, deadline=deadline,
+    )
+
+
+def check(layout: Layout, spec: ModelSpec, domains: int) -> str:
+    """'' when rackcast.plan.validate accepts the layout, else its RackcastError text."""
+    plan = make_plan(layout, spec.name, "", domains, spec)
+    try:
+        validate(plan, spec, layout.usable * domains)
+    except RackcastError as exc:
+        return str(exc)
+    if layout.pipeline > 1:
+        try:  # the schedule formulas' own coverage rules (e.g. dualpipev needs 2 x stages micro-batches)
+            peak_in_flight(layout.schedule, layout.pipeline, plan.microbatches, layout.virtual)
+        except ValueError as exc:
+            return f"schedule: {exc}"
+    return ""
+
+
+@dataclass
+class Enumeration:
+    layouts: list[Layout] = field(default_factory=list)  # valid: validate accepted them
+    rejected: list[tuple[Layout, str]] = field(default_factory=list)  # with the RackcastError text
+
+
+def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_size: int,
+                    options: SpaceOptions) -> Enumeration:
+    """Every layout of the space, split into those validate accepts and those it refuses. A structure refused for
+    a reason no knob can change (heads, layers, experts, expert width, sequence) is one rejected row, not one row per
+    knob combination."""
+    out = Enumeration()
+    fallback = default_global_batch(spec, default_usable, domains)
+    for u in usable_options(options, default_usable, domain_size):
+        for d, f, t, c, p, e, et in structures(spec, domains, u, options):
+            base = Layout(u, d, f, t, p, 1, e, et, c, options.global_batch or fallback, 1, "1f1b", "none", "hbm",
+                          "dropless")
+            reason = check(base, spec, domains)
+            if reason and not _knob_dependent(reason):
+                out.rejected.append((base, reason))
+                continue
+            any_knobs = False
+            for gb, mb, sched, v, tr in knob_variants(spec, options, d, f, p, fallback):
+                any_knobs = True
+                layout = Layout(u, d, f, t, p, v, e, et, c, gb, mb, sched, "none", "hbm", tr)
+                reason = check(layout, spec, domains)
+                if reason:
+                    out.rejected.append((layout, reason))
+                else:
+                    out.layouts.append(layout)
+            if not any_knobs:
+                out.rejected.append((base, check(base, spec, domains) or
+                                     f"batch.global_batch: {base.global_batch} sequences are not divisible by "
+                                     f"data x fsdp = {d * f}"))
+    return out
+
+
+def _knob_dependent(reason: str) -> bool:
+    """Whether a micro-batch, schedule or virtual-stage choice could lift this refusal."""
+    return "batch" in reason  # the base has mb=1 and one chunk per rank: only the batch rules depend on knobs
+
+
+class FastSpec(ModelSpec):
+    """A ModelSpec that memoises its per-layer accounting (the spec is frozen, so the answers never change).
+    The closed-form stage asks the same per-layer questions for every candidate; this makes it ~5x faster."""
+
+    def _memo(self, key, compute):
+        cache = self.__dict__.setdefault("_planner_memo", {})
+        if key not in cache:
+            cache[key] = compute()
+        return cache[key]
+
+    def layer_param_breakdown(self, layer: int) -> dict[str, int]:
+        return self._memo(("params", layer), lambda: ModelSpec.layer_param_breakdown(self, layer))
+
+    def layer_params(self, layer: int) -> int:
+        return self._memo(("layer_params", layer), lambda: ModelSpec.layer_params(self, layer))
+
+    def layer_flops_breakdown(self, layer: int, convention: FlopsConvention = FlopsConvention()):
+        return self._memo(("flops", layer, convention),
+                          lambda: ModelSpec.layer_flops_breakdown(self, layer, convention))
+
+    def top_param_breakdown(self) -> dict[str, int]:
+        return self._memo(("top",), lambda: ModelSpec.top_param_breakdown(self))
+
+    def head_flops_fwd(self, convention: FlopsConvention = FlopsConvention()) -> float:
+        return self._memo(("head", convention), lambda: ModelSpec.head_flops_fwd(self, convention))
+
+
+def fast_spec(spec: ModelSpec) -> FastSpec:
+    return FastSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(ModelSpec)})
+
+
+if __name__ == "__main__":
+    from rackcast.presets import load_model
+    from topologies import load_topology
+
+    model, topo_name, racks = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    topo = load_topology(topo_name)
+    found = enumerate_space(load_model(model), racks, topo.scale_up.usable_gpus, topo.scale_up.domain_size,
+                            SpaceOptions())
+    print(f"{len(found.layouts)} valid layouts, {len(found.rejected)} rejected")
