@@ -98,7 +98,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         m_imbalance, drop = _load_factor(plan.expert_transport, spec.moe.experts, spec.moe.top_k,
                                                      par.expert, tokens_group, seed=plan.seed)
     x = spec.expert_input_dim if spec.moe else 0
-    a2a_bytes = tokens_mb * (spec.moe.top_k if spec.moe else 0) * x * w_bytes  # per direction, per MoE layer
+    a2a_bytes = tokens_mb * (spec.moe.top_k if spec.moe else 0) * x * w_bytes * par.expert_tensor  # per direction
     recompute_fwd = {"none": 0.0, "selective": attn, "full": gemm + attn + experts}[plan.recompute]
     efsdp = expert_fsdp(plan)
     ns = newton_schulz_flops(spec, plan, layers)
@@ -110,9 +110,12 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         "gemm_flops": gemm * tokens_mb / t,
         "gemm_size": 2 * tokens_mb * spec.d_model * spec.d_model / t,
         "attn_flops": attn * tokens_mb / t,
-        "expert_flops": experts * tokens_mb / par.expert_tensor * m_imbalance,
+        # Expert-tensor parallelism splits each expert's width over expert_tensor ranks that each process the
+        # rows of all of them: per-rank expert FLOPs and GEMM shapes stay those of expert_tensor = 1, while every
+        # routed row is sent to each of those ranks (all-to-all bytes x expert_tensor).
+        "expert_flops": experts * tokens_mb * m_imbalance,
         "expert_gemm_size": 2 * max(tokens_mb * par.expert * (spec.moe.top_k / spec.moe.experts if spec.moe else 0),
-                                    1.0) * x * (spec.moe.expert_ffn if spec.moe else 0) / par.expert_tensor,
+                                    1.0) * x * (spec.moe.expert_ffn if spec.moe else 0),
         "shared_flops": shared * tokens_mb / t,
         "recompute_flops": recompute_fwd * tokens_mb / t,
         "elementwise_bytes": elementwise * tokens_mb,
@@ -121,15 +124,17 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         "cp_n": cp, "cp_out": pl.context.span == "scale_out",
         "cp_bytes": tokens_mb * 2 * spec.attention.kv_heads_local * spec.attention.head_dim * w_bytes / t,
         "cp_count": 3 * len(layers),
-        "ep_n": par.expert, "ep_out": pl.expert.span == "scale_out",
+        "ep_n": par.expert * par.expert_tensor, "ep_out": pl.expert.span == "scale_out",
         "a2a_bytes": a2a_bytes * m_imbalance, "a2a_count": 4 * moe_layers,
         "pp_n": par.pipeline, "pp_out": pl.pipeline.span == "scale_out",
         "pp_bytes": tokens_mb * spec.d_model * w_bytes,
         "dense_grad_bytes": rp.dense * g_bytes,
         "inner_n": par.fsdp * cp, "inner_out": make_inner_span(pl),
         "outer_n": par.data, "outer_out": pl.data.span == "scale_out",
-        "expert_grad_bytes": rp.expert / efsdp * g_bytes,
-        "edp_n": par.expert_data, "edp_out": pl.expert_data.span == "scale_out",
+        "expert_grad_bytes": rp.expert * g_bytes,
+        "efsdp_n": efsdp, "efsdp_out": pl.expert_fsdp.span == "scale_out",
+        "expert_fsdp_bytes": rp.expert * w_bytes if efsdp > 1 else 0.0,
+        "erep_n": pl.expert_replicas.size, "erep_out": pl.expert_replicas.span == "scale_out",
         "fsdp_n": par.fsdp, "fsdp_out": pl.fsdp.span == "scale_out",
         "fsdp_bytes": rp.dense * w_bytes,
         "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": 2 * spec.d_model ** 3,
@@ -162,7 +167,9 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     cp_exposed = np.maximum(0.0, cp_t - 3 * attn_t)
     a2a_t = f["a2a_count"] * collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
     a2a_exposed = np.maximum(0.0, a2a_t - 3 * shared_t)  # shared experts run while tokens travel
-    fsdp_t = 2 * collective_time(topo, "all_gather", f["fsdp_n"], f["fsdp_bytes"], f["fsdp_out"])
+    # Forward and backward each gather the sharded weights (dense over fsdp, experts over their FSDP group).
+    fsdp_t = 2 * (collective_time(topo, "all_gather", f["fsdp_n"], f["fsdp_bytes"], f["fsdp_out"]) +
+                  collective_time(topo, "all_gather", f["efsdp_n"], f["expert_fsdp_bytes"], f["efsdp_out"]))
     fsdp_exposed = np.maximum(0.0, fsdp_t - compute_mb)
     pp_t = 2 * collective_time(topo, "send_recv", np.minimum(f["pp_n"], 2), f["pp_bytes"], f["pp_out"])
     mb_time = compute_mb * np.where(a2a_t + tp_t + fsdp_t > 0, slow, 1.0) + tp_t + cp_exposed + a2a_exposed + \
@@ -171,12 +178,15 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     busy = m * mb_time
     pipeline_t = busy / (1.0 - f["bubble_fraction"])
     bubble_t = pipeline_t - busy
-    # Gradient reduction: reduce-scatter inside the fsdp/context group, all-reduce of the shard across data
-    # replicas, all-reduce of expert gradients across expert copies; hidden behind the last backward.
+    # Gradient reduction: reduce-scatter inside the fsdp/context group and all-reduce of the shard across data
+    # replicas; the same for experts over their FSDP group and their remaining copies; hidden behind the last
+    # backward.
     dp_t = collective_time(topo, "reduce_scatter", f["inner_n"], f["dense_grad_bytes"], f["inner_out"]) + \
         collective_time(topo, "all_reduce", f["outer_n"], f["dense_grad_bytes"] / np.maximum(f["inner_n"], 1),
                         f["outer_out"]) + \
-        collective_time(topo, "all_reduce", f["edp_n"], f["expert_grad_bytes"], f["edp_out"])
+        collective_time(topo, "reduce_scatter", f["efsdp_n"], f["expert_grad_bytes"], f["efsdp_out"]) + \
+        collective_time(topo, "all_reduce", f["erep_n"], f["expert_grad_bytes"] / np.maximum(f["efsdp_n"], 1),
+                        f["erep_out"])
     dp_exposed = np.maximum(0.0, dp_t - 2 * fwd)
     optimizer_t = f["opt_bytes"] / (topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound) + \
         f["ns_flops"] / (peak * _interp(eff.gemm, f["ns_size"]))

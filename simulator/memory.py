@@ -158,7 +158,9 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layer: int, plan: Plan) ->
         total += FP32 * m.experts  # router logits in fp32
         if m.latent_dim:
             total += 2 * e * m.latent_dim  # latent norm input and W_up input
-        per_copy = e * x * 2 + e * m.expert_ffn / et * (3 if gated else 2)  # in, out, hidden (gate, up, act)
+        # Per routed copy: its input and output rows on each of the et expert-tensor ranks, and the hidden
+        # activations (gate, up, act) of width expert_ffn / et on each of them.
+        per_copy = et * e * x * 2 + e * m.expert_ffn * (3 if gated else 2)
         total += m.top_k * per_copy
         total += m.shared_experts * e * m.shared_ffn / t * (3 if gated else 2)
     else:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rackcast.plan import Plan
+from simulator.memory import expert_fsdp
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class Placement:
     pipeline: Group
     expert: Group  # the ranks that split the experts (expert x expert_tensor)
     expert_data: Group  # the copies of one expert slice
+    expert_fsdp: Group  # the copies of one expert slice that shard its parameters ZeRO-3 style
+    expert_replicas: Group  # the remaining copies, holding the same shard (their gradients are all-reduced)
     dense_replicas: Group  # fsdp x data x context as one group (gradient reduction of dense parameters)
 
 
@@ -51,6 +54,7 @@ def place(plan: Plan, usable_per_domain: int) -> Placement:
     u = usable_per_domain
     t, c, f, d = par.tensor, par.context, par.fsdp, par.data
     ep = par.expert * par.expert_tensor
+    efsdp = expert_fsdp(plan)
     return Placement(
         tensor=make_group(t, 1, u),
         context=make_group(c, t, u),
@@ -59,6 +63,8 @@ def place(plan: Plan, usable_per_domain: int) -> Placement:
         pipeline=make_group(par.pipeline, t * c * f * d, u),
         expert=make_group(ep, 1, u),
         expert_data=make_group(par.expert_data, ep, u),
+        expert_fsdp=make_group(efsdp, ep, u),
+        expert_replicas=make_group(par.expert_data // efsdp, ep * efsdp, u),
         dense_replicas=make_group(c * f * d, t, u),
     )
 

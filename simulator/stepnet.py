@@ -52,8 +52,7 @@ def axis_groups(plan: Plan, usable: int) -> dict[str, Group]:
     return {"tensor": pl.tensor, "context": pl.context, "fsdp": pl.fsdp, "data": pl.data,
             "pipeline": pl.pipeline, "expert": make_group(par.expert, 1, usable),
             "expert_data": pl.expert_data, "inner": make_group(par.fsdp * par.context, par.tensor, usable),
-            "expert_fsdp": make_group(max(1, par.fsdp * par.context * par.tensor // (par.expert * par.expert_tensor)),
-                                      par.expert * par.expert_tensor, usable)}
+            "expert_fsdp": pl.expert_fsdp, "expert_replicas": pl.expert_replicas}
 
 
 class StepNetwork:

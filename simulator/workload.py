@@ -107,7 +107,9 @@ class Workload:
         self.x = spec.expert_input_dim if moe else 0
         if moe:
             rows = max(self.tokens_mb * par.expert * moe.top_k / moe.experts, 1.0)
-            self.expert_eff = eff.grouped_gemm_efficiency(2 * rows * self.x * moe.expert_ffn / par.expert_tensor)
+            # Expert-tensor ranks split each expert's width but process all their peers' rows: the GEMM per
+            # expert keeps the rows x width of expert_tensor = 1 (see simulator/estimate.py).
+            self.expert_eff = eff.grouped_gemm_efficiency(2 * rows * self.x * moe.expert_ffn)
         self.stages: list[StageWork] = []
         for s in range(par.pipeline):
             chunks = {c: [self._layer(i) for i in range(c * per_chunk, (c + 1) * per_chunk)]
@@ -129,7 +131,7 @@ class Workload:
                         if k not in mlp_keys + ("attn_scores_values", "experts", "shared_experts"))
         per_row = 0.0
         if spec.is_moe(i):
-            per_row = parts["experts"] / spec.moe.top_k / par.expert_tensor / (self.peak * self.expert_eff)
+            per_row = parts["experts"] / spec.moe.top_k / (self.peak * self.expert_eff)
         act = layer_activation_bytes_per_token(spec, i, plan) * self.tokens_mb
         pb = spec.layer_param_breakdown(i)
         sp = par.tensor if par.sequence_parallel else 1
@@ -204,7 +206,7 @@ class Workload:
 
     def _moe_exchange(self, lw, mb, key, first, second, expert_name, factor, shared_name) -> list[tuple]:
         """Dispatch, experts, combine; half the shared-expert work runs under each all-to-all."""
-        a2a_bytes = self.tokens_mb * self.spec.moe.top_k * self.x * W_BYTES
+        a2a_bytes = self.tokens_mb * self.spec.moe.top_k * self.x * W_BYTES * self.plan.parallel.expert_tensor
         ops: list[tuple] = []
         for n, direction in enumerate((first, second)):
             name = "dispatch" if direction == "d" else "combine"
@@ -255,16 +257,20 @@ class Workload:
 
     def reduction_comms(self, dense_params: float, expert_params: float) -> list[Comm]:
         """Gradient reduction of one bucket, as simulator.estimate counts it: reduce-scatter inside the
-        fsdp x context group, all-reduce of the shard across data replicas, all-reduce of expert gradients
-        across the copies of each expert slice."""
+        fsdp x context group and all-reduce of the shard across data replicas; for experts, reduce-scatter
+        inside the expert-FSDP group and all-reduce of the shard across the remaining expert copies."""
         par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
         inner = par.fsdp * par.context
+        efsdp = expert_fsdp(self.plan)
         out = []
         if dense_params > 0:
             out.append(Comm("reduce_scatter", "inner", dense_params * g, "dp", "grad reduce-scatter"))
             out.append(Comm("all_reduce", "data", dense_params * g / inner, "dp", "grad all-reduce"))
         if expert_params > 0:
-            out.append(Comm("all_reduce", "expert_data", expert_params / expert_fsdp(self.plan) * g, "edp",
+            if efsdp > 1:
+                out.append(Comm("reduce_scatter", "expert_fsdp", expert_params * g, "edp",
+                                "expert grad reduce-scatter"))
+            out.append(Comm("all_reduce", "expert_replicas", expert_params / efsdp * g, "edp",
                             "expert grad all-reduce"))
         return out
 
@@ -303,7 +309,7 @@ class ExpertLoads:
         # rows[mb, layer, src, dst]: rows source rank src sends to expert rank dst
         self.rows = rows
         self._max_rows = self.rows.sum(axis=2).max(axis=2)  # most loaded expert rank
-        self.row_bytes = work.x * W_BYTES
+        self.row_bytes = work.x * W_BYTES * plan.parallel.expert_tensor  # each row goes to every expert-tensor rank
         self._masks: dict[int, tuple] = {}
 
     def max_rows(self, layer: int, mb: int) -> float:

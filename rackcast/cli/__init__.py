@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "rackcast.cli.simulate",
     "rackcast.cli.plan",
     "rackcast.cli.size",
+    "rackcast.cli.train",
 ]
 
 

@@ -1,0 +1,131 @@
+"""Expert parallelism through the model's MoE seam: all_to_all_single with uneven splits, dropless or capacity.
+
+`shard_experts(model, ep_group, ep_rank, ep, ...)` turns every MoE layer into an ExpertParallelMoE that keeps experts
+[ep_rank*E/ep, (ep_rank+1)*E/ep) of the stacked GroupedExperts weights (sliced from the full, identically seeded
+model, so the result matches one process) and overrides only `dispatch_compute_combine`:
+1. sort this rank's (token, expert) assignments by expert (MoE.sort_by_expert);
+2. capacity mode: keep at most floor(capacity_factor x tokens x top_k / experts) assignments per expert, the
+   earliest tokens first; the rest are dropped (their combine weight is lost) and counted;
+3. exchange per-expert counts (all_to_all_single of E integers), then the rows (all_to_all_single with uneven
+   split sizes, differentiable: its backward is the reverse all_to_all);
+4. regroup the received rows by local expert, run GroupedExperts on them, undo the regrouping and send them back;
+5. MoE.combine scales by the combine weights and sums per token.
+With ep == 1 the same class runs without communication (used for capacity mode on one process).
+
+    from backend.expert_parallel import shard_experts
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from backend.moe import GroupedExperts, MoE
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable all_to_all_single of rows with uneven splits; timed into `timer` as expert dispatch/combine."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group, timer) -> Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.timer = send, recv, group, timer
+        return _exchange(x, send, recv, group, timer)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.group, ctx.timer), None, None, None, None
+
+
+def _exchange(x: Tensor, send: list[int], recv: list[int], group, timer) -> Tensor:
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    t0 = timer.now() if timer is not None else 0.0
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    if timer is not None:
+        timer.add("exposed_expert_a2a", timer.now() - t0)
+    return out
+
+
+class ExpertParallelMoE(MoE):
+    """An MoE whose GroupedExperts hold only this rank's experts (set up by shard_experts)."""
+
+    ep: int
+    ep_rank: int
+    ep_group: object
+    capacity_factor: float | None
+    timer: object
+    dropped: int
+    assigned: int
+
+    def _capacity_keep(self, order: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """Drop assignments beyond each expert's capacity (earliest tokens kept); returns kept order and counts."""
+        tokens = order.numel() // self.top_k
+        cap = int(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        expert_of = torch.repeat_interleave(torch.arange(self.num_experts, device=counts.device), counts)
+        slot = torch.arange(order.numel(), device=order.device) - starts[expert_of]
+        keep = slot < cap
+        return order[keep], counts.clamp(max=cap)
+
+    def dispatch_compute_combine(self, tokens: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        order, counts = self.sort_by_expert(expert_ids)
+        self.assigned += order.numel()
+        if self.capacity_factor is not None:
+            order, counts = self._capacity_keep(order, counts)
+        self.dropped += expert_ids.numel() - order.numel()
+        x_sorted = tokens.index_select(0, order // self.top_k)
+        local = self.num_experts // self.ep
+        if self.ep == 1:
+            y_sorted = self.experts(x_sorted, counts.tolist())
+            return self.combine(y_sorted, order, weights, tokens.shape[0])
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)  # [source rank, local expert]
+        send_splits = counts.view(self.ep, local).sum(1).tolist()
+        recv_matrix = recv_counts.view(self.ep, local)
+        recv_splits = recv_matrix.sum(1).tolist()
+        x_recv = _AllToAll.apply(x_sorted, send_splits, recv_splits, self.ep_group, self.timer)
+        # Received rows are grouped by source rank, then expert; the experts want them grouped by expert.
+        seg_expert = torch.arange(local, device=counts.device).repeat(self.ep)
+        row_expert = torch.repeat_interleave(seg_expert, recv_matrix.reshape(-1))
+        regroup = torch.argsort(row_expert, stable=True)
+        y = self.experts(x_recv.index_select(0, regroup), recv_matrix.sum(0).tolist())
+        y_back = torch.empty_like(y).index_copy(0, regroup, y)
+        y_sorted = _AllToAll.apply(y_back, recv_splits, send_splits, self.ep_group, self.timer)
+        return self.combine(y_sorted, order, weights, tokens.shape[0])
+
+
+def _slice_experts(experts: GroupedExperts, start: int, stop: int) -> GroupedExperts:
+    part = GroupedExperts.__new__(GroupedExperts)
+    nn.Module.__init__(part)
+    part.activation = experts.activation
+    for name, p in experts.named_parameters(recurse=False):
+        setattr(part, name, nn.Parameter(p.detach()[start:stop].clone(), requires_grad=p.requires_grad))
+    for name in ("w_gate", "b_gate", "b_up", "b_down"):
+        if getattr(experts, name) is None:
+            setattr(part, name, None)
+    return part
+
+
+def shard_experts(model: nn.Module, ep_group, ep_rank: int, ep: int, capacity_factor: float | None,
+                  timer=None) -> list[ExpertParallelMoE]:
+    """Make every MoE in `model` an ExpertParallelMoE owning this rank's experts; returns them."""
+    out = []
+    for moe in [m for m in model.modules() if isinstance(m, MoE)]:
+        local = moe.num_experts // ep
+        if ep > 1:
+            moe.experts = _slice_experts(moe.experts, ep_rank * local, (ep_rank + 1) * local)
+        moe.__class__ = ExpertParallelMoE
+        moe.ep, moe.ep_rank, moe.ep_group = ep, ep_rank, ep_group
+        moe.capacity_factor, moe.timer = capacity_factor, timer
+        moe.dropped = moe.assigned = 0
+        out.append(moe)
+    return out
+
+
+def pop_drop_counts(moes: list[ExpertParallelMoE]) -> tuple[int, int]:
+    """(dropped, assigned) assignments since the last call, summed over layers."""
+    dropped = sum(m.dropped for m in moes)
+    assigned = sum(m.assigned for m in moes)
+    for m in moes:
+        m.dropped = m.assigned = 0
+    return dropped, assigned

@@ -1,0 +1,220 @@
+"""The plan's parallel layout on real processes: which layouts the trainer runs, the DeviceMesh, and data parallelism.
+
+Ranks follow rackcast.plan / simulator.placement: data (x fsdp) fastest, pipeline outermost, so global rank
+    rank = stage * dp + dp_rank,   dp = data x fsdp
+and the expert-parallel groups are runs of `expert` consecutive dp ranks of one stage:
+    ep_rank = dp_rank % expert,    edp_rank = dp_rank // expert   (edp = dp / expert expert-data replicas).
+The mesh is `init_device_mesh(device, (pipeline, edp, ep), ("pp", "edp", "ep"))` with ("edp", "ep") flattened to
+"dp"; each axis is one process group.
+
+Data parallelism: the dense parameters are wrapped in DDP over "dp" (fsdp > 1 is refused: not implemented yet);
+the expert stacks are left out of DDP and their gradients are summed over "edp" only and divided by dp, because each
+EP rank already holds the gradient contributions of every rank of its EP group (all_to_all's backward brings them).
+DDP's all-reduce runs through a comm hook that times it, so the data-parallel reduction is a measured phase.
+Pipeline stages are not DDP-wrapped (torch 2.13's DDP reducer fails its bucket rebuild when a PipelineStage runs
+several no_sync micro-batch backwards): their dense gradients are averaged over "dp" by one flat all-reduce after
+the schedule step, which is what DDP computes, without the overlap.
+
+    from backend.parallel import validate_trainable, Layout
+    validate_trainable(plan)                    # RackcastError naming the field when the trainer cannot run it
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rackcast.errors import RackcastError
+from rackcast.plan import Plan
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+             "zb_h1": "ScheduleInterleavedZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+def validate_trainable(plan: Plan, where: str = "") -> None:
+    """Refuse, in one line naming the field, what the plan asks for that this trainer does not implement."""
+    p = plan.parallel
+    spec = plan.model_spec()
+
+    def fail(field_name: str, message: str):
+        raise RackcastError(f"{field_name}: {message}", where=where)
+
+    if p.tensor > 1:
+        fail("parallel.tensor", "tensor parallelism is not supported by the trainer")
+    if p.sequence_parallel:
+        fail("parallel.sequence_parallel", "sequence parallelism is not supported by the trainer")
+    if p.context > 1:
+        fail("parallel.context", "context parallelism is not supported by the trainer")
+    if p.expert_tensor > 1:
+        fail("parallel.expert_tensor", "expert tensor parallelism is not supported by the trainer")
+    if p.fsdp > 1:
+        fail("parallel.fsdp", "fully sharded data parallelism is not implemented by the trainer yet; "
+                              "use data parallelism (parallel.data) instead")
+    if p.expert > 1 and spec.moe is None:
+        fail("parallel.expert", f"model {spec.name} has no experts")
+    if p.pipeline > 1 and spec.tied_embeddings:
+        fail("parallel.pipeline", "tied embeddings across pipeline stages are not supported by the trainer")
+    if p.pipeline == 1 and p.virtual > 1:
+        fail("parallel.virtual", "virtual stages need pipeline > 1")
+    if plan.optimizer.state_location == "host":
+        fail("optimizer.state_location", "host-resident optimizer state is not supported by the trainer")
+    if plan.precision == "fp8":
+        fail("precision", "fp8 training is not supported by the trainer (bf16 autocast on GPU, fp32 on CPU)")
+    if plan.recompute != "none":
+        fail("recompute", "activation recomputation is not supported by the trainer")
+    if p.pipeline > 1 and plan.schedule in ("zb_h1", "dualpipev") and p.expert > 1:
+        fail("schedule", f"{plan.schedule} splits backward into input and weight parts, which the expert "
+                         "all-to-all does not support; use 1f1b, gpipe or interleaved_1f1b with expert > 1")
+    if p.pipeline > 1 and plan.schedule == "zb_h1" and p.virtual == 1:
+        fail("parallel.virtual", "zb_h1 runs as torch's ScheduleInterleavedZeroBubble, which needs virtual >= 2")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This process's coordinates in the plan's grid."""
+
+    rank: int
+    world: int
+    pp: int
+    dp: int
+    ep: int
+    stage: int
+    dp_rank: int
+    ep_rank: int
+    edp_rank: int
+    virtual: int
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
+
+    @classmethod
+    def of(cls, plan: Plan, rank: int) -> "Layout":
+        p = plan.parallel
+        dp = p.data * p.fsdp
+        stage, dp_rank = divmod(rank, dp)
+        return cls(rank=rank, world=p.gpus, pp=p.pipeline, dp=dp, ep=p.expert, stage=stage, dp_rank=dp_rank,
+                   ep_rank=dp_rank % p.expert, edp_rank=dp_rank // p.expert, virtual=p.virtual)
+
+
+class Groups:
+    """The DeviceMesh and its process groups (None for an axis of size 1)."""
+
+    def __init__(self, layout: Layout, device: torch.device):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(device.type, (layout.pp, layout.edp, layout.ep),
+                                     mesh_dim_names=("pp", "edp", "ep"))
+        self.dp_mesh = self.mesh["edp", "ep"]._flatten("dp")
+        self.pp = self.mesh.get_group("pp") if layout.pp > 1 else None
+        self.dp = self.dp_mesh.get_group() if layout.dp > 1 else None
+        self.ep = self.mesh.get_group("ep") if layout.ep > 1 else None
+        self.edp = self.mesh.get_group("edp") if layout.edp > 1 else None
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the torchrun job (NCCL on CUDA, gloo on CPU); a plain single process needs no process group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device
+                                if device.type == "cuda" else None)
+    return rank, world, device
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase name; `sync` makes CUDA timings honest."""
+
+    def __init__(self, cuda: bool = False):
+        self.cuda = cuda
+        self.totals: dict[str, float] = {}
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def add(self, name: str, seconds: float) -> None:
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+    def pop(self) -> dict[str, float]:
+        out, self.totals = self.totals, {}
+        return out
+
+
+def is_expert_param(name: str) -> bool:
+    return ".experts." in f".{name}"
+
+
+def _timed_allreduce_hook(timer: PhaseTimer, group):
+    """DDP comm hook: average the bucket over `group`, blocking, and time it as the data-parallel reduction."""
+
+    def hook(state, bucket):
+        t0 = timer.now()
+        buf = bucket.buffer()
+        buf.div_(dist.get_world_size(group))
+        dist.all_reduce(buf, group=group)
+        timer.add("exposed_dp_comm", timer.now() - t0)
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    return hook
+
+
+def wrap_data_parallel(module: nn.Module, groups: Groups, layout: Layout, timer: PhaseTimer) -> nn.Module:
+    """DDP over the dp group for the dense parameters; expert stacks stay out (see the docstring)."""
+    if layout.dp == 1:
+        return module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ignored = [n for n, _ in module.named_parameters() if is_expert_param(n)]
+    DDP._set_params_and_buffers_to_ignore_for_model(module, ignored)
+    if all(is_expert_param(n) or not p.requires_grad for n, p in module.named_parameters()):
+        return module  # nothing dense to reduce on this chunk
+    ddp = DDP(module, process_group=groups.dp, gradient_as_bucket_view=True)
+    ddp.register_comm_hook(None, _timed_allreduce_hook(timer, groups.dp))
+    return ddp
+
+
+def _allreduce_flat(grads: list[torch.Tensor], group, divide: int) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat.div_(divide)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer: PhaseTimer,
+                 dense: bool = False) -> None:
+    """Expert gradients: sum over the expert-data replicas, divide by dp. With dense=True (pipeline stages, which
+    are not DDP-wrapped) also average the dense gradients over dp. One flat all-reduce per kind, timed."""
+    if layout.dp == 1:
+        return
+    t0 = timer.now()
+    named = [(n, p) for m in modules for n, p in m.named_parameters() if p.grad is not None]
+    experts = [p.grad for n, p in named if is_expert_param(n)]
+    if experts:
+        _allreduce_flat(experts, groups.edp, layout.dp)
+    if dense:
+        dense_grads = [p.grad for n, p in named if not is_expert_param(n)]
+        if dense_grads:
+            _allreduce_flat(dense_grads, groups.dp, layout.dp)
+    timer.add("exposed_dp_comm", timer.now() - t0)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    return module.module if hasattr(module, "module") and isinstance(module.module, nn.Module) else module

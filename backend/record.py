@@ -1,0 +1,102 @@
+"""RunRecord: what a training run measured, in the simulator's metric names so `compare` is a join.
+
+Files in the run folder:
+- metrics.parquet: one row per optimizer step: step, loss, ce, z_loss, eval_loss (NaN except at eval steps), lr,
+  step_time_s, tokens_per_s, mfu, phase_<name>_s for every simulator phase (simulator.estimate.PHASES, plus
+  "other"), peak_memory_bytes (largest over ranks so far), drop_fraction, plan_hash (rackcast.plan.inputs_hash).
+- record.json: the summary: plan, plan_hash, layout, device, steps, tokens_per_step, and the medians over steps after
+  the first (warm-up) of step_time_s, tokens_per_s, mfu, phases_s; peak_memory_bytes, drop_fraction, first/last loss,
+  flops_convention, peak_flops with its dtype, and mfu_vs_bf16_peak (the simulator's convention).
+- routing.parquet: tokens routed per (layer, expert) over the run, columns layer, expert, count (the format
+  simulator.routing replays with `expert_transport: {routing: histogram, histogram: <path>}`).
+Phase meanings: compute = forward + backward work (timed around the real calls) less the communication timed inside
+it; exposed_expert_a2a = the expert all_to_all calls (dispatch and combine, forward and backward);
+exposed_dp_comm = the gradient all-reduces; pipeline_bubble = pipeline wait (schedule time not spent in stage work,
+point-to-point transfers included, so pipeline_p2p stays 0); optimizer = optimizer step + quantile balancing.
+MFU = model FLOPs (ModelSpec.flops_per_token_train, default convention) / (step time x ranks x peak), the peak being
+the topology's for the dtype the model computes in (fp32 on CPU: local-cpu's calibrated fp32 matmul peak).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+PHASES = ("compute", "exposed_expert_a2a", "exposed_tensor_comm", "exposed_fsdp_gather", "pipeline_p2p",
+          "pipeline_bubble", "exposed_dp_comm", "optimizer", "host_transfer", "other")
+
+
+def write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def write_parquet_atomic(path: Path, columns: dict[str, list]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp = path.with_name(f"{path.name}.tmp")
+    pq.write_table(pa.table(columns), tmp)
+    os.replace(tmp, path)
+
+
+def write_metrics(run_dir: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = list(rows[0])
+    write_parquet_atomic(run_dir / "metrics.parquet", {k: [r.get(k) for r in rows] for k in keys})
+
+
+def write_routing(run_dir: Path, counts: dict[int, list[int]]) -> None:
+    layer, expert, count = [], [], []
+    for li in sorted(counts):
+        for e, c in enumerate(counts[li]):
+            layer.append(li)
+            expert.append(e)
+            count.append(int(c))
+    if layer:
+        write_parquet_atomic(run_dir / "routing.parquet", {"layer": layer, "expert": expert, "count": count})
+
+
+def _median(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
+    return statistics.median(values) if values else math.nan
+
+
+def summary(rows: list[dict], **info) -> dict:
+    """record.json's content from the metric rows (medians skip the first step, which includes warm-up)."""
+    steady = rows[1:] if len(rows) > 1 else rows
+    phases = {p: _median(steady, f"phase_{p}_s") for p in PHASES}
+    evals = [r for r in rows if not math.isnan(r["eval_loss"])]
+    out = {
+        **info,
+        "steps": len(rows),
+        "step_time_s": _median(steady, "step_time_s"),
+        "tokens_per_s": _median(steady, "tokens_per_s"),
+        "mfu": _median(steady, "mfu"),
+        "phases_s": phases,
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
+        "drop_fraction": statistics.fmean(r["drop_fraction"] for r in rows),
+        "first_loss": rows[0]["loss"],
+        "last_loss": rows[-1]["loss"],
+        "eval_loss": evals[-1]["eval_loss"] if evals else math.nan,
+    }
+    peak_bf16 = info.get("peak_flops_bf16")
+    if peak_bf16:
+        out["mfu_vs_bf16_peak"] = out["mfu"] * info["peak_flops"] / peak_bf16
+    return out
+
+
+def peak_memory_bytes(device) -> int:
+    """CUDA: max allocated by torch; CPU: the process's peak resident set (includes the torch libraries)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

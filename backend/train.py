@@ -1,0 +1,372 @@
+"""The training worker: one process of a torchrun job executing a plan (started by `rackcast train PLAN`).
+
+Per rank: build the full model from the plan's ModelSpec with the plan's seed, keep this rank's pipeline chunks and
+expert slice (backend.pipeline, backend.expert_parallel), wrap the dense parameters in DDP over the data-parallel
+group (backend.parallel), build the plan's optimizer (backend.optim) and quantile balancer (statistics reduced over
+the data-parallel group), then per optimizer step: this rank's share of the global batch (backend.data) in
+micro-batches -> forward/backward (or the pipeline schedule) -> expert gradient reduction -> optimizer -> balancer.
+Measures each step (backend.record), saves checkpoints (backend.checkpoint) and resumes from the latest complete one.
+
+    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 -m backend.train \
+        --plan examples/plans/tiny-2proc-ep.yaml --steps 20 --out runs/tiny-2proc-ep
+RACKCAST_FAIL="RANK:STEP:WHERE" (WHERE: step or checkpoint) makes that rank exit abruptly, for failure tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from backend import checkpoint, record
+from backend.balancing import QuantileBalancer
+from backend.data import TokenData, prepare
+from backend.expert_parallel import pop_drop_counts, shard_experts
+from backend.model import build_model, next_token_loss
+from backend.optim import build_optimizer, marin_lr_lambda
+from backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, reduce_grads,
+                              validate_trainable, wrap_data_parallel)
+from backend.pipeline import Pipeline, build_chunks, chunk_ids
+from rackcast.errors import RackcastError
+from rackcast.modelspec import FlopsConvention
+from rackcast.plan import inputs_hash, load_plan
+
+EVAL_SEQUENCES = 16
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="backend.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="write a torch.profiler Chrome trace of steps 2-3")
+    ap.add_argument("--data-dir", default="runs/.data")
+    ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end only)")
+    ap.add_argument("--log-every", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
+    ap.add_argument("--quiet", action="store_true")
+    return ap.parse_args(argv)
+
+
+def _fail_hook(rank: int):
+    spec = os.environ.get("RACKCAST_FAIL", "")
+    if not spec:
+        return lambda where, step=None: None
+    f_rank, f_step, f_where = spec.split(":")
+    state = {"step": -1}
+
+    def hook(where: str, step: int | None = None):
+        if step is not None:
+            state["step"] = step
+        if rank == int(f_rank) and state["step"] == int(f_step) and where == f_where:
+            print(f"rank {rank}: failing on purpose at step {state['step']} ({where})", file=sys.stderr, flush=True)
+            os._exit(17)
+
+    return hook
+
+
+def _targets(tokens: torch.Tensor) -> torch.Tensor:
+    t = torch.full_like(tokens, -100)
+    t[:, :-1] = tokens[:, 1:]
+    return t
+
+
+class Trainer:
+    def __init__(self, args):
+        self.args = args
+        self.rank, self.world, self.device = init_distributed()
+        self.plan = load_plan(args.plan)
+        validate_trainable(self.plan, where=args.plan)
+        if self.world != self.plan.parallel.gpus:
+            raise RackcastError(f"parallel: the plan needs {self.plan.parallel.gpus} processes, got {self.world}")
+        if self.device.type == "cpu":
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local))
+        self.cuda = self.device.type == "cuda"
+        self.layout = lay = Layout.of(self.plan, self.rank)
+        self.groups = Groups(lay, self.device) if self.world > 1 else None
+        self.timer = PhaseTimer(self.cuda)
+        self.spec = spec = self.plan.model_spec()
+        self.out = Path(args.out)
+        self.plan_hash = inputs_hash(self.plan)
+        torch.manual_seed(self.plan.seed)
+
+        model = build_model(spec, seed=self.plan.seed, device=self.device)
+        et = self.plan.expert_transport
+        capacity = et.capacity_factor if et.mode == "capacity" else None
+        self.moes = []
+        if spec.moe is not None and (lay.ep > 1 or capacity is not None):
+            self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
+                                      self.timer)
+        self.chunks = build_chunks(model, lay, self.plan.schedule)
+        self.chunk_index = chunk_ids(lay, self.plan.schedule)
+        self.local = nn.ModuleList(self.chunks)
+        del model
+        self.wrapped = self.chunks if lay.pp > 1 else [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
+        o = self.plan.optimizer
+        self.optimizer = build_optimizer(self.local, o.name, lr=o.lr, adam_lr=o.adam_lr if o.name == "muonh" else None)
+        for g in self.optimizer.param_groups:
+            g["initial_lr"] = g["lr"]
+        self.lr_factor = marin_lr_lambda(args.steps)
+        dp_group = self.groups.dp if self.groups else None
+        reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
+        reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)) if dp_group else None
+        self.balancer = QuantileBalancer(self.local, reduce_counts=reduce_sum, reduce_max=reduce_max)
+        self.microbatches = self.plan.microbatches
+        self.pipe = None
+        if lay.pp > 1:
+            self.pipe = Pipeline(self.wrapped, self.chunk_index, lay, self.plan.schedule, self.microbatches,
+                                 lambda out, tgt: next_token_loss(out, None, targets=tgt)[0], self.groups.pp,
+                                 self.device, self.timer)
+        self.has_last = lay.pp * lay.virtual - 1 in self.chunk_index
+        self.routing = torch.zeros(spec.layers, spec.moe.experts if spec.moe else 1, dtype=torch.int64)
+        self.rows: list[dict] = []
+        self.start_step = 0
+        topo = self.plan.topology_spec()
+        self.peak_dtype = "bf16" if self.cuda else "fp32"
+        self.peak = topo.peak_flops(self.peak_dtype)
+        self.peak_bf16 = topo.peak_flops("bf16")
+        self.tokens_per_step = self.plan.tokens_per_step(spec)
+        self.model_flops = spec.flops_per_token_train(FlopsConvention()) * self.tokens_per_step
+        self.fail = _fail_hook(self.rank)
+
+    # ------------------------------------------------------------------------------------------------ data
+    def _data(self):
+        if self.rank == 0:
+            prepare(self.args.data_dir)
+        if self.world > 1:
+            dist.barrier()
+        folder = prepare(self.args.data_dir)
+        self.train_data = TokenData(folder, "train", self.spec.seq_len, seed=self.plan.seed)
+        self.eval_data = TokenData(folder, "eval", self.spec.seq_len, seed=self.plan.seed)
+
+    # ------------------------------------------------------------------------------------------------ step
+    def _autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
+
+    def train_step(self, step: int) -> tuple[float, float, float, int]:
+        lay = self.layout
+        tokens = torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp))
+        tokens = tokens.to(self.device)
+        targets = _targets(tokens)
+        loss_sum = ce_sum = z_sum = 0.0
+        count = 0
+        t0 = self.timer.now()
+        if self.pipe is not None:
+            with self._autocast():
+                losses = self.pipe.step(tokens, targets)
+            span = self.timer.now() - t0
+            work = self.timer.totals.pop("pipeline_stage_work", 0.0)
+            self.timer.add("pipeline_bubble", max(0.0, span - work))
+            self.timer.add("fwd_bwd", work)
+            if self.has_last:
+                loss_sum, count = float(sum(x.item() for x in losses)), len(losses)
+        else:
+            module = self.wrapped[0]
+            for i, (x, y) in enumerate(zip(tokens.chunk(self.microbatches), targets.chunk(self.microbatches))):
+                sync = i == self.microbatches - 1 or not hasattr(module, "no_sync")
+                with (contextlib.nullcontext() if sync else module.no_sync()), self._autocast():
+                    loss, parts = next_token_loss(module(x), x, targets=y)
+                (loss / self.microbatches).backward()
+                loss_sum, ce_sum, z_sum = loss_sum + loss.item(), ce_sum + parts["ce"].item(), \
+                    z_sum + parts["z_loss"].item()
+                count += 1
+            self.timer.add("fwd_bwd", self.timer.now() - t0)
+        if self.groups is not None:
+            reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None)
+        t1 = self.timer.now()
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["initial_lr"] * self.lr_factor(step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.balancer.step()
+        self.timer.add("optimizer", self.timer.now() - t1)
+        return loss_sum, ce_sum, z_sum, count
+
+    def _collect_routing(self) -> None:
+        for chunk in self.chunks:
+            for name, layer in chunk.layers.items():
+                moe = layer.mlp
+                if getattr(moe, "routing_counts_sum", None) is not None:
+                    self.routing[int(name)] += moe.routing_counts_sum.cpu()
+                    moe.reset_routing_counts()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Held-out loss on a fixed batch (NaN under pipeline parallelism: no forward-only schedule here)."""
+        if self.pipe is not None:
+            return math.nan
+        lay = self.layout
+        tokens = torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)).to(self.device)
+        self.local.eval()
+        with self._autocast():
+            loss, _ = next_token_loss(self.chunks[0](tokens), tokens, targets=_targets(tokens))
+        self.local.train()
+        for chunk in self.chunks:
+            for layer in chunk.layers.values():
+                if hasattr(layer.mlp, "reset_routing_counts"):
+                    layer.mlp.reset_routing_counts()
+        pop_drop_counts(self.moes)
+        out = torch.tensor([loss.item()], dtype=torch.float64)
+        if self.groups is not None and self.groups.dp is not None:
+            dist.all_reduce(out, group=self.groups.dp)
+            out /= lay.dp
+        return float(out[0])
+
+    # ------------------------------------------------------------------------------------------------ state
+    def _model_state(self) -> dict:
+        state = {}
+        for chunk in self.chunks:
+            state.update({k: v.detach().cpu() for k, v in chunk.state_dict().items()})
+        return state
+
+    def save(self, step: int) -> None:
+        extra = {"routing": self.routing.clone(), "rows": list(self.rows) if self.rank == 0 else []}
+        checkpoint.save(self.out, step, self.layout, self._model_state(), self.optimizer, extra, self.plan_hash,
+                        fail_hook=lambda where: self.fail(where))
+        if self.rank == 0:
+            record.write_metrics(self.out, self.rows)
+
+    def resume(self) -> None:
+        folder = checkpoint.latest_complete(self.out)
+        if folder is None:
+            return
+        import json
+
+        manifest = json.loads((folder / "manifest.json").read_text())
+        if manifest["world"] != self.world or manifest["plan_hash"] != self.plan_hash:
+            raise RackcastError(f"{folder}: checkpoint was written by a different plan or world size")
+        shard = checkpoint.load(folder, self.rank)
+        for chunk in self.chunks:
+            own = chunk.state_dict().keys()
+            chunk.load_state_dict({k: shard["model"][k] for k in own})
+        self.optimizer.load_state_dict(shard["optimizer"])
+        torch.set_rng_state(shard["rng"])
+        self.routing = shard["routing"]
+        self.rows = shard["rows"]
+        self.start_step = shard["step"]
+        if self.rank == 0 and not self.args.quiet:
+            print(f"resumed from {folder} (step {self.start_step})", flush=True)
+
+    # ------------------------------------------------------------------------------------------------ loop
+    def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time) -> dict:
+        dropped, assigned = pop_drop_counts(self.moes)
+        names = list(record.PHASES)
+        vec = torch.tensor([loss_sum, ce_sum, z_sum, count, dropped, assigned, step_time]
+                           + [phases.get(n, 0.0) for n in names], dtype=torch.float64)
+        mem = torch.tensor([record.peak_memory_bytes(self.device)], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(vec)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        n = max(vec[3].item(), 1.0)
+        step_time = vec[6].item() / self.world
+        out = {"loss": vec[0].item() / n, "ce": vec[1].item() / n if self.pipe is None else math.nan,
+               "z_loss": vec[2].item() / n if self.pipe is None else math.nan,
+               "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time,
+               "mfu": self.model_flops / (step_time * self.world * self.peak)}
+        for i, name in enumerate(names):
+            out[f"phase_{name}_s"] = vec[7 + i].item() / self.world
+        out["peak_memory_bytes"] = int(mem[0].item())
+        out["drop_fraction"] = vec[4].item() / vec[5].item() if vec[5].item() else 0.0
+        return out
+
+    def run(self) -> None:
+        args = self.args
+        self._data()
+        self.out.mkdir(parents=True, exist_ok=True)
+        if args.resume:
+            self.resume()
+        profiler = None
+        if args.profile and self.rank == 0:
+            from torch.profiler import ProfilerActivity, profile, schedule
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            profiler = profile(activities=acts, schedule=schedule(wait=1, warmup=0, active=2, repeat=1),
+                               on_trace_ready=lambda p: p.export_chrome_trace(str(self.out / "trace.json")))
+            profiler.start()
+        for step in range(self.start_step, args.steps):
+            self.fail("step", step)
+            self.timer.pop()
+            t0 = self.timer.now()
+            loss_sum, ce_sum, z_sum, count = self.train_step(step)
+            step_time = self.timer.now() - t0
+            t = self.timer.pop()
+            fwd_bwd = t.pop("fwd_bwd", 0.0)
+            phases = {k: v for k, v in t.items()}
+            phases["compute"] = max(0.0, fwd_bwd - t.get("exposed_expert_a2a", 0.0) - t.get("exposed_dp_comm", 0.0))
+            phases["other"] = max(0.0, step_time - sum(phases.values()))
+            self._collect_routing()
+            row = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"],
+                   **self._reduce_stats(loss_sum, ce_sum, z_sum, count, phases, step_time)}
+            last = step + 1 == args.steps
+            do_eval = last or (args.eval_every and (step + 1) % args.eval_every == 0)
+            row["eval_loss"] = self.evaluate() if do_eval else math.nan
+            row["plan_hash"] = self.plan_hash
+            self.rows.append(row)
+            if profiler is not None:
+                profiler.step()
+            if self.rank == 0 and not args.quiet and (last or step % max(1, args.log_every) == 0):
+                ev = f"  eval {row['eval_loss']:.4f}" if not math.isnan(row["eval_loss"]) else ""
+                print(f"step {step + 1:>5}/{args.steps}  loss {row['loss']:.4f}{ev}  "
+                      f"tok/s {row['tokens_per_s']:,.0f}  mfu {100 * row['mfu']:.2f}%  "
+                      f"step {row['step_time_s']:.3f}s", flush=True)
+            if last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0):
+                self.save(step + 1)
+        if profiler is not None:
+            profiler.stop()
+        self.finish()
+
+    def finish(self) -> None:
+        routing = self.routing.clone()
+        if self.world > 1:
+            dist.all_reduce(routing)
+        if self.rank != 0 or not self.rows:
+            return
+        record.write_metrics(self.out, self.rows)
+        if self.spec.moe is not None:
+            record.write_routing(self.out, {i: routing[i].tolist() for i in range(self.spec.layers)
+                                            if self.spec.is_moe(i)})
+        p = self.plan.parallel
+        info = {"plan": self.plan.name, "plan_path": self.args.plan, "plan_hash": self.plan_hash,
+                "model": self.spec.name, "world": self.world, "device": str(self.device),
+                "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
+                           "virtual": p.virtual, "schedule": self.plan.schedule,
+                           "expert_transport": self.plan.expert_transport.mode,
+                           "data_parallel": "ddp" if p.pipeline == 1 else "flat all-reduce"},
+                "torch": torch.__version__, "tokens_per_step": self.tokens_per_step,
+                "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
+                "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,
+                "routing_histogram": "routing.parquet" if self.spec.moe is not None else ""}
+        record.write_json_atomic(self.out / "record.json", record.summary(self.rows, **info))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if os.environ.get("RACKCAST_HANG_DUMP"):  # debugging aid: print every thread's stack after N seconds and exit
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["RACKCAST_HANG_DUMP"]), exit=True)
+    try:
+        Trainer(args).run()
+    except RackcastError as exc:
+        print(f"rackcast train: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

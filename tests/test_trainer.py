@@ -1,0 +1,103 @@
+"""The trainer's single-process pieces: plan refusals, data sharding, capacity drops, checkpoint completeness,
+the routing histogram the simulator replays.
+
+    .venv/bin/pytest -q tests/test_trainer.py
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from backend.checkpoint import latest_complete, step_dir
+from backend.data import TokenData, prepare
+from backend.expert_parallel import pop_drop_counts, shard_experts
+from backend.model import build_model
+from backend.parallel import validate_trainable
+from backend.record import write_routing
+from rackcast.errors import RackcastError
+from rackcast.plan import ExpertTransport, load_plan
+from rackcast.presets import load_model
+from conftest import PLANS
+
+
+@pytest.fixture(scope="module")
+def data_folder(tmp_path_factory):
+    return prepare(tmp_path_factory.mktemp("data"), max_bytes=2 << 20)
+
+
+@pytest.mark.parametrize("field, change", [
+    ("parallel.tensor", dict(tensor=2)),
+    ("parallel.context", dict(context=2)),
+    ("parallel.expert_tensor", dict(expert_tensor=2)),
+])
+def test_validate_trainable_refuses_unsupported_parallelism_naming_the_field(field, change):
+    plan = load_plan(PLANS / "tiny-1proc.yaml")
+    with pytest.raises(RackcastError, match=field.replace(".", r"\.")):
+        validate_trainable(replace(plan, parallel=replace(plan.parallel, **change)))
+
+
+def test_validate_trainable_refuses_split_backward_schedules_with_experts_and_accepts_the_examples():
+    plan = load_plan(PLANS / "tiny-4proc.yaml")
+    with pytest.raises(RackcastError, match="schedule"):
+        validate_trainable(replace(plan, schedule="dualpipev", parallel=replace(plan.parallel, virtual=2)))
+    for name in ("tiny-1proc", "tiny-2proc-ep", "tiny-2proc-pp", "tiny-4proc"):
+        validate_trainable(load_plan(PLANS / f"{name}.yaml"))
+
+
+def test_data_ranks_never_overlap_and_together_equal_one_process(data_folder):
+    data = TokenData(data_folder, "train", 128, seed=3)
+    whole = data.batch(5, 8)
+    parts = [data.batch(5, 8, rank=r, ranks=4) for r in range(4)]
+    assert all(p.shape == (2, 128) for p in parts)
+    rebuilt = np.stack([parts[i % 4][i // 4] for i in range(8)])
+    assert np.array_equal(rebuilt, whole)
+    rows = {row.tobytes() for p in parts for row in p}
+    assert len(rows) == 8
+
+
+def test_data_is_deterministic_by_seed_and_eval_split_is_separate(data_folder):
+    a, b = TokenData(data_folder, "train", 64, seed=1), TokenData(data_folder, "train", 64, seed=1)
+    c = TokenData(data_folder, "train", 64, seed=2)
+    assert np.array_equal(a.batch(0, 4), b.batch(0, 4))
+    assert not np.array_equal(a.batch(0, 4), c.batch(0, 4))
+    manifest = json.loads((data_folder / "manifest.json").read_text())
+    assert manifest["shards"]["eval"]["tokens"] > 0 and manifest["vocab"] == 256
+    assert TokenData(data_folder, "eval", 64).batch(0, 2).max() < 256
+
+
+def test_capacity_mode_drops_and_counts_assignments_beyond_capacity():
+    spec = load_model("tiny-moe")
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    reference = build_model(spec, seed=0)(x)
+    roomy = build_model(spec, seed=0)
+    moes = shard_experts(roomy, None, 0, 1, capacity_factor=float(spec.moe.experts))
+    assert torch.allclose(roomy(x), reference, atol=1e-6)
+    assert pop_drop_counts(moes)[0] == 0
+    tight = build_model(spec, seed=0)
+    moes = shard_experts(tight, None, 0, 1, capacity_factor=0.5)
+    tight(x)
+    dropped, assigned = pop_drop_counts(moes)
+    assert assigned == 128 * spec.moe.top_k * len(moes)
+    assert dropped >= assigned // 2  # at most half of the slots exist
+
+
+def test_a_checkpoint_without_its_manifest_is_not_resumed_from(tmp_path):
+    for step in (2, 4):
+        step_dir(tmp_path, step).mkdir(parents=True)
+        (step_dir(tmp_path, step) / "rank-00000.pt").write_bytes(b"x")
+    (step_dir(tmp_path, 2) / "manifest.json").write_text("{}")
+    assert latest_complete(tmp_path) == step_dir(tmp_path, 2)
+
+
+def test_routing_histogram_is_replayed_by_the_simulator(tmp_path):
+    from simulator.routing import expert_probabilities
+
+    write_routing(tmp_path, {0: [30, 10, 0, 0], 1: [10, 30, 0, 20]})
+    transport = ExpertTransport(routing="histogram", histogram=str(tmp_path / "routing.parquet"))
+    probs = expert_probabilities(transport, 4)
+    assert np.allclose(probs, [40 / 100, 40 / 100, 0, 20 / 100])
