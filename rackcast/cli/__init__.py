@@ -37,7 +37,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="rackcast", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="rackcast", description="Plan, simulate, train and forecast large mixture-of-experts "
+                                                  "training runs on racks of accelerators.")
     parser.add_argument("--version", action="version", version=f"rackcast {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMAND_MODULES:

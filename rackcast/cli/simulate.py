@@ -53,7 +53,7 @@ def _run(args) -> int:
     days = "no token budget in the plan" if math.isnan(result.days_to_budget) else \
         f"{result.days_to_budget:.1f} days to {human(plan.tokens)} tokens (steady state, no failures)"
     out.print(f"tokens/s {human(result.tokens_per_s)}   MFU {100 * result.mfu:.1f}% of bf16 peak "
-              f"[{result.flops_convention}]   {days}")
+              f"({result.flops_convention})   {days}")
     out.print(f"peak memory per GPU {gib(result.peak_memory_bytes)} (memory timeline)   "
               f"drop fraction {100 * result.drop_fraction:.2f}%   {result.events} events")
     for label, path in (("trace", args.trace), ("parquet", args.parquet)):
