@@ -81,6 +81,11 @@ class EfficiencyProfile:
     collectives: dict[str, CollectiveCurves]
     comm_compute_slowdown: float = 0.0  # compute slows by this fraction while communication kernels run
     source: str = ""
+    # Host seconds per framework op (eager dispatch, autograd, Python), measured by `rackcast calibrate` as a training
+    # step of the smallest backend model on a few tokens over the aten calls it makes; 0 where not measured. It
+    # dominates when kernels are tiny (small models on a CPU). The simulator does not add it yet; planner.overhead
+    # does, with op counts of the backend model (backend.opcount).
+    op_overhead_s: float = 0.0
 
     def __post_init__(self):
         _check_curve("gemm", self.gemm)
@@ -96,6 +101,8 @@ class EfficiencyProfile:
             raise ValueError(f"efficiency.collectives.{unknown[0]}: unknown collective")
         if not 0.0 <= self.comm_compute_slowdown < 1.0:
             raise ValueError("efficiency.comm_compute_slowdown must lie in [0, 1)")
+        if self.op_overhead_s < 0.0:
+            raise ValueError("efficiency.op_overhead_s must be >= 0")
 
     def gemm_efficiency(self, flops: float) -> float:
         return interpolate(self.gemm, flops)

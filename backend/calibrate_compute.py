@@ -1,0 +1,188 @@
+"""Compute microbenchmarks for `rackcast calibrate`: GEMM, grouped (looped) expert GEMM, attention, memory-bound.
+
+Every benchmark runs in the dtype the trainer computes in (fp32 on CPU, where the trainer uses no autocast; bf16 on
+CUDA, under autocast) and reports achieved FLOP/s or bytes/s; turning them into fractions of a peak is the job of
+planner.calibration (torch-free). Timing: `Timer` takes the median of several samples, each sample an inner loop
+sized to last `target_s` (so per-call dispatch overhead, a real cost of small ops, is part of what is measured);
+CUDA timings use CUDA events.
+
+    .venv/bin/python -m backend.calibrate --quick     # runs these (and the collectives) and prints JSON
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+class Timer:
+    """Median seconds per call of fn(), each sample an inner loop of calls lasting about target_s."""
+
+    def __init__(self, device: torch.device, samples: int = 5, target_s: float = 0.02):
+        self.device, self.samples, self.target_s = device, samples, target_s
+        self.cuda = device.type == "cuda"
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _run(self, fn, inner: int) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / inner
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - t0) / inner
+
+    def __call__(self, fn, sync_each=None) -> float:
+        fn()  # warm-up (allocations, kernel selection)
+        self._sync()
+        one = max(self._run(fn, 1), 1e-7)
+        inner = int(min(1000, max(1, self.target_s / one)))
+        out = []
+        for _ in range(self.samples):
+            if sync_each is not None:
+                sync_each()
+            self._sync()
+            out.append(self._run(fn, inner))
+        return statistics.median(out)
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _shapes(device: torch.device, quick: bool) -> dict:
+    """Benchmark shapes: tokens x width families around what training runs (scaled up on a GPU)."""
+    if device.type == "cuda":
+        gemm_m, gemm_k = ((2048, 8192), (1024, 4096)) if quick else ((512, 2048, 8192, 32768), (512, 2048, 8192))
+        peak_n = (4096, 8192)
+        grouped = ((128, 1024), (1024, 2048)) if quick else ((64, 256, 1024, 4096), (512, 2048, 4096))
+        attn = [(1, 16, 2048, 128)] if quick else [(4, 16, 1024, 128), (1, 32, 4096, 128), (1, 16, 8192, 128)]
+        mem = (1 << 24,) if quick else (1 << 20, 1 << 24, 1 << 28)
+        stream = 1 << 28
+    else:
+        gemm_m, gemm_k = ((512, 2048), (64, 256)) if quick else ((128, 512, 2048, 8192), (64, 256, 1024))
+        peak_n = (512,) if quick else (256, 512, 1024)
+        grouped = ((32, 256), (32, 128)) if quick else ((16, 64, 256, 1024), (32, 128, 512))
+        attn = [(4, 4, 128, 16)] if quick else [(4, 4, 128, 16), (2, 8, 512, 64), (1, 8, 1024, 64)]
+        mem = (1 << 18,) if quick else (1 << 16, 1 << 18, 1 << 22)
+        stream = 1 << 22 if quick else 1 << 24  # out of cache: the memory figure, not a cache figure
+    return {"gemm_m": gemm_m, "gemm_k": gemm_k, "peak_n": peak_n, "grouped": grouped, "attn": attn, "mem": mem,
+            "stream": stream}
+
+
+def task_count(device: torch.device, quick: bool) -> int:
+    s = _shapes(device, quick)
+    peak = len(s["peak_n"]) * (1 if device.type == "cuda" else 2)
+    return (len(s["gemm_m"]) * len(s["gemm_k"]) + peak + len(s["grouped"][0]) * len(s["grouped"][1])
+            + len(s["attn"]) + len(s["mem"]) + 2)
+
+
+def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -> dict:
+    """All compute measurements as plain data. tick(label) is called after each; barrier() before each, so ranks
+    that run this together contend for the machine as training processes do."""
+    timer = Timer(device, samples=3 if quick else 5, target_s=0.01 if quick else 0.03)
+    dt = compute_dtype(device)
+    s = _shapes(device, quick)
+    out = {"dtype": str(dt).replace("torch.", ""), "gemm": [], "peak": [], "grouped_gemm": [], "attention": [],
+           "memory": []}
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape, dtype=dt, grad=False):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)
+
+    for m in s["gemm_m"]:
+        for k in s["gemm_k"]:
+            a, b = rand(m, k), rand(k, k)
+            barrier()
+            t = timer(lambda: a @ b)
+            out["gemm"].append({"m": m, "k": k, "n": k, "flops": 2.0 * m * k * k, "seconds": t})
+            tick(f"gemm {m}x{k}x{k}")
+    peak_dtypes = [torch.bfloat16] if device.type == "cuda" else [torch.bfloat16, torch.float32]
+    for pdt in peak_dtypes:
+        for n in s["peak_n"]:
+            a, b = rand(n, n, dtype=pdt), rand(n, n, dtype=pdt)
+            barrier()
+            t = timer(lambda: a @ b)
+            out["peak"].append({"dtype": str(pdt).replace("torch.", ""), "n": n, "flops": 2.0 * n ** 3,
+                                "seconds": t})
+            tick(f"peak {pdt} {n}^3")
+    experts = 8
+    rows_list, dims = s["grouped"]
+    for rows in rows_list:
+        for dim in dims:
+            x, w = rand(experts * rows, dim), rand(experts, dim, dim)
+
+            def looped():  # the trainer's GroupedExperts loop: slice each expert's rows, one GEMM per expert
+                return torch.cat([x[e * rows:(e + 1) * rows] @ w[e] for e in range(experts)])
+
+            barrier()
+            t = timer(looped)
+            out["grouped_gemm"].append({"experts": experts, "rows": rows, "dim": dim,
+                                        "flops_per_group": 2.0 * rows * dim * dim, "seconds": t / experts})
+            tick(f"grouped gemm {experts}x{rows}x{dim}")
+    for (b, h, seq, d) in s["attn"]:
+        q, k, v = (rand(b, h, seq, d, grad=True) for _ in range(3))
+
+        def attn():  # forward and backward, as in training
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y.sum().backward()
+
+        barrier()
+        t = timer(attn)
+        fwd = 4.0 * b * h * seq * seq * d / 2  # causal: half the score and value products
+        out["attention"].append({"batch": b, "heads": h, "seq": seq, "head_dim": d, "train_flops": 3 * fwd,
+                                 "seconds": t})
+        tick(f"attention {b}x{h}x{seq}x{d}")
+    for elems in s["mem"]:
+        out["memory"].append(_memory(timer, rand, elems, barrier))
+        tick(f"memory {elems * torch.tensor([], dtype=dt).element_size() / 2**20:.2f} MiB")
+    out["memory_stream"] = _memory(timer, rand, s["stream"], barrier, stream_only=True)
+    tick("memory bandwidth")
+    barrier()
+    out["op_overhead"] = _op_overhead(device, quick)
+    tick("per-op overhead")
+    return out
+
+
+def _op_overhead(device: torch.device, quick: bool) -> dict:
+    """Host seconds per framework op, on the trainer's own op mix: a training step of the smallest backend model on
+    a few tokens (kernels negligible) over the ops it makes (backend.opcount.host_seconds_per_op)."""
+    from backend.opcount import host_seconds_per_op
+
+    return host_seconds_per_op(samples=3 if quick else 7, device=device)
+
+
+def _memory(timer: Timer, rand, elems: int, barrier, stream_only: bool = False) -> dict:
+    """Bytes/s of copy and add (the bandwidth figure) and of the trainer's elementwise mix (RMSNorm, SiLU-gate,
+    residual add) on tensors of `elems` elements; bytes counted as the minimum read + written."""
+    width = 64
+    x, r, y = rand(elems // width, width), rand(elems // width, width), rand(elems // width, width)
+    w = rand(width)
+    nbytes = x.numel() * x.element_size()
+    res = {"elements": elems, "bytes": nbytes}
+    barrier()
+    res["copy_Bps"] = 2 * nbytes / timer(lambda: y.copy_(x))
+    barrier()
+    res["add_Bps"] = 3 * nbytes / timer(lambda: torch.add(x, r, out=y))
+    if stream_only:
+        return res
+
+    def mix():
+        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w  # RMSNorm: read x, write n
+        g = F.silu(n) * r  # gate: read n, r, write g
+        return g + x  # residual: read g, x, write
+
+    barrier()
+    res["mix_Bps"] = 8 * nbytes / timer(mix)
+    return res

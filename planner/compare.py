@@ -1,0 +1,180 @@
+"""Predicted against measured for one plan and one run folder (`rackcast compare PLAN RUN_DIR`), and the side-by-side
+Chrome trace. The prediction is the discrete-event simulator's (simulator.step.simulate) when it is importable, else
+the closed-form estimate's; the result says which.
+
+Metric conventions (both sides use them, so the comparison is a join on names):
+- step_time_s, tokens_per_s: medians over the run's steps after the first (backend.record);
+- mfu: model FLOPs / (step time x ranks x bf16 peak of the topology predicted with); the measured MFU is recomputed
+  on that same peak from the run's model FLOPs and step time (the run's own figure divides by the peak of the
+  topology it ran with, and on CPU by the fp32 peak it computes in), else the run's `mfu_vs_bf16_peak`;
+- phases: estimate.PHASES, with pipeline_p2p and pipeline_bubble summed (the trainer counts p2p inside the bubble);
+  the trainer's `other` (time in no phase) has no prediction;
+- peak_memory_bytes: the simulator's peak allocation per GPU against the run's; on CPU the run reports the process's
+  peak resident set, which includes the Python and torch runtime, so the error there is dominated by the runtime;
+- drop_fraction: assignments dropped by capacity transport (0 when dropless).
+Error = (predicted - measured) / measured.
+
+    python -m planner.compare examples/plans/tiny-2proc-ep.yaml runs/tiny-2proc-ep
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from rackcast.errors import RackcastError
+from rackcast.plan import Plan
+
+PHASE_ROWS = (("compute", ("compute",)), ("exposed_expert_a2a", ("exposed_expert_a2a",)),
+              ("exposed_tensor_comm", ("exposed_tensor_comm",)), ("exposed_fsdp_gather", ("exposed_fsdp_gather",)),
+              ("pipeline (bubble + p2p)", ("pipeline_bubble", "pipeline_p2p")),
+              ("exposed_dp_comm", ("exposed_dp_comm",)), ("optimizer", ("optimizer",)),
+              ("host_transfer", ("host_transfer",)))
+MEASURED_PID = 1000  # measured processes in the combined trace start here, after the simulated ones
+
+
+def load_record(run_dir: str | Path) -> dict:
+    path = Path(run_dir) / "record.json"
+    if not path.exists():
+        raise RackcastError("no record.json here (is this a run folder written by `rackcast train`?)",
+                            where=str(run_dir))
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RackcastError(f"malformed JSON: {exc}", where=str(path)) from None
+
+
+def predict(plan: Plan, topo=None, record: bool = False, prefer: str = "simulate", op_counts: dict | None = None):
+    """(source, result): the simulator's SimResult when available (and preferred), else the estimate's Estimate;
+    with op counts (backend.opcount) and a topology whose op_overhead_s is measured, plus the host overhead
+    (planner.overhead; source "... + op overhead")."""
+    topo = topo or plan.topology_spec()
+    source, result = None, None
+    if prefer == "simulate":
+        try:
+            from simulator.step import simulate
+        except ModuleNotFoundError as exc:  # no simulator in this checkout; any other error is a real one
+            if exc.name not in ("simulator.step", "simpy"):
+                raise
+            simulate = None
+        if simulate is not None:
+            source, result = "simulate", simulate(plan, topo=topo, record=record)
+    if result is None:
+        from simulator.estimate import estimate
+
+        source, result = "estimate", estimate(plan, topo=topo)
+    if op_counts and topo.efficiency.op_overhead_s > 0:
+        from planner.overhead import WithOverhead, host_overhead
+
+        spec = plan.model_spec()
+        result = WithOverhead.of(result, host_overhead(op_counts, spec, plan, topo.efficiency.op_overhead_s))
+        source += " + op overhead"
+    return source, result
+
+
+def _peak_memory(result) -> float:
+    if hasattr(result, "peak_memory_bytes"):
+        return float(result.peak_memory_bytes)
+    return float(result.memory.total)
+
+
+def _err(pred: float, meas: float) -> float:
+    if meas is None or pred is None or (isinstance(meas, float) and math.isnan(meas)):
+        return math.nan
+    if meas == 0:
+        return 0.0 if pred == 0 else math.nan
+    return (pred - meas) / meas
+
+
+def compare_rows(result, rec: dict) -> list[dict]:
+    """One row per metric: name, unit, predicted, measured, error."""
+    rows = []
+
+    def add(name, unit, pred, meas):
+        rows.append({"metric": name, "unit": unit, "predicted": pred, "measured": meas, "error": _err(pred, meas)})
+
+    add("step_time_s", "s", result.step_time_s, rec.get("step_time_s"))
+    add("tokens_per_s", "tokens/s", result.tokens_per_s, rec.get("tokens_per_s"))
+    base = getattr(result, "base", result)
+    meas_mfu = rec.get("mfu_vs_bf16_peak", rec.get("mfu"))
+    if rec.get("model_flops_per_step") and math.isclose(rec["model_flops_per_step"], base.model_flops_per_step,
+                                                        rel_tol=1e-6) and rec.get("step_time_s"):
+        meas_mfu = result.mfu * result.step_time_s / rec["step_time_s"]  # on the prediction's peak and GPU count
+    add("mfu", "fraction of bf16 peak", result.mfu, meas_mfu)
+    phases = rec.get("phases_s", {})
+    for name, keys in PHASE_ROWS:
+        pred = sum(result.phases_s.get(k, 0.0) for k in keys)
+        meas = sum(phases.get(k, 0.0) or 0.0 for k in keys)
+        add(f"phase {name}", "s", pred, meas)
+    if "other" in phases:
+        rows.append({"metric": "phase other (not modelled)", "unit": "s", "predicted": None,
+                     "measured": phases["other"], "error": math.nan})
+    add("peak_memory_bytes", "bytes", _peak_memory(result), rec.get("peak_memory_bytes"))
+    add("drop_fraction", "fraction", float(result.drop_fraction), rec.get("drop_fraction"))
+    return rows
+
+
+def measured_events(run_dir: Path, rec: dict) -> tuple[list[dict], str]:
+    """The run's own Chrome trace (torch.profiler, `rackcast train --profile`) moved to the measured pids, or, when
+    the run has none, one step drawn from the record's median phase times (said so in the process name)."""
+    trace = run_dir / "trace.json"
+    if trace.exists():
+        data = json.loads(trace.read_text())
+        events = data["traceEvents"] if isinstance(data, dict) else data
+        pids = sorted({str(e.get("pid")) for e in events if "pid" in e})
+        remap = {p: MEASURED_PID + i for i, p in enumerate(pids)}
+        t0 = min((e["ts"] for e in events if isinstance(e.get("ts"), (int, float))), default=0.0)
+        out = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                "args": {"name": f"measured: torch.profiler process {orig}"}} for orig, pid in remap.items()]
+        for e in events:
+            if "pid" not in e or (e.get("ph") == "M" and e.get("name") == "process_name"):
+                continue
+            e = dict(e, pid=remap[str(e["pid"])])
+            if isinstance(e.get("ts"), (int, float)):
+                e["ts"] = round(e["ts"] - t0, 3)
+            out.append(e)
+        return out, "torch.profiler trace of the run"
+    phases = rec.get("phases_s", {})
+    out = [{"ph": "M", "name": "process_name", "pid": MEASURED_PID, "tid": 0,
+            "args": {"name": "measured: one step from the run's median phase times (no trace.json in the run)"}},
+           {"ph": "M", "name": "thread_name", "pid": MEASURED_PID, "tid": 0, "args": {"name": "phases"}}]
+    t = 0.0
+    for name, value in phases.items():
+        if value and value == value:
+            out.append({"ph": "X", "name": name, "cat": "measured", "pid": MEASURED_PID, "tid": 0,
+                        "ts": round(t * 1e6, 3), "dur": round(value * 1e6, 3)})
+            t += value
+    return out, "median phase times (record.json)"
+
+
+def combined_trace(result, source: str, run_dir: Path, rec: dict) -> dict:
+    """Simulated (or estimated) and measured timelines in one trace-event file, as separate processes."""
+    result = getattr(result, "base", result)  # the timeline is the simulator's (without the overhead term)
+    if source.startswith("simulate"):
+        from simulator.trace import trace_events
+
+        sim = trace_events(result)
+        for e in sim:
+            if e.get("ph") == "M" and e.get("name") == "process_name":
+                e["args"] = {"name": f"simulated: {e['args']['name']}"}
+    else:
+        sim = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "estimated phases"}}]
+        t = 0.0
+        for name, value in result.phases_s.items():
+            if value:
+                sim.append({"ph": "X", "name": name, "cat": "estimate", "pid": 0, "tid": 0, "ts": round(t * 1e6, 3),
+                            "dur": round(value * 1e6, 3)})
+                t += value
+    meas, how = measured_events(run_dir, rec)
+    return {"traceEvents": sim + meas, "displayTimeUnit": "ms",
+            "otherData": {"plan": rec.get("plan"), "prediction": source, "measured": how}}
+
+
+if __name__ == "__main__":
+    from rackcast.plan import load_plan
+
+    src, res = predict(load_plan(sys.argv[1]))
+    for row in compare_rows(res, load_record(sys.argv[2])):
+        print(row)

@@ -1,0 +1,239 @@
+"""Fit efficiency-profile factors to measured step and phase times (`rackcast calibrate --from-run/--from-measurement`).
+
+The factors multiply a topology's efficiency profile (so the fitted topology predicts other layouts and scales):
+    gemm            the GEMM and grouped-GEMM curves (all sizes)      identified by compute time (and optimizer time)
+    attention       the attention efficiency                           compute time of plans that differ in attention
+                                                                       share (sequence length, micro-batch)
+    memory_bound    the memory-bound efficiency                        optimizer time, compute of different mixes
+    all_reduce, all_gather, reduce_scatter, all_to_all, send_recv
+                    that collective's bus-bandwidth curves             its exposed phase (exposed_dp_comm,
+                                                                       exposed_expert_a2a, pipeline p2p + bubble)
+    comm_compute_slowdown  additive (not a factor), clamped to [0, 0.95]  compute time of plans with and without
+                                                                       overlapping communication
+    op_overhead     the host time per op (only with op counts, see      compute time of plans with different
+                    planner.overhead, and a measured op_overhead_s)     micro-batch sizes (overhead is per op, the
+                                                                       rest per token)
+Efficiencies are clamped to (0, 1]. Identifiability: one step time alone fits one number, so with step times only
+(no phase times) a single `overall` factor scales every efficiency together; each phase time adds one equation, so
+k factors need at least k independent measured quantities (a single run with phases fits gemm-or-compute, one factor
+per exposed communication phase and optimizer; separating gemm, attention and memory_bound needs runs with different
+compute mixes). The result reports each factor's standard error (from the Jacobian) and whether it was identified.
+
+Method: residuals log(predicted / measured step time) and (predicted - measured phase) / measured step time, over
+all measurements, evaluated with the vectorised simulator.estimate.step_time (features computed once per plan);
+Levenberg-Marquardt on log-factors with numeric derivatives and a weak prior pulling unidentified factors to 1.
+
+    python -m planner.fit            # recovers known factors from a synthetic measurement (a self-check)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from rackcast.plan import Plan
+from simulator.estimate import plan_features, step_time
+from topologies.spec import CollectiveCurves, CurvePoint, Topology
+
+FACTORS = ("gemm", "attention", "memory_bound", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+           "send_recv", "comm_compute_slowdown", "op_overhead")
+# Trainer phases and the estimate's: the trainer counts pipeline p2p inside the bubble, so the two are summed.
+PHASE_GROUPS = {"compute": ("compute",), "exposed_expert_a2a": ("exposed_expert_a2a",),
+                "exposed_tensor_comm": ("exposed_tensor_comm",), "exposed_fsdp_gather": ("exposed_fsdp_gather",),
+                "pipeline": ("pipeline_p2p", "pipeline_bubble"), "exposed_dp_comm": ("exposed_dp_comm",),
+                "optimizer": ("optimizer",), "host_transfer": ("host_transfer",)}
+PRIOR = 1e-6  # weight of the pull towards factor 1 (log 0): only matters where the data say nothing
+NOISE = 0.03  # assumed scatter of one measured quantity (fraction of its step time), for the standard errors
+SE_IDENTIFIED = 0.1  # a factor counts as identified when its standard error (log factor) is below this
+
+
+@dataclass
+class Measurement:
+    plan: Plan
+    step_time_s: float
+    phases_s: dict[str, float] = field(default_factory=dict)  # trainer phase names (backend.record.PHASES)
+    label: str = ""
+
+
+@dataclass
+class FitResult:
+    fitted: dict[str, float]  # the fitted parameters by name ("overall" when only step times were measured)
+    factors: dict[str, float]  # what they mean for every factor apply_factors knows
+    std_error: dict[str, float]  # of log(factor); slowdown: absolute
+    identified: dict[str, bool]
+    rms_before: float
+    rms_after: float
+    step_error_before: list[float]  # relative step-time errors per measurement
+    step_error_after: list[float]
+    topology: Topology
+    iterations: int
+
+    def as_dict(self) -> dict:
+        return {"fitted": self.fitted, "factors": self.factors, "std_error": self.std_error,
+                "identified": self.identified,
+                "rms_residual_before": self.rms_before, "rms_residual_after": self.rms_after,
+                "step_error_before": self.step_error_before, "step_error_after": self.step_error_after,
+                "iterations": self.iterations}
+
+
+def _scale(curve: list[CurvePoint], f: float) -> list[CurvePoint]:
+    return [CurvePoint(p.size, min(1.0, max(1e-6, p.value * f))) for p in curve]
+
+
+def apply_factors(topo: Topology, factors: dict[str, float]) -> Topology:
+    """The topology with its efficiency profile scaled by `factors` (missing names: unchanged)."""
+    e = topo.efficiency
+    g = factors.get("gemm", 1.0)
+    coll = {k: CollectiveCurves(_scale(c.scale_up, factors.get(k, 1.0)), _scale(c.scale_out, factors.get(k, 1.0)))
+            for k, c in e.collectives.items()}
+    slow = min(0.95, max(0.0, e.comm_compute_slowdown + factors.get("comm_compute_slowdown", 0.0)))
+    eff = replace(e, gemm=_scale(e.gemm, g), grouped_gemm=_scale(e.grouped_gemm, g),
+                  op_overhead_s=e.op_overhead_s * factors.get("op_overhead", 1.0),
+                  attention=min(1.0, max(1e-6, e.attention * factors.get("attention", 1.0))),
+                  memory_bound=min(1.0, max(1e-6, e.memory_bound * factors.get("memory_bound", 1.0))),
+                  collectives=coll, comm_compute_slowdown=slow)
+    return topo.with_efficiency(eff)
+
+
+class _Problem:
+    def __init__(self, measurements: list[Measurement], topo: Topology, op_counts: dict | None = None):
+        self.topo = topo
+        feats, ovh = [], []
+        for m in measurements:
+            spec = m.plan.model_spec()
+            t = topo.with_usable_gpus(m.plan.topology.usable_gpus) if m.plan.topology.usable_gpus else topo
+            feats.append(plan_features(spec, m.plan, t))
+            if op_counts and topo.efficiency.op_overhead_s > 0:
+                from planner.overhead import host_overhead
+
+                o = host_overhead(op_counts, spec, m.plan, 1.0)  # in ops; x op_overhead_s when predicting
+                ovh.append((o.compute_s, o.bubble_s, o.optimizer_s))
+        self.ops = np.array(ovh, dtype=float).T if ovh else None
+        self.features = {k: np.array([f[k] for f in feats], dtype=float) for k in feats[0]}
+        self.step = np.array([m.step_time_s for m in measurements])
+        self.phase_rows = []  # (measurement index, phase group, measured seconds)
+        for i, m in enumerate(measurements):
+            for group, names in PHASE_GROUPS.items():
+                if any(n in m.phases_s for n in names):
+                    self.phase_rows.append((i, group, sum(m.phases_s.get(n, 0.0) for n in names)))
+
+    def predict(self, factors: dict[str, float]) -> dict[str, np.ndarray]:
+        topo = apply_factors(self.topo, factors)
+        out = step_time(self.features, topo)
+        if self.ops is not None:
+            t_op = topo.efficiency.op_overhead_s
+            comp, bubble, opt = self.ops * t_op
+            out = dict(out, compute=out["compute"] + comp, pipeline_bubble=out["pipeline_bubble"] + bubble,
+                       optimizer=out["optimizer"] + opt, step_time_s=out["step_time_s"] + comp + bubble + opt)
+        return out
+
+    def residuals(self, factors: dict[str, float]) -> np.ndarray:
+        p = self.predict(factors)
+        r = [np.log(p["step_time_s"] / self.step)]
+        if self.phase_rows:
+            r.append(np.array([(sum(p[n][i] for n in PHASE_GROUPS[g]) - v) / self.step[i]
+                               for i, g, v in self.phase_rows]))
+        return np.concatenate(r)
+
+
+def _to_factors(names: list[str], theta: np.ndarray) -> dict[str, float]:
+    out = {}
+    for n, t in zip(names, theta):
+        if n == "overall":
+            out.update({k: math.exp(t) for k in FACTORS if k not in ("comm_compute_slowdown", "op_overhead")})
+            out["op_overhead"] = math.exp(-t)  # a time, not an efficiency: slower is larger
+        elif n == "comm_compute_slowdown":
+            out[n] = float(t)
+        else:
+            out[n] = math.exp(t)
+    return out
+
+
+def fit(measurements: list[Measurement], topo: Topology, names: list[str] | None = None,
+        iterations: int = 60, op_counts: dict | None = None) -> FitResult:
+    """Least-squares factors (see the module docstring). names: which to fit (default: all that the measurements
+    are sensitive to; `overall` alone when no phase times were measured). op_counts (backend.opcount): include the
+    host per-op overhead in the predictions, and its factor."""
+    if not measurements:
+        raise ValueError("fit needs at least one measurement")
+    prob = _Problem(measurements, topo, op_counts)
+    if names is None:
+        names = list(FACTORS) if prob.phase_rows else ["overall"]
+    theta = np.zeros(len(names))
+    h = 1e-4
+
+    def jac(th, r0):
+        cols = []
+        for j in range(len(th)):
+            t2 = th.copy()
+            t2[j] += h
+            cols.append((prob.residuals(_to_factors(names, t2)) - r0) / h)
+        return np.stack(cols, axis=1)
+
+    r = prob.residuals(_to_factors(names, theta))
+    J = jac(theta, r)
+    active = np.linalg.norm(J, axis=0) > 1e-9  # factors the measurements are not sensitive to stay at 1
+    if names != ["overall"]:
+        names = [n for n, a in zip(names, active) if a]
+        theta = np.zeros(len(names))
+        J = J[:, active]
+    rms_before = float(np.sqrt(np.mean(r ** 2)))
+    step_before = list(np.exp(r[: len(measurements)]) - 1)
+    lam, it = 1e-2, 0
+    cost = float(r @ r + PRIOR * theta @ theta)
+    for it in range(1, iterations + 1):
+        A = J.T @ J + PRIOR * np.eye(len(names))
+        g = J.T @ r + PRIOR * theta
+        step = np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-12), -g)
+        t_new = theta + step
+        r_new = prob.residuals(_to_factors(names, t_new))
+        c_new = float(r_new @ r_new + PRIOR * t_new @ t_new)
+        if c_new < cost:
+            theta, r, cost, lam = t_new, r_new, c_new, max(lam / 3, 1e-7)
+            J = jac(theta, r)
+            if np.max(np.abs(step)) < 1e-7:
+                break
+        else:
+            lam *= 4
+            if lam > 1e8:
+                break
+    # Standard errors at the assumed measurement scatter (not the residual, which is 0 for exact data): they say
+    # how well the measurements pin each factor, whatever the luck of this fit.
+    cov = np.linalg.pinv(J.T @ J + PRIOR * np.eye(len(names))) * NOISE ** 2
+    se = np.sqrt(np.maximum(np.diag(cov), 0.0))
+    sens = np.linalg.norm(J, axis=0)
+    factors = _to_factors(names, theta)
+    std = {n: float(s) for n, s in zip(names, se)}
+    ident = {n: bool(s < SE_IDENTIFIED and sv > 1e-9) for n, s, sv in zip(names, se, sens)}
+    fitted = {n: float(t) if n == "comm_compute_slowdown" else math.exp(t) for n, t in zip(names, theta)}
+    return FitResult(fitted=fitted, factors=factors, std_error=std, identified=ident, rms_before=rms_before,
+                     rms_after=float(np.sqrt(np.mean(r ** 2))), step_error_before=[float(x) for x in step_before],
+                     step_error_after=[float(x) for x in np.exp(r[: len(measurements)]) - 1],
+                     topology=apply_factors(topo, factors), iterations=it)
+
+
+def synthetic(plans: list[Plan], topo: Topology, truth: dict[str, float],
+              op_counts: dict | None = None) -> list[Measurement]:
+    """Measurements that the topology scaled by `truth` would produce (the estimate's step and phase times)."""
+    prob = _Problem([Measurement(p, 1.0) for p in plans], topo, op_counts)
+    pred = prob.predict(truth)
+    out = []
+    for i, p in enumerate(plans):
+        phases = {k: float(pred[k][i]) for k in ("compute", "exposed_expert_a2a", "exposed_dp_comm", "optimizer",
+                                                  "pipeline_bubble", "pipeline_p2p")}
+        out.append(Measurement(p, float(pred["step_time_s"][i]), phases, label=p.name))
+    return out
+
+
+if __name__ == "__main__":
+    from rackcast.plan import load_plan
+
+    plans = [load_plan(f"examples/plans/{n}.yaml") for n in ("tiny-1proc", "tiny-2proc-ep", "tiny-2proc-pp")]
+    base = plans[0].topology_spec()
+    truth = {"gemm": 0.5, "memory_bound": 0.7, "all_to_all": 0.6, "all_reduce": 1.5, "send_recv": 0.8}
+    res = fit(synthetic(plans, base, truth), base)
+    for k, v in res.factors.items():
+        print(f"{k:24s} {v:.4f}  (true {truth.get(k, 1.0)}, se {res.std_error.get(k, math.nan):.3g}, "
+              f"identified {res.identified.get(k)})")

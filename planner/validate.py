@@ -1,0 +1,277 @@
+"""The validation suite behind `rackcast validate`: train a set of tiny plans on this machine, predict each with the
+calibrated topology, and report how far the predictions are from the measurements.
+
+Suite (tiny-moe, 8 sequences of 128 tokens per step, one torch thread per process, so a process is one core as in
+the calibrated topology; one thread also makes the one-process runs steadier than two threads on tiny ops): one process with micro-batch 4 / 2, capacity transport; data parallel 2; DP2 x EP2
+(folded) dropless with micro-batch 2 and 4 and with capacity transport; pipeline 2 with 1F1B and GPipe, micro-batch 2
+and 1. Each plan is trained `repeats` times for `steps` steps, interleaved (plan 1..n, then again) so slow spells of
+a shared machine fall on every plan; the measured figure is the median over repeats of each run's median step.
+
+Predictions: the simulator (simulator.step.simulate) with the calibrated topology ("microbenchmarks"; one-process
+plans use `topology_1proc` when given, from `rackcast calibrate --world 1 --threads 1`: a process alone on this
+machine can run faster than one of two busy ones); the same plus the host per-op overhead (planner.overhead: op counts of the
+backend model x the calibrated op_overhead_s; "+ op overhead"); and that after fitting the topology's factors, op
+overhead included (planner.fit), to the measured phase times of the first `fit_on` plans ("fitted"; its held-out
+error counts only the other plans). Figures: step-time MAPE and max |error|, Kendall's tau-b between predicted and
+measured step times, and peak-memory error. On CPU the measured peak memory is the process's resident set; the
+suite also measures the resident set of a trainer-like process that has loaded torch and the model code but trained
+nothing (`runtime_bytes`) and reports the error of predicted + runtime as well.
+
+    python -m planner.validate --quick       # same as `rackcast validate --quick`, minus the CLI's table
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from rackcast.errors import RackcastError
+from rackcast.plan import load_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SUITE = [  # name, parallel, micro_batch, schedule, transport
+    ("1p-mb4", {}, 4, "1f1b", "dropless"),
+    ("dp2-ep2-mb2", {"data": 2, "expert": 2}, 2, "1f1b", "dropless"),
+    ("1p-mb2", {}, 2, "1f1b", "dropless"),
+    ("1p-mb4-cap", {}, 4, "1f1b", "capacity"),
+    ("dp2-mb2", {"data": 2}, 2, "1f1b", "dropless"),
+    ("dp2-ep2-mb4", {"data": 2, "expert": 2}, 4, "1f1b", "dropless"),
+    ("dp2-ep2-mb2-cap", {"data": 2, "expert": 2}, 2, "1f1b", "capacity"),
+    ("pp2-1f1b-mb2", {"pipeline": 2}, 2, "1f1b", "dropless"),
+    ("pp2-gpipe-mb2", {"pipeline": 2}, 2, "gpipe", "dropless"),
+    ("pp2-1f1b-mb1", {"pipeline": 2}, 1, "1f1b", "dropless"),
+]
+# Factors the suite fits: the trainer's communication on CPU is blocking (nothing overlaps it), so the slowdown of
+# compute under communication is not fitted; attention is a small share of tiny-moe's compute and not separable.
+FIT_FACTORS = ["gemm", "memory_bound", "all_to_all", "all_reduce", "send_recv"]
+QUICK = ("1p-mb4", "dp2-ep2-mb2", "1p-mb2", "dp2-mb2", "dp2-ep2-mb2-cap", "pp2-1f1b-mb2", "pp2-gpipe-mb2",
+         "1p-mb4-cap")
+
+
+def write_suite(folder: Path, topology: str, quick: bool) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, par, mb, schedule, transport in SUITE:
+        if quick and name not in QUICK:
+            continue
+        world = par.get("data", 1) * par.get("pipeline", 1)
+        plan = {"name": name, "model": "tiny-moe",
+                "topology": {"name": topology, "domains": 1, "usable_gpus": world},
+                "parallel": par, "batch": {"global_batch": 8, "micro_batch": mb}, "schedule": schedule,
+                "optimizer": {"name": "muonh", "lr": 0.01, "adam_lr": 0.003},
+                "expert_transport": {"mode": transport, "capacity_factor": 1.0}}
+        path = folder / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(plan, sort_keys=False))
+        out.append(path)
+    return out
+
+
+def train(plan_path: Path, out: Path, steps: int, data_dir: str, timeout_s: float = 600) -> dict:
+    """One training run (torchrun, gloo on loopback, one thread per process); its record.json."""
+    from rackcast.cli.train import torchrun_command
+
+    plan = load_plan(str(plan_path))
+    args = ["--steps", str(steps), "--out", str(out), "--quiet", "--threads", "1", "--data-dir", data_dir]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    for attempt in range(2):  # one retry: a crashed run is started again
+        if out.exists():
+            shutil.rmtree(out)
+        proc = subprocess.run(torchrun_command(str(plan_path), plan.parallel.gpus, args), cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+        record = out / "record.json"
+        done = json.loads(record.read_text()) if record.exists() else {}
+        if proc.returncode == 0:
+            return done
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"train-stderr-{attempt}.txt").write_text(proc.stderr)
+        if done.get("steps") == steps:  # every step measured and recorded; the crash came at process teardown
+            return dict(done, teardown_exit=proc.returncode)
+    raise RackcastError(f"training failed twice (exit {proc.returncode}); its output is in "
+                        f"{out}/train-stderr-*.txt", where=str(plan_path))
+
+
+def runtime_bytes() -> int:
+    """Peak resident set of a process that imported the trainer (torch included) but trained nothing."""
+    code = ("import resource, torch, backend.train; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
+def kendall_tau(x, y) -> float:
+    """Kendall's tau-b of two sequences (ties counted as neither concordant nor discordant)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    i, j = np.triu_indices(len(x), k=1)
+    dx, dy = np.sign(x[i] - x[j]), np.sign(y[i] - y[j])
+    n0 = len(i)
+    tx, ty = np.sum(dx == 0), np.sum(dy == 0)
+    denom = math.sqrt((n0 - tx) * (n0 - ty))
+    return float(np.sum(dx * dy) / denom) if denom else math.nan
+
+
+@dataclass
+class PlanResult:
+    name: str
+    plan_path: str
+    measured_step_s: float
+    measured_runs_s: list[float]
+    measured_phases_s: dict[str, float]
+    measured_peak_memory_bytes: float
+    predicted: dict[str, dict] = field(default_factory=dict)  # profile label -> figures
+
+
+def summarise(results: list[PlanResult], label: str, runtime: float, held_out: set[str] | None = None) -> dict:
+    rows = [r for r in results if held_out is None or r.name in held_out]
+    meas = np.array([r.measured_step_s for r in rows])
+    pred = np.array([r.predicted[label]["step_time_s"] for r in rows])
+    err = (pred - meas) / meas
+    mem_m = np.array([r.measured_peak_memory_bytes for r in rows])
+    mem_p = np.array([r.predicted[label]["peak_memory_bytes"] for r in rows])
+    return {"profile": label, "plans": len(rows), "step_mape": float(np.mean(np.abs(err))),
+            "step_max_abs_error": float(np.max(np.abs(err))), "kendall_tau": kendall_tau(pred, meas),
+            "memory_mape": float(np.mean(np.abs((mem_p - mem_m) / mem_m))),
+            "memory_plus_runtime_mape": float(np.mean(np.abs((mem_p + runtime - mem_m) / mem_m)))}
+
+
+def op_counts(model: str, optimizer: str) -> dict:
+    """backend.opcount's counts, in a subprocess (this module does not import torch)."""
+    proc = subprocess.run([sys.executable, "-m", "backend.opcount", model, "--optimizer", optimizer], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def predict_all(results: list[PlanResult], topo_path: str, label: str, counts: dict | None = None,
+                single: str = "") -> None:
+    """Predict every plan with topology `topo_path` (or `single` for one-process plans, when given)."""
+    from planner.compare import predict
+    from topologies import load_topology
+
+    for r in results:
+        plan = load_plan(r.plan_path)
+        path = single if single and plan.parallel.gpus == 1 else topo_path
+        topo = load_topology(path, plan.topology.domains, plan.topology.usable_gpus or None)
+        source, res = predict(plan, topo=topo, op_counts=counts)
+        r.predicted[label] = {"source": source, "step_time_s": float(res.step_time_s),
+                              "peak_memory_bytes": float(res.peak_memory_bytes if hasattr(res, "peak_memory_bytes")
+                                                           else res.memory.total),
+                              "phases_s": {k: float(v) for k, v in res.phases_s.items()}}
+
+
+def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0, repeats: int = 0, fit_on: int = 3,
+              data_dir: str = "runs/.data", progress=None, topology_1proc: str = "") -> dict:
+    """Train, predict, fit, summarise; writes plans/, runs/, results.parquet, fitted topology and summary.json."""
+    from planner.calibration import write_topology
+    from planner.fit import Measurement, fit
+    from topologies import load_topology
+
+    load_topology(topology)  # a missing or malformed topology fails here, before any training
+    if topology_1proc:
+        load_topology(topology_1proc)
+    steps = steps or (8 if quick else 20)
+    repeats = repeats or (1 if quick else 3)
+    plans = write_suite(out_dir / "plans", str(Path(topology).resolve()) if Path(topology).exists() else topology,
+                        quick)
+    total = len(plans) * repeats + 2
+    done = 0
+    records: dict[str, list[dict]] = {p.stem: [] for p in plans}
+    t0 = time.perf_counter()
+    for rep in range(repeats):
+        for p in plans:
+            if progress:
+                progress(f"train {p.stem} ({rep + 1}/{repeats})", done, total)
+            records[p.stem].append(train(p, out_dir / "runs" / f"{p.stem}-r{rep}", steps, data_dir))
+            done += 1
+    runtime = runtime_bytes()
+    results = []
+    for p in plans:
+        recs = records[p.stem]
+        phases = {k: statistics.median(r["phases_s"].get(k, 0.0) or 0.0 for r in recs) for k in recs[0]["phases_s"]}
+        results.append(PlanResult(p.stem, str(p), statistics.median(r["step_time_s"] for r in recs),
+                                  [r["step_time_s"] for r in recs], phases,
+                                  max(r["peak_memory_bytes"] for r in recs)))
+    if progress:
+        progress("simulate (calibrated profile)", done, total)
+    predict_all(results, topology, "microbenchmarks", single=topology_1proc)
+    counts = None
+    if load_topology(topology).efficiency.op_overhead_s > 0:
+        counts = op_counts("tiny-moe", "muonh")
+        predict_all(results, topology, "microbenchmarks + op overhead", counts, single=topology_1proc)
+    done += 1
+    fit_on = max(1, min(fit_on, len(results) - 1))
+    calib = results[:fit_on]
+    base = load_topology(topology)
+    names = FIT_FACTORS + (["op_overhead"] if counts else [])
+    res = fit([Measurement(load_plan(r.plan_path), r.measured_step_s, r.measured_phases_s, label=r.name)
+               for r in calib], base, names, op_counts=counts)
+    fitted_path = out_dir / "fitted-topology.yaml"
+    write_topology(fitted_path, replace(res.topology, name="validate-fitted"),
+                   [f"rackcast validate: {topology} with factors fitted to {', '.join(r.name for r in calib)}:",
+                    *[f"  {k}: {v:.4g} (se {res.std_error[k]:.2g})" for k, v in res.fitted.items()]])
+    if progress:
+        progress("simulate (fitted profile)", done, total)
+    predict_all(results, str(fitted_path), "fitted", counts)
+    held = {r.name for r in results[fit_on:]}
+    summary = {"topology": topology, "topology_1proc": topology_1proc, "steps": steps, "repeats": repeats,
+               "runtime_bytes": runtime,
+               "fit_on": [r.name for r in calib], "fitted_factors": res.fitted,
+               "fitted_std_error": res.std_error, "wall_s": time.perf_counter() - t0,
+               "op_counts": counts,
+               "runs_with_teardown_crash": sum("teardown_exit" in r for recs in records.values() for r in recs),
+               "summaries": [summarise(results, label, runtime) for label in results[0].predicted
+                             if label != "fitted"] + [
+                             summarise(results, "fitted", runtime),
+                             dict(summarise(results, "fitted", runtime, held), profile="fitted (held-out plans)")]}
+    _write_results(out_dir, results)
+    from rackcast.strict import write_text_atomic
+
+    write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    summary["results"] = results
+    return summary
+
+
+def _write_results(out_dir: Path, results: list[PlanResult]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cols: dict[str, list] = {"plan": [], "profile": [], "prediction": [], "measured_step_s": [],
+                             "measured_runs_s": [], "predicted_step_s": [], "step_error": [],
+                             "measured_peak_memory_bytes": [], "predicted_peak_memory_bytes": [],
+                             "measured_compute_s": [], "predicted_compute_s": []}
+    for r in results:
+        for label, p in r.predicted.items():
+            cols["plan"].append(r.name)
+            cols["profile"].append(label)
+            cols["prediction"].append(p["source"])
+            cols["measured_step_s"].append(r.measured_step_s)
+            cols["measured_runs_s"].append(r.measured_runs_s)
+            cols["predicted_step_s"].append(p["step_time_s"])
+            cols["step_error"].append((p["step_time_s"] - r.measured_step_s) / r.measured_step_s)
+            cols["measured_peak_memory_bytes"].append(r.measured_peak_memory_bytes)
+            cols["predicted_peak_memory_bytes"].append(p["peak_memory_bytes"])
+            cols["measured_compute_s"].append(r.measured_phases_s.get("compute", 0.0))
+            cols["predicted_compute_s"].append(p["phases_s"].get("compute", 0.0))
+    tmp = out_dir / ".results.parquet.tmp"
+    pq.write_table(pa.table(cols), tmp)
+    tmp.replace(out_dir / "results.parquet")
+
+
+if __name__ == "__main__":
+    s = run_suite(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "local-cpu",
+                  ROOT / "runs" / "validate", quick="--quick" in sys.argv,
+                  progress=lambda label, d, t: print(f"[{d}/{t}] {label}", file=sys.stderr))
+    for row in s["summaries"]:
+        print(row)

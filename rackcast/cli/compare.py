@@ -1,0 +1,79 @@
+"""`rackcast compare PLAN RUN_DIR`: predicted (simulator, else estimate) against measured (the run's record.json) for
+every metric, with the error; --trace writes the simulated and measured timelines into one Chrome trace.
+
+    rackcast compare examples/plans/tiny-2proc-ep.yaml runs/tiny-2proc-ep --topology runs/calibrated.yaml
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rackcast.cli.common import console, print_json, table
+from rackcast.plan import load_plan
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compare", help="predicted vs measured metrics of a plan and its run folder")
+    p.add_argument("plan", help="plan YAML file")
+    p.add_argument("run_dir", help="run folder written by `rackcast train` (record.json)")
+    p.add_argument("--topology", help="topology preset or YAML to predict with (default: the plan's), e.g. the "
+                                      "output of `rackcast calibrate`")
+    p.add_argument("--estimate", action="store_true", help="predict with the closed-form estimate, not the simulator")
+    p.add_argument("--no-overhead", action="store_true", help="leave out the host per-op overhead term (it is added "
+                                                               "when the topology has a measured op_overhead_s)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--trace", metavar="OUT.json", help="write simulated and measured timelines as one Chrome trace")
+    p.set_defaults(func=_run)
+
+
+def _fmt(v, unit: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if unit == "bytes":
+        return f"{v / 2**20:.1f} MiB"
+    if unit == "tokens/s":
+        return f"{v:,.0f}"
+    if unit.startswith("fraction"):
+        return f"{100 * v:.2f}%"
+    return f"{v:.4f}"
+
+
+def _run(args) -> int:
+    from planner.compare import combined_trace, compare_rows, load_record, predict
+    from rackcast.strict import write_text_atomic
+    from topologies import load_topology
+
+    plan = load_plan(args.plan)
+    rec = load_record(args.run_dir)
+    topo = None
+    if args.topology:
+        t = plan.topology
+        topo = load_topology(args.topology, t.domains, t.usable_gpus or None)
+    counts = None
+    if not args.no_overhead and (topo or plan.topology_spec()).efficiency.op_overhead_s > 0:
+        from backend.opcount import count_ops  # torch: only when the overhead term is wanted
+
+        counts = count_ops(plan.model_spec(), plan.optimizer.name)
+    source, result = predict(plan, topo=topo, record=bool(args.trace),
+                             prefer="estimate" if args.estimate else "simulate", op_counts=counts)
+    rows = compare_rows(result, rec)
+    if args.trace:
+        write_text_atomic(args.trace, json.dumps(combined_trace(result, source, Path(args.run_dir), rec)) + "\n")
+    topo_name = args.topology or plan.topology.name
+    if args.json:
+        print_json({"plan": plan.name, "run": str(args.run_dir), "prediction": source, "topology": topo_name,
+                    "metrics": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+                                for r in rows]})
+        return 0
+    out = console()
+    cells = [[r["metric"], _fmt(r["predicted"], r["unit"]), _fmt(r["measured"], r["unit"]),
+              "-" if math.isnan(r["error"]) else f"{100 * r['error']:+.1f}%"] for r in rows]
+    out.print(table(f"{plan.name}: predicted ({source}, topology {topo_name}) vs measured ({args.run_dir}); "
+                    "error = (predicted - measured) / measured", ["metric", "predicted", "measured", "error"], cells))
+    if rec.get("device", "cpu") == "cpu":
+        out.print("peak memory: the run reports the process's peak resident set (runtime included) on CPU")
+    if args.trace:
+        out.print(f"wrote {args.trace} (open in https://ui.perfetto.dev)")
+    return 0

@@ -1,0 +1,102 @@
+"""`rackcast validate [--quick] [--json]`: train the validation suite (planner.validate) on this machine, predict each
+plan with the calibrated topology, fit and re-predict, and print the error table (step-time MAPE, max error,
+Kendall tau, peak-memory error). Results go to OUT/results.parquet and OUT/summary.json.
+
+    rackcast calibrate && rackcast validate            # topology runs/calibrated.yaml, results in runs/validate
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rackcast.cli.common import console, print_json, table
+from rackcast.errors import RackcastError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("validate", help="train a suite of tiny plans here, predict them, report the errors")
+    p.add_argument("--topology", default="", help="topology to predict with (default runs/calibrated.yaml from "
+                                                  "`rackcast calibrate`, else the local-cpu preset)")
+    p.add_argument("--topology-1proc", default="",
+                   help="topology for one-process plans (default runs/calibrated-1proc.yaml, from `rackcast "
+                        "calibrate --world 1 --threads 1 --out runs/calibrated-1proc.yaml`, when it exists)")
+    p.add_argument("--out", default="runs/validate", help="results folder (default runs/validate)")
+    p.add_argument("--quick", action="store_true", help="8 plans, 1 repeat, 8 steps each")
+    p.add_argument("--steps", type=int, default=0, help="steps per run (default 20; --quick 8)")
+    p.add_argument("--repeats", type=int, default=0, help="runs per plan, medians taken (default 3; --quick 1)")
+    p.add_argument("--fit-on", type=int, default=3, help="plans whose phase times the fitted profile uses "
+                                                         "(the first N of the suite; default 3)")
+    p.add_argument("--data-dir", default="runs/.data", help="token cache folder (default runs/.data)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_run)
+
+
+def _pct(v: float) -> str:
+    return "-" if v is None or math.isnan(v) else f"{100 * v:.1f}%"
+
+
+def _run(args) -> int:
+    import sys
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from planner.validate import run_suite
+
+    topology = args.topology or ("runs/calibrated.yaml" if Path("runs/calibrated.yaml").exists() else "local-cpu")
+    single = args.topology_1proc or ("runs/calibrated-1proc.yaml" if not args.topology and
+                                     Path("runs/calibrated-1proc.yaml").exists() else "")
+    if args.steps < 0 or args.repeats < 0:
+        raise RackcastError("--steps and --repeats must be positive")
+    if not args.json:
+        print(f"validate: predicting with topology {topology}" + (f" ({single} for one-process plans)" if single
+                                                                   else "")
+              + ("" if args.topology or topology != "local-cpu" else " (run `rackcast calibrate` first to measure "
+                                                                      "this machine)"), file=sys.stderr)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                        TimeElapsedColumn(), console=console().__class__(stderr=True))
+    with progress:
+        task = progress.add_task("validate", total=None)
+        s = run_suite(topology, Path(args.out), quick=args.quick, steps=args.steps, repeats=args.repeats,
+                      fit_on=args.fit_on, data_dir=args.data_dir, topology_1proc=single,
+                      progress=lambda label, d, t: progress.update(task, completed=d, total=t,
+                                                                   description=f"validate: {label:<36}"))
+    results = s.pop("results")
+    if args.json:
+        print_json({**s, "plans": [{"plan": r.name, "measured_step_s": r.measured_step_s,
+                                    "measured_runs_s": r.measured_runs_s,
+                                    "measured_peak_memory_bytes": r.measured_peak_memory_bytes,
+                                    "predicted": {k: {"step_time_s": v["step_time_s"], "source": v["source"],
+                                                      "peak_memory_bytes": v["peak_memory_bytes"]}
+                                                  for k, v in r.predicted.items()}} for r in results]})
+        return 0
+    out = console()
+    labels = list(results[0].predicted)
+    rows = []
+    for r in results:
+        row = [r.name + (" (fit)" if r.name in s["fit_on"] else ""), f"{r.measured_step_s * 1e3:.1f}",
+               " ".join(f"{x * 1e3:.0f}" for x in r.measured_runs_s)]
+        for label in labels:
+            p = r.predicted[label]["step_time_s"]
+            row += [f"{p * 1e3:.1f}", _pct((p - r.measured_step_s) / r.measured_step_s)]
+        pred_mem = r.predicted[labels[0]]["peak_memory_bytes"]
+        row += [f"{r.measured_peak_memory_bytes / 2**20:.0f}", f"{pred_mem / 2**20:.1f}"]
+        rows.append(row)
+    short = {"microbenchmarks": "sim", "microbenchmarks + op overhead": "sim+ovh", "fitted": "fitted"}
+    cols = ["plan", "measured", "runs"]
+    for label in labels:
+        cols += [short.get(label, label), "err"]
+    out.print(table(f"Step time per plan (ms; {s['repeats']} runs x {s['steps']} steps, medians; sim = "
+                    f"{results[0].predicted[labels[0]]['source']} with the calibrated topology, +ovh = plus the "
+                    "measured per-op host overhead, fitted = factors fitted to the (fit) plans)",
+                    cols + ["mem MiB (RSS)", "mem MiB pred"], rows))
+    rows = [[x["profile"], str(x["plans"]), _pct(x["step_mape"]), _pct(x["step_max_abs_error"]),
+             f"{x['kendall_tau']:.2f}", _pct(x["memory_mape"]), _pct(x["memory_plus_runtime_mape"])]
+            for x in s["summaries"]]
+    out.print(table("Validation summary (targets: step MAPE <= 10%, tau >= 0.8)",
+                    ["profile", "plans", "step MAPE", "max |error|", "Kendall tau", "memory MAPE",
+                     f"memory MAPE (+{s['runtime_bytes'] / 2**20:.0f} MiB runtime)"], rows))
+    out.print("fitted factors (" + ", ".join(s["fit_on"]) + "): "
+              + ", ".join(f"{k} {v:.3g}" for k, v in s["fitted_factors"].items()))
+    out.print(f"results: {args.out}/results.parquet, {args.out}/summary.json ({s['wall_s']:.0f} s)")
+    return 0

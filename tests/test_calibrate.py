@@ -1,0 +1,195 @@
+"""calibrate: topology from microbenchmark figures, factor fitting (recovers known factors), the CLI paths."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from planner.calibration import build_topology, header_for, write_topology
+from planner.fit import apply_factors, fit, synthetic
+from rackcast.plan import load_plan
+from topologies import load_topology
+
+from conftest import PLANS, ROOT
+
+RUN = ROOT / "tests" / "data" / "run-tiny-dp2-ep2"
+
+
+
+def _plans():
+    base = [load_plan(str(PLANS / f"{n}.yaml")) for n in ("tiny-1proc", "tiny-2proc-ep", "tiny-2proc-pp")]
+    p0 = base[0]
+    return base + [replace(p0, name="adamw", optimizer=replace(p0.optimizer, name="adamw")),
+                   replace(p0, name="dense", model="tiny-dense"),
+                   replace(base[1], name="mb4", batch=replace(base[1].batch, micro_batch=4))]
+
+
+def test_fit_recovers_known_factors():
+    plans = _plans()
+    topo = load_topology("local-cpu")
+    truth = {"gemm": 0.5, "attention": 0.6, "memory_bound": 0.7, "all_to_all": 0.6, "send_recv": 0.8,
+             "comm_compute_slowdown": 0.1}
+    res = fit(synthetic(plans, topo, truth), topo)
+    for name, value in truth.items():
+        assert res.factors[name] == pytest.approx(value, rel=0.02, abs=0.005), name
+    assert res.rms_after < 1e-4 < res.rms_before
+    assert res.identified["gemm"] and res.identified["all_to_all"]
+
+
+def test_step_time_alone_fits_one_overall_factor():
+    plan = load_plan(str(PLANS / "tiny-1proc.yaml"))
+    topo = load_topology("local-cpu")
+    m = synthetic([plan], topo, {"gemm": 0.5, "attention": 0.5, "memory_bound": 0.5})[0]
+    m.phases_s = {}
+    res = fit([m], topo)
+    assert set(res.std_error) == {"overall"}
+    assert res.step_error_after[0] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_apply_factors_clamps_to_valid_profile():
+    topo = apply_factors(load_topology("local-cpu"), {"gemm": 10.0, "all_reduce": 0.5, "comm_compute_slowdown": 2})
+    assert max(p.value for p in topo.efficiency.gemm) == 1.0
+    assert topo.efficiency.comm_compute_slowdown == 0.95
+    base = load_topology("local-cpu").efficiency.collectives["all_reduce"].scale_up[0].value
+    assert topo.efficiency.collectives["all_reduce"].scale_up[0].value == pytest.approx(base * 0.5)
+
+
+def _fake_measurements() -> dict:
+    gemm = [{"m": m, "k": k, "n": k, "flops": 2.0 * m * k * k, "seconds": 2.0 * m * k * k / (50e9 * (k / 1024) ** .2)}
+            for m in (128, 2048) for k in (64, 1024)]
+    coll = [{"kind": kind, "group": 2, "bytes": b, "seconds": 1e-4 + b / 2e9}
+            for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven", "send_recv")
+            for b in (1 << 14, 1 << 20, 1 << 23)]
+    return {"compute": {"dtype": "float32", "gemm": gemm,
+                        "peak": [{"dtype": dt, "n": 512, "flops": 2.0 * 512 ** 3, "seconds": 2.0 * 512 ** 3 / rate}
+                                 for dt, rate in (("bfloat16", 100e9), ("float32", 50e9))],
+                        "grouped_gemm": [{"experts": 8, "rows": r, "dim": 64, "flops_per_group": 2.0 * r * 64 * 64,
+                                          "seconds": 1e-5 + 2.0 * r * 64 * 64 / 40e9} for r in (16, 256)],
+                        "attention": [{"batch": 1, "heads": 4, "seq": 128, "head_dim": 16, "train_flops": 1e7,
+                                       "seconds": 1e-3}],
+                        "memory": [{"elements": 1 << 18, "bytes": 1 << 20, "copy_Bps": 20e9, "add_Bps": 20e9,
+                                    "mix_Bps": 5e9}],
+                        "memory_stream": {"elements": 1 << 24, "bytes": 1 << 26, "copy_Bps": 10e9, "add_Bps": 12e9},
+                        "host_link_Bps": 8e9},
+            "collectives": coll, "world": 2, "quick": True, "device": "cpu", "started_utc": "2026-11-29T00:00:00+00:00",
+            "wall_s": 1.0, "machine": {"torch": "x", "python": "3", "platform": "p", "cpu_count": 2,
+                                       "device_name": "CPU process", "host_memory_bytes": 8 << 30}}
+
+
+def test_topology_from_measurements_round_trips(tmp_path):
+    meas = _fake_measurements()
+    topo, notes = build_topology(meas, load_topology("local-cpu"), "fake")
+    path = tmp_path / "fake.yaml"
+    write_topology(path, topo, header_for(meas, notes, "test"))
+    text = path.read_text()
+    assert text.startswith("# test: this machine")
+    back = load_topology(str(path))
+    assert back == topo
+    assert back.peak_flops("bf16") == pytest.approx(100e9)
+    assert back.accelerator.hbm_bandwidth_Bps == pytest.approx(12e9)
+    assert back.efficiency.memory_bound == pytest.approx(5 / 12, abs=1e-3)
+    assert back.scale_up.bandwidth_Bps == pytest.approx((1 << 23) / ((1e-4 + (1 << 23) / 2e9) / 2), rel=1e-3)
+    assert all(0 < p.value <= 1 for p in back.efficiency.gemm)
+
+
+def test_cli_from_measurement_writes_fitted_topology(tmp_path, cli):
+    plan = load_plan(str(PLANS / "tiny-2proc-ep.yaml"))
+    topo = load_topology("local-cpu")
+    m = synthetic([plan], topo, {"gemm": 0.5, "all_to_all": 0.5})[0]
+    mfile = tmp_path / "m.yaml"
+    mfile.write_text(yaml.safe_dump({"plan": str(PLANS / "tiny-2proc-ep.yaml"), "step_time_s": m.step_time_s,
+                                     "phases_s": {k: v for k, v in m.phases_s.items() if v}}))
+    dest = tmp_path / "fitted.yaml"
+    proc = cli("calibrate", "--from-measurement", str(mfile), "--out", str(dest), "--json")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res["factors"]["gemm"] == pytest.approx(0.5, rel=0.03)
+    assert res["factors"]["all_to_all"] == pytest.approx(0.5, rel=0.03)
+    assert load_topology(str(dest)).efficiency.attention > 0
+
+
+def test_cli_from_run_and_bad_input(tmp_path, cli):
+    dest = tmp_path / "fitted.yaml"
+    proc = cli("calibrate", "--from-run", str(RUN), "--out", str(dest))
+    assert proc.returncode == 0, proc.stderr
+    assert "Fitted efficiency factors" in proc.stdout and dest.exists()
+    proc = cli("calibrate", "--from-run", str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "record.json" in proc.stderr
+
+
+@pytest.mark.slow
+def test_calibrate_quick_on_this_machine(tmp_path, cli):
+    dest = tmp_path / "here.yaml"
+    proc = cli("calibrate", "--quick", "--out", str(dest))
+    assert proc.returncode == 0, proc.stderr
+    topo = load_topology(str(dest))
+    assert topo.peak_flops("bf16") > 0 and topo.scale_up.bandwidth_Bps > 0
+    assert dest.read_text().startswith("# rackcast calibrate --quick")
+    assert load_plan(str(PLANS / "tiny-2proc-ep.yaml")).topology.name == "local-cpu"
+    from simulator.estimate import estimate
+
+    assert estimate(load_plan(str(PLANS / "tiny-2proc-ep.yaml")), topo=topo).step_time_s > 0
+
+
+COUNTS = {"fwd_embed": 20, "fwd_layers": [300, 300, 300, 280], "fwd_experts": [80, 80, 80, 80], "fwd_head": 40,
+          "bwd_over_fwd": 2.0, "optimizer_ops": 4000}
+
+
+def test_host_overhead_follows_the_layout():
+    from planner.overhead import WithOverhead, host_overhead, ops_per_microbatch
+
+    one = load_plan(str(PLANS / "tiny-1proc.yaml"))
+    ep = load_plan(str(PLANS / "tiny-2proc-ep.yaml"))
+    pp = load_plan(str(PLANS / "tiny-2proc-pp.yaml"))
+    spec = one.model_spec()
+    full = (20 + 1180 + 40) * 3
+    assert ops_per_microbatch(COUNTS, spec, one, 0) == full
+    assert ops_per_microbatch(COUNTS, spec, ep, 0) == full - 4 * 40 * 3  # half the experts' loop per rank
+    assert ops_per_microbatch(COUNTS, spec, pp, 0) == (20 + 600) * 3
+    assert ops_per_microbatch(COUNTS, spec, pp, 1) == (580 + 40) * 3
+    t = 1e-5
+    o = host_overhead(COUNTS, spec, pp, t)
+    m = pp.microbatches
+    assert o.compute_s == pytest.approx(m * 620 * 3 * t)
+    assert o.bubble_s == pytest.approx((m + 1) * 620 * 3 * t - o.compute_s)
+    assert o.optimizer_s == pytest.approx(2000 * t)
+    from simulator.estimate import estimate
+
+    base = estimate(one)
+    w = WithOverhead.of(base, host_overhead(COUNTS, spec, one, t))
+    assert w.step_time_s == pytest.approx(base.step_time_s + w.overhead.total_s)
+    assert w.tokens_per_s * w.step_time_s == pytest.approx(base.tokens_per_s * base.step_time_s)
+
+
+def test_fit_recovers_op_overhead_with_gemm():
+    from dataclasses import replace as dc_replace
+
+    base = load_topology("local-cpu")
+    topo = base.with_efficiency(dc_replace(base.efficiency, op_overhead_s=5e-6))
+    plans = _plans()[:3] + [_plans()[5]]
+    truth = {"gemm": 0.7, "op_overhead": 1.6, "all_to_all": 0.5}
+    ms = synthetic(plans, topo, truth, op_counts=COUNTS)
+    res = fit(ms, topo, ["gemm", "op_overhead", "all_to_all", "memory_bound"], op_counts=COUNTS)
+    for name, value in truth.items():
+        assert res.factors[name] == pytest.approx(value, rel=0.02), name
+    assert res.topology.efficiency.op_overhead_s == pytest.approx(8e-6, rel=0.02)
+
+
+@pytest.mark.slow
+def test_opcount_counts_the_backend_model():
+    from backend.opcount import count_ops
+
+    c = count_ops("tiny-moe")
+    spec = load_model_spec("tiny-moe")
+    assert len(c["fwd_layers"]) == spec.layers and all(e > 0 for e in c["fwd_experts"])
+    assert c["fwd_total"] == c["fwd_embed"] + sum(c["fwd_layers"]) + c["fwd_head"]
+    assert 1.0 < c["bwd_over_fwd"] < 4.0 and c["optimizer_ops"] > 0
+
+
+def load_model_spec(name):
+    from rackcast.presets import load_model
+
+    return load_model(name)

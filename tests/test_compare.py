@@ -1,0 +1,90 @@
+"""compare on a recorded run (tests/data/run-tiny-dp2-ep2), the combined trace, Kendall tau."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from planner.compare import combined_trace, compare_rows, load_record, predict
+from planner.validate import kendall_tau
+from rackcast.plan import load_plan
+
+from conftest import ROOT
+
+RUN = ROOT / "tests" / "data" / "run-tiny-dp2-ep2"
+
+
+
+def test_compare_rows_on_recorded_run():
+    plan = load_plan(str(RUN / "plan.yaml"))
+    rec = load_record(RUN)
+    source, result = predict(plan)
+    rows = {r["metric"]: r for r in compare_rows(result, rec)}
+    for name in ("step_time_s", "tokens_per_s", "mfu", "phase compute", "phase exposed_expert_a2a",
+                 "phase exposed_dp_comm", "phase optimizer", "peak_memory_bytes", "drop_fraction"):
+        assert name in rows
+    step = rows["step_time_s"]
+    assert step["measured"] == pytest.approx(rec["step_time_s"])
+    assert step["error"] == pytest.approx((step["predicted"] - step["measured"]) / step["measured"])
+    mfu = rows["mfu"]  # measured MFU on the prediction's peak: its error mirrors the step time's
+    assert mfu["measured"] == pytest.approx(rec["model_flops_per_step"] / (rec["step_time_s"] * 2 * 225e9))
+    assert 1 + mfu["error"] == pytest.approx(1 / (1 + step["error"]))
+
+
+def test_compare_cli_json_and_trace(tmp_path, cli):
+    trace = tmp_path / "t.json"
+    proc = cli("compare", str(RUN / "plan.yaml"), str(RUN), "--json", "--trace", str(trace))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prediction"] in ("simulate", "estimate")
+    assert {m["metric"] for m in out["metrics"]} >= {"step_time_s", "peak_memory_bytes"}
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = [e["args"]["name"] for e in events if e.get("name") == "process_name"]
+    assert any(n.startswith("measured") for n in names) and any(not n.startswith("measured") for n in names)
+    pids = {e["pid"] for e in events if e.get("ph") == "X"}
+    assert len(pids) >= 2
+
+
+def test_compare_estimate_table_and_bad_run(tmp_path, cli):
+    proc = cli("compare", str(RUN / "plan.yaml"), str(RUN), "--estimate")
+    assert proc.returncode == 0, proc.stderr
+    assert "estimate" in proc.stdout and "step_time_s" in proc.stdout
+    proc = cli("compare", str(RUN / "plan.yaml"), str(tmp_path))
+    assert proc.returncode == 2 and "record.json" in proc.stderr
+
+
+def test_combined_trace_from_phases_without_trace_file():
+    plan = load_plan(str(RUN / "plan.yaml"))
+    source, result = predict(plan, prefer="estimate")
+    tr = combined_trace(result, source, RUN, load_record(RUN))
+    measured = [e for e in tr["traceEvents"] if e.get("ph") == "X" and e["pid"] >= 1000]
+    assert {e["name"] for e in measured} >= {"compute", "optimizer"}
+
+
+def test_kendall_tau():
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+    assert math.isnan(kendall_tau([1, 1], [2, 2]))
+
+
+def test_validate_suite_plans_and_summary(tmp_path):
+    from planner.validate import PlanResult, summarise, write_suite
+
+    paths = write_suite(tmp_path, "local-cpu", quick=False)
+    plans = [load_plan(str(p)) for p in paths]
+    assert len(plans) >= 8
+    assert {p.schedule for p in plans if p.parallel.pipeline > 1} == {"1f1b", "gpipe"}
+    assert any(p.parallel.expert > 1 for p in plans) and any(p.parallel.data > 1 and p.parallel.expert == 1
+                                                             for p in plans)
+    assert {p.expert_transport.mode for p in plans} == {"dropless", "capacity"}
+    assert len({p.batch.micro_batch for p in plans}) >= 3
+    results = [PlanResult(f"p{i}", "", m, [m], {}, 100.0, {"x": {"step_time_s": m * f, "peak_memory_bytes": 50.0}})
+               for i, (m, f) in enumerate([(1.0, 1.1), (2.0, 0.9), (3.0, 1.0)])]
+    s = summarise(results, "x", runtime=50.0)
+    assert s["step_mape"] == pytest.approx((0.1 + 0.1 + 0.0) / 3)
+    assert s["step_max_abs_error"] == pytest.approx(0.1)
+    assert s["kendall_tau"] == 1.0
+    assert s["memory_mape"] == pytest.approx(0.5) and s["memory_plus_runtime_mape"] == pytest.approx(0.0)
