@@ -26,6 +26,10 @@ COMMAND_MODULES = [
     "rackcast.cli.plan",
     "rackcast.cli.size",
     "rackcast.cli.train",
+    "rackcast.cli.calibrate",
+    "rackcast.cli.compare",
+    "rackcast.cli.validate",
+    "rackcast.cli.tui",
 ]
 
 
