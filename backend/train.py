@@ -19,10 +19,8 @@ import contextlib
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn

@@ -370,12 +370,8 @@ def _simulate_one(plan: Plan) -> dict:
             "phases_s": {k: float(v) for k, v in dict(res.phases_s).items()}}
 
 
-def simulate_plans(plans: list[Plan], workers: int) -> list[dict] | None:
-    """Simulated figures of each plan (2-process pool), or None when simulator.step is not importable."""
-    try:
-        import simulator.step  # noqa: F401
-    except ImportError:
-        return None
+def simulate_plans(plans: list[Plan], workers: int) -> list[dict]:
+    """Simulated figures of each plan (simulator.step), in a process pool when workers > 1."""
     if workers > 1 and len(plans) > 1:
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
             return list(pool.map(_simulate_one, plans))
@@ -391,20 +387,15 @@ def attach_simulation(result: Result, row: Row, sim: dict) -> None:
 def simulate_top(result: Result, k: int, workers: int) -> str:
     top = result.ranked[:k]
     sims = simulate_plans([result.plan_for(row) for row in top], workers)
-    if sims is None:
-        return f"the top {k} were NOT simulated: simulator.step is not available; figures are closed-form"
     for row, sim in zip(top, sims):
         attach_simulation(result, row, sim)
     return f"the top {len(top)} were simulated (simulator.step) and re-ranked by their simulated figures"
 
 
 def apply_forecast(result: Result, k: int) -> str:
-    """Days with the failure and restart allowance (planner.forecast: P50 of its Monte Carlo) for the best k, when
-    that module exists; the rest keep steady-state days."""
-    try:
-        from planner.forecast import forecast_days
-    except ImportError:
-        return "days are steady-state (no failure allowance): planner.forecast is not available"
+    """Days with the failure and restart allowance (planner.forecast: P50 of its Monte Carlo) for the best k; the
+    rest keep steady-state days."""
+    from planner.forecast import forecast_days
     from simulator.estimate import estimate
 
     avail = None if math.isnan(result.available_days) else result.available_days

@@ -13,10 +13,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from planner.forecast import checkpoint_bytes, forecast, forecast_days, prepare, run_many, search_intervals
+from planner.forecast import checkpoint_bytes, forecast, forecast_days, run_many, search_intervals
 from planner.forecast_formulas import daly_expected_wall_s, daly_interval_s, young_interval_s
 from planner.forecast_sim import SHRINK, WAIT_POLICY, SimInputs, simulate, simulate_reference
-from rackcast.cli import COMMAND_MODULES
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
 from simulator.estimate import SECONDS_PER_DAY, estimate
@@ -26,8 +25,6 @@ from conftest import PLANS
 
 HERO = PLANS / "marin-535b-hero.yaml"
 DAY = SECONDS_PER_DAY
-needs_cli = pytest.mark.skipif("rackcast.cli.forecast" not in COMMAND_MODULES,
-                               reason="rackcast.cli.forecast is not yet in rackcast.cli.COMMAND_MODULES")
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +160,6 @@ def test_reliability_file_is_strict_and_sourced(tmp_path):
         load_reliability("no-such-figures")
 
 
-@needs_cli
 def test_cli_forecast_marin_hero_end_to_end(cli, tmp_path):
     out = tmp_path / "forecast.json"
     proc = cli("forecast", str(HERO), "--tokens", "18e12", "--start", "2026-09-01", "--deadline", "2026-11-20",
@@ -180,7 +176,6 @@ def test_cli_forecast_marin_hero_end_to_end(cli, tmp_path):
     assert text.returncode == 0 and "P50" in text.stdout and "days" in text.stdout
 
 
-@needs_cli
 def test_cli_forecast_bad_values_exit_2_with_one_line(cli):
     for extra in (["--deadline", "2026-08-01"], ["--spares-policy", "pray"], ["--runs", "ten"]):
         proc = cli("forecast", str(HERO), "--tokens", "18e12", "--start", "2026-09-01", *extra)

@@ -6,30 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from dataclasses import replace
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT
-from rackcast.cli import COMMAND_MODULES
 from rackcast.plan import load_plan
 from rackcast.presets import load_model
-
-MINE = ["rackcast.cli.plan", "rackcast.cli.size"]
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m rackcast.cli ...`, registering the planner commands first if the CLI does not list them yet."""
-    missing = [m for m in MINE if m not in COMMAND_MODULES]
-    if missing:
-        code = ("import sys, rackcast.cli as c; c.COMMAND_MODULES += %r; sys.exit(c.main(sys.argv[1:]))" % missing)
-        cmd = [sys.executable, "-c", code, *args]
-    else:
-        cmd = [sys.executable, "-m", "rackcast.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +79,7 @@ def test_default_global_batch_is_marins():
 
 
 @pytest.mark.slow
-def test_plan_marin_end_to_end(tmp_path):
+def test_plan_marin_end_to_end(tmp_path, cli):
     out, parquet = tmp_path / "plan.yaml", tmp_path / "all.parquet"
     proc = cli("plan", "--model", "marin-535b-a23b", "--topology", "gb200-nvl72", "--racks", "11", "--tokens", "18e12",
                "--start", "2026-09-01", "--deadline", "2026-11-20", "--top", "2", "--out", str(out),
@@ -118,7 +101,7 @@ def test_plan_marin_end_to_end(tmp_path):
     assert any("deadline" in line for line in data["explain"])
 
 
-def test_infeasible_request_exits_2_with_the_tightest_constraint():
+def test_infeasible_request_exits_2_with_the_tightest_constraint(cli):
     proc = cli("plan", "--model", "gpt-1t", "--topology", "a100-dgx", "--racks", "1", "--tokens", "1e12")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -133,13 +116,13 @@ def test_infeasible_request_exits_2_with_the_tightest_constraint():
     ["--tokens", "1e12", "--objective", "speed"],
     ["--tokens", "1e12", "--usable-gpus", "80"],
 ], ids=["tokens", "range", "deadline-without-start", "objective", "usable"])
-def test_bad_argument_exits_2_with_one_line(args):
+def test_bad_argument_exits_2_with_one_line(args, cli):
     proc = cli("plan", "--model", "marin-535b-a23b", "--topology", "gb200-nvl72", "--racks", "11", *args)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "error" in proc.stderr
 
 
-def test_plan_output_is_deterministic(tmp_path):
+def test_plan_output_is_deterministic(tmp_path, cli):
     args = ["plan", "--model", "tiny-moe", "--topology", "local-cpu", "--tokens", "1e9", "--top", "0", "--json"]
     first, second = cli(*args), cli(*args)
     assert first.returncode == 0, first.stderr
@@ -164,7 +147,7 @@ def test_marin_family_reproduces_the_presets_and_the_reference_sizing():
     assert mem["marin-moe-d6144-e128k4"] < mem["marin-moe-d6144-e384k8"] < hbm < mem["marin-moe-d6144-e256k4"]
 
 
-def test_size_dense_gpt_through_the_cli():
+def test_size_dense_gpt_through_the_cli(cli):
     proc = cli("size", "--family", "dense-gpt", "--topology", "a100-dgx", "--racks", "8", "--tokens", "300e9",
                "--top", "1", "--json", timeout=170)
     assert proc.returncode == 0, proc.stderr
@@ -177,17 +160,7 @@ def test_size_dense_gpt_through_the_cli():
     assert sum(s["simulated"] for s in fitting) <= 1
 
 
-def test_missing_simulator_and_forecast_are_said_not_faked(monkeypatch):
-    from planner.search import Request, search
-
-    monkeypatch.setitem(sys.modules, "simulator.step", None)  # import raises ImportError
-    monkeypatch.setitem(sys.modules, "planner.forecast", None)
-    res = search(Request(model="tiny-moe", topology="local-cpu", racks=1, tokens=1e9, top=2, workers=1))
-    assert "NOT simulated" in res.sim_note and not any(row.sim for row in res.ranked)
-    assert "steady-state" in res.days_note and not res.forecast_days
-
-
-def test_global_batch_range_tries_several_batches():
+def test_global_batch_range_tries_several_batches(cli):
     proc = cli("plan", "--model", "tiny-moe", "--topology", "local-cpu", "--tokens", "1e9", "--top", "0",
                "--global-batch-range", "8:64", "--json", "--rows", "50")
     assert proc.returncode == 0, proc.stderr

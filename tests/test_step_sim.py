@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import replace
@@ -12,7 +11,7 @@ from functools import lru_cache
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import PLANS, run_cli
+from conftest import PLANS
 from rackcast.plan import BatchSpec, ExpertTransport, ParallelSpec, TopologyRef, load_plan, validate
 from simulator.estimate import PHASES, estimate
 from simulator.memory import memory_breakdown
@@ -175,25 +174,12 @@ def test_parquet_row_holds_the_metrics(tmp_path):
     assert math.isclose(row["peak_memory_bytes"], result.peak_memory_bytes)
 
 
-def test_cli_simulate_writes_json_trace_and_parquet(tmp_path, capsys):
+def test_cli_simulate_writes_json_trace_and_parquet(tmp_path, cli):
     plan = str(PLANS / "tiny-4proc.yaml")
     trace, parquet = tmp_path / "t.json", tmp_path / "m.parquet"
-    args = ["simulate", plan, "--seed", "1", "--json", "--trace", str(trace), "--parquet", str(parquet)]
-    from rackcast.cli import COMMAND_MODULES
-
-    if "rackcast.cli.simulate" in COMMAND_MODULES:
-        proc = run_cli(*args)
-        assert proc.returncode == 0, proc.stderr
-        out = proc.stdout
-    else:  # not registered yet: drive the handler through its own parser
-        from rackcast.cli import simulate as command
-
-        parser = argparse.ArgumentParser()
-        command.register(parser.add_subparsers())
-        parsed = parser.parse_args(args)
-        assert parsed.func(parsed) == 0
-        out = capsys.readouterr().out
-    data = json.loads(out)
+    proc = cli("simulate", plan, "--seed", "1", "--json", "--trace", str(trace), "--parquet", str(parquet))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
     assert data["plan"] == "tiny-4proc" and data["seed"] == 1 and data["step_time_s"] > 0
     assert json.loads(trace.read_text())["traceEvents"]
     assert pq.read_table(parquet).num_rows == 1
