@@ -47,6 +47,34 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _parse_budget(v: dict, errors: dict) -> dict:
+    """Racks and tokens from the form's text; a bad field's message goes to errors."""
+    parsed = {}
+    for name, parse in (("racks", _positive_int), ("tokens", _positive_float)):
+        try:
+            parsed[name] = parse(v[name])
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return parsed
+
+
+def _check_dates(v: dict, errors: dict) -> None:
+    """Start and deadline must be ISO dates, the deadline after the start."""
+    from planner.search import available_days
+
+    for name in ("start", "deadline"):
+        if v[name]:
+            try:
+                dt.date.fromisoformat(v[name])
+            except ValueError:
+                errors[name] = f"{v[name]!r} is not a date (YYYY-MM-DD)"
+    if v["deadline"] and "deadline" not in errors and "start" not in errors:
+        try:
+            available_days(v["start"], v["deadline"])
+        except RackcastError as exc:
+            errors["deadline"] = str(exc).replace("--", "")
+
+
 def preset_shape(model: str) -> dict[str, str]:
     """The shape fields of a preset, as the form shows them."""
     from rackcast.presets import load_model
@@ -77,7 +105,7 @@ def shaped_model(model: str, shape: dict[str, int]):
 
 def build_request(values: dict[str, str], **request_options):
     """Form values (strings) -> planner.search.Request; raises InputErrors naming every bad field."""
-    from planner.search import Request, available_days
+    from planner.search import Request
     from rackcast.presets import list_models
     from topologies import list_topologies
 
@@ -87,12 +115,7 @@ def build_request(values: dict[str, str], **request_options):
         errors["model"] = f"unknown model preset {v['model']!r}"
     if v["topology"] not in list_topologies():
         errors["topology"] = f"unknown topology {v['topology']!r}"
-    parsed = {}
-    for name, parse in (("racks", _positive_int), ("tokens", _positive_float)):
-        try:
-            parsed[name] = parse(v[name])
-        except ValueError as exc:
-            errors[name] = str(exc)
+    parsed = _parse_budget(v, errors)
     shape = {}
     for name, key in SHAPE_FIELDS.items():
         if v[name]:
@@ -100,17 +123,7 @@ def build_request(values: dict[str, str], **request_options):
                 shape[key] = _positive_int(v[name])
             except ValueError as exc:
                 errors[name] = str(exc)
-    for name in ("start", "deadline"):
-        if v[name]:
-            try:
-                dt.date.fromisoformat(v[name])
-            except ValueError:
-                errors[name] = f"{v[name]!r} is not a date (YYYY-MM-DD)"
-    if v["deadline"] and "deadline" not in errors and "start" not in errors:
-        try:
-            available_days(v["start"], v["deadline"])
-        except RackcastError as exc:
-            errors["deadline"] = str(exc).replace("--", "")
+    _check_dates(v, errors)
     model = v["model"]
     if "model" not in errors and shape:
         try:
@@ -194,7 +207,6 @@ def detail(result, row) -> Detail:
 # ---------------------------------------------------------------- size search
 def build_size_request(values: dict[str, str], **options) -> dict:
     """Form values -> keyword arguments of planner.size.size_search; raises InputErrors naming every bad field."""
-    from planner.search import available_days
     from planner.size import FAMILIES
     from topologies import list_topologies
 
@@ -205,22 +217,8 @@ def build_size_request(values: dict[str, str], **options) -> dict:
     if v["topology"] not in list_topologies():
         errors["topology"] = f"unknown topology {v['topology']!r}"
     out = {"family": v["family"], "topology": v["topology"], "start": v["start"], "deadline": v["deadline"]}
-    for name, parse in (("racks", _positive_int), ("tokens", _positive_float)):
-        try:
-            out[name] = parse(v[name])
-        except ValueError as exc:
-            errors[name] = str(exc)
-    for name in ("start", "deadline"):
-        if v[name]:
-            try:
-                dt.date.fromisoformat(v[name])
-            except ValueError:
-                errors[name] = f"{v[name]!r} is not a date (YYYY-MM-DD)"
-    if v["deadline"] and "deadline" not in errors and "start" not in errors:
-        try:
-            available_days(v["start"], v["deadline"])
-        except RackcastError as exc:
-            errors["deadline"] = str(exc).replace("--", "")
+    out.update(_parse_budget(v, errors))
+    _check_dates(v, errors)
     if errors:
         raise InputErrors(errors)
     return {**out, **options}
