@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import sys
@@ -356,7 +357,16 @@ def main(argv=None) -> int:
 
         faulthandler.dump_traceback_later(float(os.environ["RACKCAST_HANG_DUMP"]), exit=True)
     try:
-        Trainer(args).run()
+        trainer = Trainer(args)
+        trainer.run()
+        # Tear down in order: every rank done with its collectives, then the DDP reducer and pipeline stages
+        # (which hold process groups and gloo threads) freed, then the groups. A rank that closed its connections
+        # while a peer's gloo thread still used them made that peer abort ("terminate called without an active
+        # exception") now and then.
+        if dist.is_initialized():
+            dist.barrier()
+        del trainer
+        gc.collect()
     except RackcastError as exc:
         print(f"rackcast train: error: {exc}", file=sys.stderr)
         return 2
