@@ -216,16 +216,22 @@ def validate(plan: Plan, spec: ModelSpec, gpus_available: int, where: str = "") 
         fail("tokens", f"must be >= 0, got {plan.tokens}")
 
 
+def _resolve(field_name: str, build, path: str):
+    """Build the plan's model or topology; an error that names no file is reported against this plan's field."""
+    try:
+        return build()
+    except RackcastError as exc:
+        if exc.where:
+            raise
+        raise RackcastError(f"{field_name}: {exc}", where=str(path)) from None
+
+
 def load_plan(path: str, check: bool = True) -> Plan:
     """Load and (by default) validate a plan file against its model and topology."""
     plan = from_data(Plan, load_yaml(path), where=str(path))
     if check:
-        try:
-            spec = plan.model_spec()
-            topo = plan.topology_spec()
-        except RackcastError as exc:
-            raise RackcastError(str(exc) if exc.where else f"model/topology: {exc}", where="" if exc.where
-                                else str(path)) from None
+        spec = _resolve("model", plan.model_spec, path)
+        topo = _resolve("topology", plan.topology_spec, path)
         validate(plan, spec, topo.gpus, where=str(path))
     return plan
 
