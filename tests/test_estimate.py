@@ -107,3 +107,14 @@ def test_estimate_cli_bad_plan_exits_2_with_one_line(cli, tmp_path):
     assert "Traceback" not in out.stderr
     missing = cli("estimate", str(tmp_path / "nope.yaml"))
     assert missing.returncode == 2 and "file not found" in missing.stderr
+
+
+def test_plan_that_does_not_fit_memory_exits_2_after_its_breakdown(cli, tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text((PLANS / "marin-535b-hero.yaml").read_text().replace("recompute: full", "recompute: none"))
+    out = cli("estimate", str(big))
+    assert out.returncode == 2
+    assert "Memory per GPU" in out.stdout and "does not fit" in out.stdout
+    assert out.stderr.count("\n") == 1 and "big.yaml: parallel: the layout does not fit memory" in out.stderr
+    sim = cli("simulate", str(big))
+    assert sim.returncode == 2 and "does not fit memory" in sim.stderr

@@ -38,3 +38,16 @@ def human(n: float, unit: str = "") -> str:
 
 def gib(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:.1f} GiB"
+
+
+def refuse_unless_fits(plan_path: str, fits: bool, memory_bytes: float, hbm_bytes: float) -> None:
+    """A plan that does not fit is bad input: one line naming the file, exit code 2 (after any report printed)."""
+    from rackcast.errors import RackcastError
+
+    if fits:
+        return
+    if memory_bytes > hbm_bytes:
+        raise RackcastError(f"parallel: the layout does not fit memory: {gib(memory_bytes)} per GPU > "
+                            f"{gib(hbm_bytes)} HBM", where=plan_path)
+    raise RackcastError("optimizer.state_location: the offloaded optimizer state does not fit host memory",
+                        where=plan_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from rackcast.cli.common import console, gib, human, print_json, table
+from rackcast.cli.common import console, gib, human, print_json, refuse_unless_fits, table
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import load_plan
 
@@ -32,6 +32,7 @@ def _run(args) -> int:
     result = estimate(plan, FlopsConvention.parse(args.flops_convention))
     if args.json:
         print_json({"plan": plan.name, **result.as_dict()})
+        refuse_unless_fits(args.plan, result.fits, result.memory.total, result.hbm_bytes)
         return 0
     out = console()
     verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
@@ -54,4 +55,5 @@ def _run(args) -> int:
               f"({result.flops_convention})   {days}")
     if result.drop_fraction:
         out.print(f"expected drop fraction (capacity transport): {100 * result.drop_fraction:.2f}%")
+    refuse_unless_fits(args.plan, result.fits, result.memory.total, result.hbm_bytes)
     return 0

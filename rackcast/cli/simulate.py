@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from rackcast.cli.common import console, gib, human, table
+from rackcast.cli.common import console, gib, human, refuse_unless_fits, table
 from rackcast.cli.estimate import add_convention_argument
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import load_plan
@@ -38,8 +38,10 @@ def _run(args) -> int:
         write_trace(result, args.trace)
     if args.parquet:
         write_parquet(result, args.parquet)
+    hbm = plan.topology_spec().accelerator.hbm_bytes
     if args.json:
         sys.stdout.write(result_json(result))
+        refuse_unless_fits(args.plan, result.fits, result.peak_memory_bytes, hbm)
         return 0
     out = console()
     verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
@@ -59,4 +61,5 @@ def _run(args) -> int:
     for label, path in (("trace", args.trace), ("parquet", args.parquet)):
         if path:
             out.print(f"wrote {label} {path}")
+    refuse_unless_fits(args.plan, result.fits, result.peak_memory_bytes, hbm)
     return 0

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rackcast.cli.common import refuse_unless_fits
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
 
@@ -46,11 +47,14 @@ def torchrun_command(plan_path: str, world: int, worker_args: list[str]) -> list
 def _run(args) -> int:
     from backend.data import prepare
     from backend.parallel import validate_trainable
+    from simulator.estimate import estimate
 
     if args.steps <= 0:
         raise RackcastError(f"--steps must be positive, got {args.steps}")
     plan = load_plan(args.plan)
     validate_trainable(plan, where=args.plan)
+    predicted = estimate(plan)
+    refuse_unless_fits(args.plan, predicted.fits, predicted.memory.total, predicted.hbm_bytes)
     out = args.out or str(Path("runs") / plan.name)
     if not args.resume and (Path(out) / "checkpoints").exists():
         raise RackcastError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
