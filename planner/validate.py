@@ -1,11 +1,25 @@
 """The validation suite behind `rackcast validate`: train a set of tiny plans on this machine, predict each with the
 calibrated topology, and report how far the predictions are from the measurements.
 
-Suite (tiny-moe, 8 sequences of 128 tokens per step, one torch thread per process, so a process is one core as in
-the calibrated topology; one thread also makes the one-process runs steadier than two threads on tiny ops): one process with micro-batch 4 / 2, capacity transport; data parallel 2; DP2 x EP2
-(folded) dropless with micro-batch 2 and 4 and with capacity transport; pipeline 2 with 1F1B and GPipe, micro-batch 2
-and 1. Each plan is trained `repeats` times for `steps` steps, interleaved (plan 1..n, then again) so slow spells of
-a shared machine fall on every plan; the measured figure is the median over repeats of each run's median step.
+Suite (tiny-moe, sequences of 128 tokens, one torch thread per process, so a process is one core as in the calibrated
+topology; one thread also makes the one-process runs steadier than two threads on tiny ops). The plans are chosen by a
+coverage rule, fixed before looking at any prediction:
+
+- five layouts: one process (1p), data parallel 2 (dp2), DP2 x EP2 folded (dp2-ep2), pipeline 2 with 1F1B and with
+  GPipe (pp2-1f1b, pp2-gpipe);
+- each layout at two global batches, 8 and 32 sequences, so that the suite spans a 4x range of work per step and
+  true differences between plans exceed this machine's run-to-run noise (5-15% on one plan; at one global batch
+  all plans fall within about 80-140 ms and their ranking is mostly noise). Micro-batch 2 at global batch 8 and 8 at
+  global batch 32 (4 for the pipeline plans, so both pipeline stages see 8 micro-batches);
+- capacity against dropless transport at global batch 8, once without experts split (1p) and once with them
+  (dp2-ep2), the pairs differing only in the transport.
+
+That is 12 plans; micro-batch sizes 2, 4 and 8. The fitted profile fits to the first three (`fit_on`), also chosen by
+coverage: 1p and dp2-ep2 at global batch 8 (compute and op overhead; expert all-to-all) and 1p at global batch 32
+(compute at the larger scale). `--quick` runs eight of them (both batch scales, every layout and both transports).
+Each plan is trained `repeats` times for `steps` steps, interleaved (plan 1..n, then again) so slow spells of a
+shared machine fall on every plan; the measured figure is the median over repeats of each run's median step (the first
+step, warm-up, skipped).
 
 Predictions: the simulator (simulator.step.simulate) with the calibrated topology ("microbenchmarks"; one-process
 plans use `topology_1proc` when given, from `rackcast calibrate --world 1 --threads 1`: a process alone on this
@@ -41,35 +55,37 @@ from rackcast.plan import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SUITE = [  # name, parallel, micro_batch, schedule, transport
-    ("1p-mb4", {}, 4, "1f1b", "dropless"),
-    ("dp2-ep2-mb2", {"data": 2, "expert": 2}, 2, "1f1b", "dropless"),
-    ("1p-mb2", {}, 2, "1f1b", "dropless"),
-    ("1p-mb4-cap", {}, 4, "1f1b", "capacity"),
-    ("dp2-mb2", {"data": 2}, 2, "1f1b", "dropless"),
-    ("dp2-ep2-mb4", {"data": 2, "expert": 2}, 4, "1f1b", "dropless"),
-    ("dp2-ep2-mb2-cap", {"data": 2, "expert": 2}, 2, "1f1b", "capacity"),
-    ("pp2-1f1b-mb2", {"pipeline": 2}, 2, "1f1b", "dropless"),
-    ("pp2-gpipe-mb2", {"pipeline": 2}, 2, "gpipe", "dropless"),
-    ("pp2-1f1b-mb1", {"pipeline": 2}, 1, "1f1b", "dropless"),
+SUITE = [  # name, parallel, global_batch, micro_batch, schedule, transport (the first `fit_on` = 3 are the fit set)
+    ("1p-mb2", {}, 8, 2, "1f1b", "dropless"),
+    ("dp2-ep2-mb2", {"data": 2, "expert": 2}, 8, 2, "1f1b", "dropless"),
+    ("1p-gb32-mb8", {}, 32, 8, "1f1b", "dropless"),
+    ("dp2-mb2", {"data": 2}, 8, 2, "1f1b", "dropless"),
+    ("pp2-1f1b-mb2", {"pipeline": 2}, 8, 2, "1f1b", "dropless"),
+    ("pp2-gpipe-mb2", {"pipeline": 2}, 8, 2, "gpipe", "dropless"),
+    ("1p-mb2-cap", {}, 8, 2, "1f1b", "capacity"),
+    ("dp2-ep2-mb2-cap", {"data": 2, "expert": 2}, 8, 2, "1f1b", "capacity"),
+    ("dp2-gb32-mb8", {"data": 2}, 32, 8, "1f1b", "dropless"),
+    ("dp2-ep2-gb32-mb8", {"data": 2, "expert": 2}, 32, 8, "1f1b", "dropless"),
+    ("pp2-1f1b-gb32-mb4", {"pipeline": 2}, 32, 4, "1f1b", "dropless"),
+    ("pp2-gpipe-gb32-mb4", {"pipeline": 2}, 32, 4, "gpipe", "dropless"),
 ]
 # Factors the suite fits: the trainer's communication on CPU is blocking (nothing overlaps it), so the slowdown of
 # compute under communication is not fitted; attention is a small share of tiny-moe's compute and not separable.
 FIT_FACTORS = ["gemm", "memory_bound", "all_to_all", "all_reduce", "send_recv"]
-QUICK = ("1p-mb4", "dp2-ep2-mb2", "1p-mb2", "dp2-mb2", "dp2-ep2-mb2-cap", "pp2-1f1b-mb2", "pp2-gpipe-mb2",
-         "1p-mb4-cap")
+QUICK = ("1p-mb2", "dp2-ep2-mb2", "1p-gb32-mb8", "dp2-mb2", "pp2-1f1b-mb2", "pp2-gpipe-mb2", "dp2-ep2-mb2-cap",
+         "dp2-ep2-gb32-mb8")
 
 
 def write_suite(folder: Path, topology: str, quick: bool) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     out = []
-    for name, par, mb, schedule, transport in SUITE:
+    for name, par, gb, mb, schedule, transport in SUITE:
         if quick and name not in QUICK:
             continue
         world = par.get("data", 1) * par.get("pipeline", 1)
         plan = {"name": name, "model": "tiny-moe",
                 "topology": {"name": topology, "domains": 1, "usable_gpus": world},
-                "parallel": par, "batch": {"global_batch": 8, "micro_batch": mb}, "schedule": schedule,
+                "parallel": par, "batch": {"global_batch": gb, "micro_batch": mb}, "schedule": schedule,
                 "optimizer": {"name": "muonh", "lr": 0.01, "adam_lr": 0.003},
                 "expert_transport": {"mode": transport, "capacity_factor": 1.0}}
         path = folder / f"{name}.yaml"
