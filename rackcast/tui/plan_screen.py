@@ -18,8 +18,8 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, ProgressBar, Static
 
 from rackcast.tui.jobs import Job
-from rackcast.tui.planning import InputErrors, build_request, preset_shape
-from rackcast.tui.widgets import GIB, Field, fmt_days, fmt_rate
+from rackcast.tui.planning import build_request, preset_shape
+from rackcast.tui.widgets import GIB, Field, fmt_days, fmt_rate, start_form_job
 
 COLUMNS = (("#", "rank"), ("layout", "layout"), ("tok/s", "tokens_per_s"), ("MFU", "mfu"),
            ("mem/HBM", "memory"), ("days", "days"), ("meets", "meets"))
@@ -120,19 +120,11 @@ class PlanScreen(Screen):
         if self.job and not self.job.finished:
             self.set_status("a search is running (escape cancels it)")
             return
-        for f in self.query(Field):
-            f.set_error("")
-        try:
-            request = build_request(self.values(), **self.request_options)
-        except InputErrors as exc:
-            for name, message in exc.errors.items():
-                self.query_one(f"#field-{name}", Field).set_error(message)
-            self.set_status(f"[b]check the form[/b]: {len(exc.errors)} field(s)")
-            return
-        self.job = Job("rackcast.tui.jobs:run_search", request).start()
-        self.query_one(ProgressBar).update(total=None, progress=0)
-        self.set_status("searching layouts... (escape cancels)")
-        self.timer = self.set_interval(0.1, self._poll)
+        job = start_form_job(self, lambda: build_request(self.values(), **self.request_options), "field-",
+                             "rackcast.tui.jobs:run_search", "searching layouts... (escape cancels)")
+        if job:
+            self.job = job
+            self.timer = self.set_interval(0.1, self._poll)
 
     def _poll(self) -> None:
         if not self.job:

@@ -18,8 +18,8 @@ from textual.widgets import DataTable, Footer, Header, Input, ProgressBar, Stati
 from textual_plotext import PlotextPlot
 
 from rackcast.tui.jobs import Job
-from rackcast.tui.planning import InputErrors, build_size_request
-from rackcast.tui.widgets import Field, fmt_days, fmt_rate
+from rackcast.tui.planning import build_size_request
+from rackcast.tui.widgets import Field, fmt_days, fmt_rate, start_form_job
 
 DEFAULTS = {"family": "marin-moe", "topology": "gb200-nvl72", "racks": "11", "tokens": "18e12", "start": "",
             "deadline": ""}
@@ -94,19 +94,11 @@ class SizeScreen(Screen):
         if self.job and not self.job.finished:
             self.set_status("a size search is running (escape cancels it)")
             return
-        for f in self.query(Field):
-            f.set_error("")
-        try:
-            kwargs = build_size_request(self.values(), **self.options)
-        except InputErrors as exc:
-            for name, message in exc.errors.items():
-                self.query_one(f"#field-size-{name}", Field).set_error(message)
-            self.set_status(f"[b]check the form[/b]: {len(exc.errors)} field(s)")
-            return
-        self.job = Job("rackcast.tui.jobs:run_size", kwargs).start()
-        self.query_one(ProgressBar).update(total=None, progress=0)
-        self.set_status("searching model sizes... (escape cancels)")
-        self.timer = self.set_interval(0.1, self._poll)
+        job = start_form_job(self, lambda: build_size_request(self.values(), **self.options), "field-size-",
+                             "rackcast.tui.jobs:run_size", "searching model sizes... (escape cancels)")
+        if job:
+            self.job = job
+            self.timer = self.set_interval(0.1, self._poll)
 
     def _poll(self) -> None:
         for kind, *payload in self.job.poll() if self.job else []:

@@ -184,3 +184,27 @@ class Field(Vertical):
         error = self.query_one(".error", Static)
         error.update(message)
         error.display = bool(message)
+
+
+def start_form_job(screen, build, field_prefix: str, target: str, busy_message: str):
+    """Read a screen's form with `build()`: on bad input mark each field inline and return None; otherwise start the
+    background job `target` (see rackcast.tui.jobs) with what `build` returned, spin the progress bar and return the
+    job. The screen has a `set_status(text)` method and a ProgressBar."""
+    from textual.widgets import ProgressBar
+
+    from rackcast.tui.jobs import Job
+    from rackcast.tui.planning import InputErrors
+
+    for f in screen.query(Field):
+        f.set_error("")
+    try:
+        payload = build()
+    except InputErrors as exc:
+        for name, message in exc.errors.items():
+            screen.query_one(f"#{field_prefix}{name}", Field).set_error(message)
+        screen.set_status(f"[b]check the form[/b]: {len(exc.errors)} field(s)")
+        return None
+    job = Job(target, payload).start()
+    screen.query_one(ProgressBar).update(total=None, progress=0)
+    screen.set_status(busy_message)
+    return job
