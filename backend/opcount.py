@@ -1,20 +1,29 @@
 """Count the framework ops (aten calls, as torch's dispatcher sees them) the backend runs for one micro-batch of a
 model, split by where they run, and for one optimizer step. With the measured host time per op
-(EfficiencyProfile.op_overhead_s, from `rackcast calibrate`), planner.overhead turns the counts into the host
-overhead of a plan's step: the cost that dominates when kernels are tiny (small models on a CPU).
+(EfficiencyProfile.host_op_s, from `rackcast calibrate`), simulator.host_overhead turns the counts into the host
+overhead of a plan's step: the cost that dominates when kernels are tiny (small models on a CPU). simulator.op_counts
+runs this module's CLI in a subprocess and caches its output (the simulator does not import torch).
 
-Counts (one micro-batch of `micro_batch` sequences, forward; backward as one ratio, since autograd runs outside
-module hooks): embed (embedding and its norms), per layer (including its routed experts), per layer the routed
-experts alone (the GroupedExperts loop, which a rank holding E/ep experts runs for E/ep of them), head (final norm,
-head and loss); bwd_over_fwd; optimizer ops for one step with the plan's optimizer and the parameter tensors. Op
-counts do not depend on sizes (only on the structure), so a single small sequence is counted.
+Counts (one micro-batch, forward; backward as one ratio, since autograd runs outside module hooks): embed
+(embedding and its norms), per layer (including its routed experts), per layer the routed experts alone (the
+GroupedExperts loop, which a rank holding E/ep experts runs for E/ep of them), head (final norm, head and loss);
+bwd_over_fwd; optimizer ops for one step with the plan's optimizer and the parameter tensors. Op counts do not
+depend on sizes (only on the structure), so a short sequence (simulator.op_counts.COUNT_SEQ tokens) is counted on
+the model's structural twin (simulator.op_counts.structural_twin: the same structure at widths of a few units, so a
+535B preset counts in about ten seconds; twin=False counts the model as given). The loop runs over every expert, as in a
+training micro-batch of thousands of tokens: each MoE layer's routing is replaced, after it has run, by a balanced
+assignment (token t's k-th choice is expert (t K + k) mod E) over enough sequences that every expert gets a row, so
+the count does not depend on which experts a few random tokens happen to reach.
 
     .venv/bin/python -m backend.opcount tiny-moe            # prints the counts as JSON
+    .venv/bin/python -m backend.opcount path/to/model.yaml --optimizer adamw
+    .venv/bin/python -m backend.opcount - < spec.json       # a ModelSpec's data (JSON or YAML) on stdin
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -24,10 +33,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.model import build_model, next_token_loss
-from backend.moe import GroupedExperts
+from backend.moe import GroupedExperts, MoE
 from backend.optim import build_optimizer
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import load_model
+from simulator.op_counts import COUNT_SEQ, structural_twin
 
 
 class _Counter(TorchDispatchMode):
@@ -36,10 +46,16 @@ class _Counter(TorchDispatchMode):
         self.tags: list[str] = []
         self.counts: dict[str, int] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        tag = self.tags[-1] if self.tags else "untagged"
-        self.counts[tag] = self.counts.get(tag, 0) + 1
-        return func(*args, **(kwargs or {}))
+
+def _count_op(self: _Counter, func, types, args=(), kwargs=None):
+    tag = self.tags[-1] if self.tags else "untagged"
+    self.counts[tag] = self.counts.get(tag, 0) + 1
+    return func(*args, **(kwargs or {}))
+
+
+# Set after the class is made: a __torch_dispatch__ in the class body is wrapped to keep torch.compile out of it,
+# which costs more than the count itself per op (a third of a 535B twin's count); nothing here is compiled.
+_Counter.__torch_dispatch__ = _count_op
 
 
 def _tag(module, counter: _Counter, name: str) -> None:
@@ -53,11 +69,37 @@ def _tag(module, counter: _Counter, name: str) -> None:
     module.register_forward_hook(leave)
 
 
-def count_ops(model, optimizer: str = "muonh", seq: int = 32) -> dict:
-    """Counts for a model preset name, YAML path or ModelSpec (see the module docstring)."""
+def _route_to_every_expert(moe: MoE, tokens: int) -> None:
+    """Make `moe` route `tokens` tokens in balance over all of its experts: its own routing still runs (its ops are
+    counted), then token t's k-th expert becomes (t K + k) mod E. The ids are a slice of a [tokens, K + 1] tensor,
+    as the routing's own top-(K+1) slice is, so the dispatch that reshapes them makes the same ops."""
+    k, e = moe.top_k, moe.num_experts
+    ids = (torch.arange(tokens * (k + 1)).view(tokens, k + 1) - torch.arange(tokens)[:, None]) % e
+    ids = ids[:, :k]  # row t: t K .. t K + K - 1 (mod E), distinct experts since K < E
+    route = moe.route
+
+    def balanced(x):
+        _, weights = route(x)
+        return ids, weights
+
+    moe.route = balanced
+
+
+def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool = True) -> dict:
+    """Counts for a model preset name, YAML path or ModelSpec (see the module docstring); twin=False counts the
+    model as given instead of its structural twin (the same counts, at the full model's cost)."""
     spec = model if isinstance(model, ModelSpec) else load_model(model)
+    name = spec.name
+    if twin:
+        spec = structural_twin(spec, seq)
     torch.manual_seed(0)
     net = build_model(spec, seed=0, device=torch.device("cpu"))
+    s = min(seq, spec.seq_len)
+    batch = 1
+    if spec.moe is not None:  # sequences enough for every expert to get a row: tokens x top_k >= experts
+        batch = -(-spec.moe.experts // (spec.moe.top_k * s))
+        for moe in net.moe_layers().values():
+            _route_to_every_expert(moe, batch * s)
     counter = _Counter()
     _tag(net.embed, counter, "embed")
     for i, layer in enumerate(net.layers):
@@ -66,10 +108,9 @@ def count_ops(model, optimizer: str = "muonh", seq: int = 32) -> dict:
             if isinstance(sub, GroupedExperts):
                 _tag(sub, counter, f"experts{i}")
     _tag(net.head, counter, "head")
-    tokens = torch.randint(0, spec.vocab, (1, min(seq, spec.seq_len)))
-    loss, _ = next_token_loss(net(tokens), tokens)  # warm-up outside the counter (lazy initialisation)
-    loss.backward()
-    net.zero_grad(set_to_none=True)
+    tokens = torch.randint(0, spec.vocab, (batch, s))
+    with torch.no_grad():  # warm-up outside the counter: the rotary tables and window masks are made once, lazily
+        net(tokens)
     with counter:
         loss, _ = next_token_loss(net(tokens), tokens)
     fwd = dict(counter.counts)
@@ -86,7 +127,7 @@ def count_ops(model, optimizer: str = "muonh", seq: int = 32) -> dict:
     layers = [fwd.get(f"layer{i}", 0) + fwd.get(f"experts{i}", 0) for i in range(spec.layers)]
     experts = [fwd.get(f"experts{i}", 0) for i in range(spec.layers)]
     fwd_total = sum(fwd.values())
-    return {"model": spec.name, "optimizer": optimizer, "torch": torch.__version__,
+    return {"model": name, "optimizer": optimizer, "torch": torch.__version__,
             "experts": spec.moe.experts if spec.moe else 0,
             "fwd_embed": fwd.get("embed", 0), "fwd_layers": layers, "fwd_experts": experts,
             "fwd_head": fwd.get("head", 0) + fwd.get("untagged", 0), "fwd_total": fwd_total,
@@ -95,46 +136,63 @@ def count_ops(model, optimizer: str = "muonh", seq: int = 32) -> dict:
 
 def host_seconds_per_op(model: str = "tiny-moe", optimizer: str = "muonh", seq: int = 8, samples: int = 5,
                         device: torch.device | None = None) -> dict:
-    """Host seconds per op of the backend's own op mix: one training step (forward, backward, optimizer) of `model`
-    on `seq` tokens, where the kernels' work is negligible, timed (median of `samples`) and divided by the ops it
-    makes. Views, index ops, autograd nodes and the optimizer's per-tensor loop weigh here as in training."""
+    """Host seconds per op of the backend's own op mix, forward, backward and optimizer apart: one training step of
+    `model` on `seq` tokens, where the kernels' work is negligible, each part timed (median of `samples`) and divided
+    by the ops it makes. The three differ: a forward op also runs the module's Python code and records the autograd
+    graph, a backward op is run by autograd's C++ engine, an optimizer op by the optimizer's per-tensor loop."""
     device = device or torch.device("cpu")
     spec = load_model(model)
     net = build_model(spec, seed=0, device=device)
     opt = build_optimizer(net, optimizer, lr=1e-3, adam_lr=1e-3 if optimizer == "muonh" else None)
     tokens = torch.randint(0, spec.vocab, (1, min(seq, spec.seq_len)), device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    parts = ("forward", "backward", "optimizer")
 
-    def step():
-        loss, _ = next_token_loss(net(tokens), tokens)
-        loss.backward()
-        opt.step()
+    def step(counter: _Counter | None = None) -> list[float]:
+        """One training step; the seconds of its forward, backward and optimizer parts (ops tagged by part)."""
+        tags = counter.tags if counter else []
+        marks = [time.perf_counter()]
+        with counter or contextlib.nullcontext():
+            tags.append("forward")
+            loss, _ = next_token_loss(net(tokens), tokens)
+            sync()
+            marks.append(time.perf_counter())
+            tags.append("backward")
+            loss.backward()
+            sync()
+            marks.append(time.perf_counter())
+            tags.append("optimizer")
+            opt.step()
+            sync()
+            marks.append(time.perf_counter())
         opt.zero_grad(set_to_none=True)
+        return [b - a for a, b in zip(marks, marks[1:])]
 
     for _ in range(2):
         step()
     counter = _Counter()
-    with counter:
-        step()
-    ops = sum(counter.counts.values())
-    times = []
-    for _ in range(samples):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    t = statistics.median(times)
-    return {"model": spec.name, "tokens": int(tokens.numel()), "ops": ops, "seconds": t, "op_overhead_s": t / ops}
+    step(counter)
+    ops = {p: counter.counts.get(p, 0) for p in parts}
+    times = [step() for _ in range(samples)]
+    seconds = {p: statistics.median(t[i] for t in times) for i, p in enumerate(parts)}
+    return {"model": spec.name, "tokens": int(tokens.numel()), "ops": ops, "seconds": seconds,
+            "host_op_s": {p: seconds[p] / ops[p] for p in parts}}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="backend.opcount", description=__doc__.splitlines()[0])
-    ap.add_argument("model")
+    ap.add_argument("model", help="model preset name, model YAML path, or - for a ModelSpec's data on stdin")
     ap.add_argument("--optimizer", default="muonh", choices=("muonh", "adamw"))
     args = ap.parse_args(argv)
+    model = args.model
+    if model == "-":
+        import yaml
+
+        from rackcast.strict import from_data
+
+        model = from_data(ModelSpec, yaml.safe_load(sys.stdin.read()), where="<stdin>")
     torch.set_num_threads(1)
-    print(json.dumps(count_ops(args.model, args.optimizer)))
+    print(json.dumps(count_ops(model, args.optimizer)))
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from rackcast.strict import dump_yaml, to_data, write_text_atomic
 from topologies import load_topology
-from topologies.spec import CollectiveCurves, CurvePoint, EfficiencyProfile, Topology, COLLECTIVE_KINDS
+from topologies.spec import COLLECTIVE_KINDS, CollectiveCurves, CurvePoint, EfficiencyProfile, HostOpTimes, Topology
 
 MERGE_RATIO = 1.6
 MIN_EFF = 1e-4
@@ -107,9 +107,10 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
                      f"{e['bytes'] / 2**20:.3g} MiB: {e['mix_Bps'] / 1e9:.3g} GB/s" for e in comp["memory"]))
     op = comp.get("op_overhead", {})
     if op:
-        notes.append(f"per-op host overhead: {op['op_overhead_s'] * 1e6:.2f} us (a training step of {op['model']} "
-                     f"on {op['tokens']} tokens, kernels negligible: {op['ops']} aten calls in "
-                     f"{op['seconds'] * 1e3:.3g} ms)")
+        notes.append(f"per-op host time (a training step of {op['model']} on {op['tokens']} tokens, kernels "
+                     "negligible): " + ", ".join(f"{part} {op['host_op_s'][part] * 1e6:.2f} us ({op['ops'][part]} "
+                                                 f"aten calls in {op['seconds'][part] * 1e3:.3g} ms)"
+                                                 for part in ("forward", "backward", "optimizer")))
     host_bw = comp["host_link_Bps"]
     notes.append(f"host link: {'pinned host-to-GPU copy' if cuda else 'memcpy'} {host_bw / 1e9:.3g} GB/s one way")
     accel = replace(base.accelerator, name=meas["machine"].get("device_name", base.accelerator.name),
@@ -155,7 +156,9 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
     eff = EfficiencyProfile(gemm=gemm, grouped_gemm=grouped, attention=round(attention, 4),
                             memory_bound=round(memory_bound, 4), host_link=1.0, collectives=collectives,
                             comm_compute_slowdown=base.efficiency.comm_compute_slowdown, source=source,
-                            op_overhead_s=float(f"{op['op_overhead_s']:.3g}") if op else 0.0)
+                            host_op_s=HostOpTimes(*(float(f"{op['host_op_s'][part]:.3g}")
+                                                    for part in ("forward", "backward", "optimizer")))
+                            if op else HostOpTimes())
     topo = replace(base, name=name, accelerator=accel, host=host, scale_up=scale_up, efficiency=eff,
                    description=f"{base.description} -- calibrated {meas['started_utc']}")
     return topo, notes

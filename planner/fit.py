@@ -10,9 +10,9 @@ The factors multiply a topology's efficiency profile (so the fitted topology pre
                                                                        exposed_expert_a2a, pipeline p2p + bubble)
     comm_compute_slowdown  additive (not a factor), clamped to [0, 0.95]  compute time of plans with and without
                                                                        overlapping communication
-    op_overhead     the host time per op (only with op counts, see      compute time of plans with different
-                    planner.overhead, and a measured op_overhead_s)     micro-batch sizes (overhead is per op, the
-                                                                       rest per token)
+    op_overhead     the host time per op (simulator.host_overhead;      compute time of plans with different
+                    only where the topology has a measured              micro-batch sizes (overhead is per op, the
+                    op_overhead_s: the estimate includes the term)      rest per token)
 Efficiencies are clamped to (0, 1]. Identifiability: one step time alone fits one number, so with step times only
 (no phase times) a single `overall` factor scales every efficiency together; each phase time adds one equation, so
 k factors need at least k independent measured quantities (a single run with phases fits gemm-or-compute, one factor
@@ -90,7 +90,7 @@ def apply_factors(topo: Topology, factors: dict[str, float]) -> Topology:
             for k, c in e.collectives.items()}
     slow = min(0.95, max(0.0, e.comm_compute_slowdown + factors.get("comm_compute_slowdown", 0.0)))
     eff = replace(e, gemm=_scale(e.gemm, g), grouped_gemm=_scale(e.grouped_gemm, g),
-                  op_overhead_s=e.op_overhead_s * factors.get("op_overhead", 1.0),
+                  host_op_s=e.host_op_s.scaled(factors.get("op_overhead", 1.0)),
                   attention=min(1.0, max(1e-6, e.attention * factors.get("attention", 1.0))),
                   memory_bound=min(1.0, max(1e-6, e.memory_bound * factors.get("memory_bound", 1.0))),
                   collectives=coll, comm_compute_slowdown=slow)
@@ -98,19 +98,13 @@ def apply_factors(topo: Topology, factors: dict[str, float]) -> Topology:
 
 
 class _Problem:
-    def __init__(self, measurements: list[Measurement], topo: Topology, op_counts: dict | None = None):
+    def __init__(self, measurements: list[Measurement], topo: Topology):
         self.topo = topo
-        feats, ovh = [], []
+        feats = []
         for m in measurements:
             spec = m.plan.model_spec()
             t = topo.with_usable_gpus(m.plan.topology.usable_gpus) if m.plan.topology.usable_gpus else topo
-            feats.append(plan_features(spec, m.plan, t))
-            if op_counts and topo.efficiency.op_overhead_s > 0:
-                from planner.overhead import host_overhead
-
-                o = host_overhead(op_counts, spec, m.plan, 1.0)  # in ops; x op_overhead_s when predicting
-                ovh.append((o.compute_s, o.bubble_s, o.optimizer_s))
-        self.ops = np.array(ovh, dtype=float).T if ovh else None
+            feats.append(plan_features(spec, m.plan, t))  # host ops in ops: x host_op_s in step_time
         self.features = {k: np.array([f[k] for f in feats], dtype=float) for k in feats[0]}
         self.step = np.array([m.step_time_s for m in measurements])
         self.phase_rows = []  # (measurement index, phase group, measured seconds)
@@ -120,14 +114,7 @@ class _Problem:
                     self.phase_rows.append((i, group, sum(m.phases_s.get(n, 0.0) for n in names)))
 
     def predict(self, factors: dict[str, float]) -> dict[str, np.ndarray]:
-        topo = apply_factors(self.topo, factors)
-        out = step_time(self.features, topo)
-        if self.ops is not None:
-            t_op = topo.efficiency.op_overhead_s
-            comp, bubble, opt = self.ops * t_op
-            out = dict(out, compute=out["compute"] + comp, pipeline_bubble=out["pipeline_bubble"] + bubble,
-                       optimizer=out["optimizer"] + opt, step_time_s=out["step_time_s"] + comp + bubble + opt)
-        return out
+        return step_time(self.features, apply_factors(self.topo, factors))
 
     def residuals(self, factors: dict[str, float]) -> np.ndarray:
         p = self.predict(factors)
@@ -152,13 +139,13 @@ def _to_factors(names: list[str], theta: np.ndarray) -> dict[str, float]:
 
 
 def fit(measurements: list[Measurement], topo: Topology, names: list[str] | None = None,
-        iterations: int = 60, op_counts: dict | None = None) -> FitResult:
+        iterations: int = 60) -> FitResult:
     """Least-squares factors (see the module docstring). names: which to fit (default: all that the measurements
-    are sensitive to; `overall` alone when no phase times were measured). op_counts (backend.opcount): include the
-    host per-op overhead in the predictions, and its factor."""
+    are sensitive to; `overall` alone when no phase times were measured). The host per-op overhead is part of the
+    predictions (and op_overhead a factor) where the topology has a measured op_overhead_s."""
     if not measurements:
         raise ValueError("fit needs at least one measurement")
-    prob = _Problem(measurements, topo, op_counts)
+    prob = _Problem(measurements, topo)
     if names is None:
         names = list(FACTORS) if prob.phase_rows else ["overall"]
     theta = np.zeros(len(names))
@@ -214,10 +201,9 @@ def fit(measurements: list[Measurement], topo: Topology, names: list[str] | None
                      topology=apply_factors(topo, factors), iterations=it)
 
 
-def synthetic(plans: list[Plan], topo: Topology, truth: dict[str, float],
-              op_counts: dict | None = None) -> list[Measurement]:
+def synthetic(plans: list[Plan], topo: Topology, truth: dict[str, float]) -> list[Measurement]:
     """Measurements that the topology scaled by `truth` would produce (the estimate's step and phase times)."""
-    prob = _Problem([Measurement(p, 1.0) for p in plans], topo, op_counts)
+    prob = _Problem([Measurement(p, 1.0) for p in plans], topo)
     pred = prob.predict(truth)
     out = []
     for i, p in enumerate(plans):

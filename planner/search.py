@@ -34,7 +34,8 @@ from simulator.memory import MemoryBreakdown, attention_core_bytes_per_token, me
 from topologies import load_topology
 from topologies.spec import Topology
 
-from planner.space import (Enumeration, Layout, SpaceOptions, enumerate_space, fast_spec, make_plan)
+from planner.space import (Enumeration, Layout, SpaceOptions, enumerate_space, fast_spec, make_plan,
+                           optimizer_for)
 
 OBJECTIVES = ("days", "mfu")
 CHUNK = 256  # layouts per task handed to a worker
@@ -253,6 +254,10 @@ def search(r: Request) -> Result:
     usables = sorted({lay.usable for lay in found.layouts} | set(r.options.usable or ()))
     topos = {u: load_topology(r.topology, r.racks, u) for u in usables}
     _STATE.update(spec=fspec, topos=topos, request=r, memo={}, selective={})
+    if base.efficiency.host_op_s.measured:  # count the model's ops once, before the pool's workers fork
+        from simulator.op_counts import op_counts
+
+        op_counts(spec, optimizer_for(spec))
     rows = [Row(layout=lay, status="invalid", reason=why) for lay, why in found.rejected]
     ranked = _evaluate(found.layouts, rows, spec, base, topos, r)
     if "capacity" in r.options.transports and "dropless" in r.options.transports and spec.moe is not None:

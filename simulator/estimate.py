@@ -12,6 +12,10 @@ FlopsConvention. A collective of `nbytes` per rank over n ranks takes steps x la
 efficiency(nbytes)) with the nccl-tests factors (all_reduce 2(n-1)/n, all_gather/reduce_scatter/all_to_all
 (n-1)/n). Overlap: the expert all-to-all hides behind shared-expert compute, data-parallel gradient reduction
 behind the last micro-batch's backward, FSDP gathers behind the previous layer's compute; the rest is exposed.
+Host per-op overhead (only where the topology's efficiency.host_op_s is measured, e.g. a calibrated CPU): the op
+counts of the backend model (simulator.op_counts) per step, as simulator.host_overhead models them (rank 0's own
+forward and backward ops, the extra ones on the pipeline's critical path, the optimizer's), each x its host time per
+op, added to compute, pipeline_bubble and optimizer.
 
     python -m simulator.estimate examples/plans/marin-535b-hero.yaml
 """
@@ -29,6 +33,7 @@ from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from simulator import collective_formulas as formulas
 from simulator.collective_formulas import efficiency_at
+from simulator.host_overhead import host_ops
 from simulator.memory import BYTES, MemoryBreakdown, expert_fsdp, memory_breakdown, rank_layers, rank_params
 from simulator.optimizer_cost import newton_schulz_flops, optimizer_traffic_bytes
 from simulator.placement import place
@@ -42,6 +47,22 @@ SECONDS_PER_DAY = 86400.0
 def _interp(curve, sizes):
     """Vectorised efficiency-curve lookup (log-linear, clamped), as topologies.spec.interpolate."""
     return efficiency_at([p.size for p in curve], [p.value for p in curve], np.maximum(sizes, 1e-30))
+
+
+HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble_backward", "op_optimizer")
+
+
+def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
+    """Host ops per step (simulator.host_overhead.host_ops): rank 0's forward and backward ops, the extra ones on the
+    pipeline's critical path, the optimizer's. Zero, and no op counting, where the topology has no measured
+    host_op_s."""
+    if not topo.efficiency.host_op_s.measured:
+        return dict.fromkeys(HOST_OP_FEATURES, 0.0)
+    from simulator.op_counts import op_counts
+
+    o = host_ops(op_counts(spec, plan.optimizer.name), spec, plan)
+    return {"op_forward": o.forward, "op_backward": o.backward, "op_bubble_forward": o.bubble_forward,
+            "op_bubble_backward": o.bubble_backward, "op_optimizer": o.optimizer}
 
 
 def collective_time(topo: Topology, kind: str, n, nbytes, span_out):
@@ -140,6 +161,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": 2 * spec.d_model ** 3,
         "host_bytes": host_bytes,
         "drop_fraction": drop,
+        **host_op_features(spec, plan, topo),
     }
 
 
@@ -191,8 +213,15 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     optimizer_t = f["opt_bytes"] / (topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound) + \
         f["ns_flops"] / (peak * _interp(eff.gemm, f["ns_size"]))
     host_t = f["host_bytes"] / (topo.host.link_bandwidth_Bps * eff.host_link)
-    step = pipeline_t + dp_exposed + optimizer_t + host_t
-    compute_total = m * (compute_mb * np.where(a2a_t + tp_t + fsdp_t > 0, slow, 1.0))
+    # Host per-op overhead (features in ops; zero without measured host_op_s), blocking: added, not overlapped.
+    h = eff.host_op_s
+    op_c = f.get("op_forward", 0.0) * h.forward + f.get("op_backward", 0.0) * h.backward
+    op_b = f.get("op_bubble_forward", 0.0) * h.forward + f.get("op_bubble_backward", 0.0) * h.backward
+    op_o = f.get("op_optimizer", 0.0) * h.optimizer
+    step = pipeline_t + dp_exposed + optimizer_t + host_t + op_c + op_b + op_o
+    compute_total = m * (compute_mb * np.where(a2a_t + tp_t + fsdp_t > 0, slow, 1.0)) + op_c
+    bubble_t = bubble_t + op_b
+    optimizer_t = optimizer_t + op_o
     return {
         "step_time_s": step,
         "compute": compute_total,

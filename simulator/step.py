@@ -9,6 +9,9 @@ across streams, as flows on the shared links. So the expert all-to-all overlaps 
 data-parallel gradient reduce-scatter / all-reduce overlaps the rest of the backward, pipeline sends overlap the
 next micro-batch, and FSDP gathers are prefetched one layer ahead. A compute op that starts while a communication
 op of its rank is running is slowed by the profile's comm_compute_slowdown (communication kernels take SMs).
+With measured host times per op (efficiency.host_op_s) each compute task also spends its framework ops'
+host time on the compute stream (simulator.workload, simulator.host_overhead); a slow stage then delays the others
+through the schedule, so the overhead's pipeline bubble comes out of the simulation rather than a formula.
 
 After its last backward a rank waits for its gradient reductions, then runs the optimizer: the state comes in
 over the host link when it lives in host memory (NVLink-C2C on GB200), is updated, and goes back.
@@ -141,6 +144,12 @@ class _Rank:
                 self.phases["compute"] += d
                 if record:
                     self.sim.timeline.slices.append((self.stage, "compute", op[1], t0, env.now))
+            elif tag == "h":  # host time of framework ops: compute stream, not slowed by communication
+                t0 = env.now
+                yield env.timeout(op[2])
+                self.phases["compute"] += op[2]
+                if record:
+                    self.sim.timeline.slices.append((self.stage, "compute", op[1], t0, env.now))
             elif tag == "s":
                 handles[op[1]] = self.start(op[2])
             elif tag == "w":
@@ -271,7 +280,11 @@ class _StepSim:
         seq = layers if a.kind == "F" else layers[::-1]
         gathers = [wl.gather_comms(lw) for lw in seq] if a.kind in ("F", "BW", "B") else [[] for _ in seq]
         if a.kind != "F" and last:
+            if st.head_ops > 0.0:
+                ops.append(("h", "head and loss backward host ops", wl.host_backward_s(st.head_ops, a.kind)))
             ops.append(("c", "head and loss backward", (2.0 if a.kind == "BW" else 1.0) * st.head_s))
+        if a.kind == "F" and a.stage == 0 and st.embed_ops > 0.0:
+            ops.append(("h", "embedding host ops", wl.host_forward_s(st.embed_ops)))
 
         def start_gather(j):
             for n, (comm, nbytes) in enumerate(gathers[j]):
@@ -308,7 +321,11 @@ class _StepSim:
                     ops += [("r", comm) for comm in wl.reduction_comms(lw.dense_params, lw.expert_params)]
             ops += [("m", -nbytes) for _, nbytes in gathers[j]]
         if a.kind == "F" and last:
+            if st.head_ops > 0.0:
+                ops.append(("h", "head and loss host ops", wl.host_forward_s(st.head_ops)))
             ops.append(("c", "head and loss", st.head_s))
+        if a.kind != "F" and a.stage == 0 and st.embed_ops > 0.0:
+            ops.append(("h", "embedding backward host ops", wl.host_backward_s(st.embed_ops, a.kind)))
         if reduce and top and st.top_params > 0:
             ops += [("r", comm) for comm in wl.reduction_comms(st.top_params, 0.0)]
         return ops

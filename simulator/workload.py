@@ -11,9 +11,15 @@ efficiency(one GEMM of 2 x tokens x d_model^2 / tensor FLOPs)), attention core a
 (hardware work: causal, over the window), experts at the grouped-GEMM efficiency of one expert's GEMM, elementwise
 work as the activation bytes written in forward and read in backward at the memory-bound fraction of HBM bandwidth,
 backward = 2 x forward. Per-stage sums of these costs equal estimate.plan_features for stage 0 (a test checks).
+Host per-op overhead (only where the topology's efficiency.host_op_s is measured; simulator.host_overhead's
+model, op counts from simulator.op_counts): each layer's forward runs its ops x host_op_s.forward before its kernels
+(layer ops less the expert loop's ops x (1 - 1/ep)), its backward bwd_over_fwd times that (split evenly between the
+input- and weight-gradient halves of zero-bubble schedules); the embedding's ops on the stage holding the first
+chunk, head and loss on the stage holding the last; the optimizer's ops (its share of the layers) in its step.
 
 Ops are plain tuples, interpreted by simulator.step:
     ("c", name, seconds)              compute on the compute stream
+    ("h", name, seconds)              host time of framework ops, on the compute stream (not slowed by comm)
     ("s", key, Comm)                  start a communication op on its stream (asynchronous)
     ("w", key, phase)                 wait for it; time waited counts as `phase` (an estimate.PHASES name)
     ("m", bytes)                      allocate (+) or release (-) memory on this GPU
@@ -31,6 +37,7 @@ import numpy as np
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
+from simulator.host_overhead import layer_forward_ops, optimizer_ops
 from simulator.memory import (BYTES, attention_core_bytes_per_token, expert_fsdp,
                               layer_activation_bytes_per_token, rank_params, static_bytes)
 from simulator.optimizer_cost import newton_schulz_flops, optimizer_traffic_bytes
@@ -69,6 +76,7 @@ class LayerWork:
     act_bytes: float  # activations saved for backward per micro-batch, no recomputation
     core_bytes: float  # the part selective recomputation does not keep
     kept_bytes: float  # full recomputation keeps only the layer input
+    host_ops: float = 0.0  # the layer's framework ops in forward, 0 without measured host_op_s
 
 
 @dataclass
@@ -81,6 +89,8 @@ class StageWork:
     io_bytes: float  # embedding output and head input (kept once)
     optimizer_s: float
     host_bytes: float  # optimizer state + master moved each way between host and GPU
+    embed_ops: float = 0.0  # the embedding's framework ops (forward) on the stage holding the first chunk
+    head_ops: float = 0.0  # the head and loss ops (forward) on the stage holding the last chunk
 
 
 def _mlp_matrices(spec: ModelSpec) -> int:
@@ -95,6 +105,12 @@ class Workload:
         par, b = plan.parallel, plan.batch
         eff = topo.efficiency
         self.peak = topo.peak_flops("bf16")
+        self.host = eff.host_op_s
+        self.counts = None
+        if self.host.measured:
+            from simulator.op_counts import op_counts
+
+            self.counts = op_counts(spec, plan.optimizer.name)
         self.tokens_mb = b.micro_batch * spec.seq_len / par.context
         t = par.tensor
         self.gemm_eff = eff.gemm_efficiency(2 * self.tokens_mb * spec.d_model * spec.d_model / t)
@@ -143,7 +159,8 @@ class Workload:
             dense_params=(spec.layer_params(i) - pb.get("experts", 0)) / par.tensor,
             expert_params=pb.get("experts", 0) / (par.expert * par.expert_tensor),
             act_bytes=act, core_bytes=attention_core_bytes_per_token(spec, i, plan) * self.tokens_mb,
-            kept_bytes=BYTES["bf16"] * spec.d_model / sp * self.tokens_mb)
+            kept_bytes=BYTES["bf16"] * spec.d_model / sp * self.tokens_mb,
+            host_ops=layer_forward_ops(self.counts, plan, i) if self.counts else 0.0)
 
     # ------------------------------------------------------------------------------------------------ stages
     def _stage(self, s: int, chunks: dict[int, list[LayerWork]]) -> StageWork:
@@ -160,9 +177,23 @@ class Workload:
         optimizer_s = opt_bytes / (self.topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound) + \
             ns / (self.peak * eff.gemm_efficiency(2 * spec.d_model ** 3))
         top = rp.dense - sum(lw.dense_params for c in chunks for lw in chunks[c])
+        embed_ops = head_ops = 0.0
+        if self.counts:
+            optimizer_s += optimizer_ops(self.counts, spec, plan, s) * self.host.optimizer
+            embed_ops = self.counts["fwd_embed"] if 0 in chunks else 0.0
+            head_ops = self.counts["fwd_head"] if (self.n_chunks - 1) in chunks else 0.0
         return StageWork(stage=s, chunks=chunks, head_s=head_s, top_params=top, static_bytes=static,
                          io_bytes=2 * BYTES["bf16"] * spec.d_model * self.tokens_mb, optimizer_s=optimizer_s,
-                         host_bytes=host_bytes)
+                         host_bytes=host_bytes, embed_ops=embed_ops, head_ops=head_ops)
+
+    def host_forward_s(self, forward_ops: float) -> float:
+        """Host time of `forward_ops` framework ops in a forward pass."""
+        return forward_ops * self.host.forward
+
+    def host_backward_s(self, forward_ops: float, kind: str) -> float:
+        """Host time of a backward action's ops (kind BW: all; B or W: half) given the forward's op count."""
+        share = 1.0 if kind == "BW" else 0.5
+        return share * self.counts["bwd_over_fwd"] * forward_ops * self.host.backward if self.counts else 0.0
 
     # ------------------------------------------------------------------------------------------ op programs
     def layer_forward(self, lw: LayerWork, mb: int, key: str, recompute: bool = False) -> list[tuple]:
@@ -171,6 +202,8 @@ class Workload:
         pre = "recompute " if recompute else ""
         ops: list[tuple] = []
         attn_s = lw.attn_s + (0.0 if recompute else lw.elem_s / 2)
+        if lw.host_ops > 0.0 and not recompute:  # the trainer does not recompute: no host ops counted for it
+            ops.append(("h", "host ops", self.host_forward_s(lw.host_ops)))
         if par.context > 1:
             ops.append(("s", key + "cp", self._cp_comm()))
         ops.append(("c", pre + "attention", attn_s))
@@ -187,10 +220,11 @@ class Workload:
 
     def layer_backward(self, lw: LayerWork, mb: int, key: str, kind: str) -> list[tuple]:
         """Ops of one layer's backward: kind "BW" (input and weight gradients), "B" (inputs) or "W" (weights)."""
+        host = [("h", "backward host ops", self.host_backward_s(lw.host_ops, kind))] if lw.host_ops > 0.0 else []
         if kind == "W":
-            return [("c", "weight grads", lw.attn_s + lw.router_s + lw.shared_s + self._expert_s(lw, mb))]
+            return host + [("c", "weight grads", lw.attn_s + lw.router_s + lw.shared_s + self._expert_s(lw, mb))]
         f = 2.0 if kind == "BW" else 1.0
-        ops = self._tp(key + "tpm")
+        ops = host + self._tp(key + "tpm")
         if lw.moe:
             ops += self._moe_exchange(lw, mb, key, "d", "c", "experts backward", f, "shared experts backward")
             ops.append(("c", "router backward", f * lw.router_s))

@@ -12,6 +12,7 @@ from planner.calibration import build_topology, header_for, write_topology
 from planner.fit import apply_factors, fit, synthetic
 from rackcast.plan import load_plan
 from topologies import load_topology
+from topologies.spec import HostOpTimes
 
 from conftest import PLANS, ROOT
 
@@ -134,48 +135,19 @@ def test_calibrate_quick_on_this_machine(tmp_path, cli):
     assert estimate(load_plan(str(PLANS / "tiny-2proc-ep.yaml")), topo=topo).step_time_s > 0
 
 
-COUNTS = {"fwd_embed": 20, "fwd_layers": [300, 300, 300, 280], "fwd_experts": [80, 80, 80, 80], "fwd_head": 40,
-          "bwd_over_fwd": 2.0, "optimizer_ops": 4000}
-
-
-def test_host_overhead_follows_the_layout():
-    from planner.overhead import WithOverhead, host_overhead, ops_per_microbatch
-
-    one = load_plan(str(PLANS / "tiny-1proc.yaml"))
-    ep = load_plan(str(PLANS / "tiny-2proc-ep.yaml"))
-    pp = load_plan(str(PLANS / "tiny-2proc-pp.yaml"))
-    spec = one.model_spec()
-    full = (20 + 1180 + 40) * 3
-    assert ops_per_microbatch(COUNTS, spec, one, 0) == full
-    assert ops_per_microbatch(COUNTS, spec, ep, 0) == full - 4 * 40 * 3  # half the experts' loop per rank
-    assert ops_per_microbatch(COUNTS, spec, pp, 0) == (20 + 600) * 3
-    assert ops_per_microbatch(COUNTS, spec, pp, 1) == (580 + 40) * 3
-    t = 1e-5
-    o = host_overhead(COUNTS, spec, pp, t)
-    m = pp.microbatches
-    assert o.compute_s == pytest.approx(m * 620 * 3 * t)
-    assert o.bubble_s == pytest.approx((m + 1) * 620 * 3 * t - o.compute_s)
-    assert o.optimizer_s == pytest.approx(2000 * t)
-    from simulator.estimate import estimate
-
-    base = estimate(one)
-    w = WithOverhead.of(base, host_overhead(COUNTS, spec, one, t))
-    assert w.step_time_s == pytest.approx(base.step_time_s + w.overhead.total_s)
-    assert w.tokens_per_s * w.step_time_s == pytest.approx(base.tokens_per_s * base.step_time_s)
-
-
-def test_fit_recovers_op_overhead_with_gemm():
-    from dataclasses import replace as dc_replace
-
+def test_fit_recovers_op_overhead_with_gemm(tiny_counts):
+    # The estimate includes the host per-op overhead (op counts of tiny-moe, counted once per session), so the
+    # op_overhead factor scales the topology's host_op_s (all three) like any other efficiency.
     base = load_topology("local-cpu")
-    topo = base.with_efficiency(dc_replace(base.efficiency, op_overhead_s=5e-6))
+    topo = base.with_efficiency(replace(base.efficiency, host_op_s=HostOpTimes(5e-6, 3e-6, 2.5e-6)))
     plans = _plans()[:3] + [_plans()[5]]
     truth = {"gemm": 0.7, "op_overhead": 1.6, "all_to_all": 0.5}
-    ms = synthetic(plans, topo, truth, op_counts=COUNTS)
-    res = fit(ms, topo, ["gemm", "op_overhead", "all_to_all", "memory_bound"], op_counts=COUNTS)
+    ms = synthetic(plans, topo, truth)
+    res = fit(ms, topo, ["gemm", "op_overhead", "all_to_all", "memory_bound"])
     for name, value in truth.items():
         assert res.factors[name] == pytest.approx(value, rel=0.02), name
-    assert res.topology.efficiency.op_overhead_s == pytest.approx(8e-6, rel=0.02)
+    assert res.topology.efficiency.host_op_s.forward == pytest.approx(8e-6, rel=0.02)
+    assert res.topology.efficiency.host_op_s.optimizer == pytest.approx(4e-6, rel=0.02)
 
 
 @pytest.mark.slow

@@ -72,6 +72,29 @@ class CollectiveCurves:
 
 
 @dataclass(frozen=True)
+class HostOpTimes:
+    """Host seconds per framework op, by where the op runs: a forward op pays for the module's Python code and for
+    recording the autograd graph, a backward op is run by autograd's C++ engine, an optimizer op by the optimizer's
+    per-tensor loop under no_grad. Measured apart because they differ by about 2x on a CPU (backend.opcount)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    optimizer: float = 0.0
+
+    def __post_init__(self):
+        for name in ("forward", "backward", "optimizer"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"efficiency.host_op_s.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def measured(self) -> bool:
+        return self.forward > 0.0 or self.backward > 0.0 or self.optimizer > 0.0
+
+    def scaled(self, factor: float) -> "HostOpTimes":
+        return HostOpTimes(self.forward * factor, self.backward * factor, self.optimizer * factor)
+
+
+@dataclass(frozen=True)
 class EfficiencyProfile:
     gemm: list[CurvePoint]  # size = FLOPs of one GEMM; value = fraction of dense peak achieved
     grouped_gemm: list[CurvePoint]  # size = FLOPs of one expert's GEMM inside a grouped GEMM
@@ -81,11 +104,10 @@ class EfficiencyProfile:
     collectives: dict[str, CollectiveCurves]
     comm_compute_slowdown: float = 0.0  # compute slows by this fraction while communication kernels run
     source: str = ""
-    # Host seconds per framework op (eager dispatch, autograd, Python), measured by `rackcast calibrate` as a training
-    # step of the smallest backend model on a few tokens over the aten calls it makes; 0 where not measured. It
-    # dominates when kernels are tiny (small models on a CPU). The simulator does not add it yet; planner.overhead
-    # does, with op counts of the backend model (backend.opcount).
-    op_overhead_s: float = 0.0
+    # Host seconds per framework op (eager dispatch, autograd, Python), measured by `rackcast calibrate`; zero where
+    # not measured. It dominates when kernels are tiny (small models on a CPU). Where measured, the estimate and the
+    # simulator add it for the op counts of the backend model (simulator.host_overhead, simulator.op_counts).
+    host_op_s: HostOpTimes = HostOpTimes()
 
     def __post_init__(self):
         _check_curve("gemm", self.gemm)
@@ -101,8 +123,10 @@ class EfficiencyProfile:
             raise ValueError(f"efficiency.collectives.{unknown[0]}: unknown collective")
         if not 0.0 <= self.comm_compute_slowdown < 1.0:
             raise ValueError("efficiency.comm_compute_slowdown must lie in [0, 1)")
-        if self.op_overhead_s < 0.0:
-            raise ValueError("efficiency.op_overhead_s must be >= 0")
+
+    def without_host_ops(self) -> "EfficiencyProfile":
+        """This profile with the host per-op overhead left out (no op counting)."""
+        return replace(self, host_op_s=HostOpTimes())
 
     def gemm_efficiency(self, flops: float) -> float:
         return interpolate(self.gemm, flops)

@@ -55,8 +55,9 @@ def register(sub) -> None:
     p.add_argument("--topology", help="topology to adjust when fitting (default: the first plan's)")
     p.add_argument("--factors", help="comma-separated factors to fit (default: all the measurements inform; "
                                      "'overall' when there are no phase times)")
-    p.add_argument("--no-overhead", action="store_true", help="fit without the host per-op overhead term (it is "
-                                                               "included when the topology has op_overhead_s)")
+    p.add_argument("--no-overhead", action="store_true", help="fit with the topology's host_op_s set to 0 (the "
+                                                               "host per-op overhead is otherwise included when the "
+                                                               "topology has a measured one)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run)
 
@@ -117,7 +118,9 @@ def _measure(args) -> int:
              ["gemm efficiency", ", ".join(f"{p.size:.2g}: {p.value:.2f}" for p in e.gemm)],
              ["grouped gemm efficiency", ", ".join(f"{p.size:.2g}: {p.value:.2f}" for p in e.grouped_gemm)],
              ["attention / memory-bound", f"{e.attention:.3f} / {e.memory_bound:.3f}"],
-             ["host time per framework op", f"{e.op_overhead_s * 1e6:.2f} us"]]
+             ["host time per framework op", f"forward {e.host_op_s.forward * 1e6:.2f} us, backward "
+                                            f"{e.host_op_s.backward * 1e6:.2f} us, optimizer "
+                                            f"{e.host_op_s.optimizer * 1e6:.2f} us"]]
     rows += [[f"{k} busbw/link", ", ".join(f"{p.size:.2g}B: {p.value:.2f}" for p in v.scale_up)]
              for k, v in e.collectives.items()]
     c.print(table(f"Calibrated {topo.name} ({meas['wall_s']:.0f} s; efficiencies are fractions of bf16 peak)",
@@ -176,14 +179,11 @@ def _fit(args) -> int:
         bad = [n for n in names if n not in FACTORS + ("overall",)]
         if bad:
             raise RackcastError(f"--factors: unknown factor {bad[0]!r} (known: overall, {', '.join(FACTORS)})")
-    counts = None
-    if topo.efficiency.op_overhead_s > 0 and not args.no_overhead:
-        from backend.opcount import count_ops  # torch: only to count the backend model's ops
+    from dataclasses import replace
 
-        specs = {m.plan.model_spec().name: m.plan for m in ms}
-        if len(specs) == 1 and len({m.plan.optimizer.name for m in ms}) == 1:
-            counts = count_ops(ms[0].plan.model_spec(), ms[0].plan.optimizer.name)
-    res = fit(ms, topo, names, op_counts=counts)
+    if args.no_overhead:
+        topo = topo.with_efficiency(topo.efficiency.without_host_ops())
+    res = fit(ms, topo, names)
     out = Path(args.out or DEFAULT_OUT)
     header = [f"rackcast calibrate: {topo.name} with efficiency factors fitted to {len(ms)} measurement(s):",
               *[f"  {m.label}: plan {m.plan.name}, step {m.step_time_s:.4g} s, phases "
@@ -193,8 +193,6 @@ def _fit(args) -> int:
                 f"{'identified' if res.identified[k] else 'NOT identified: kept near 1 by the prior'})"
                 for k, v in res.fitted.items()],
               f"rms residual {res.rms_before:.3g} before, {res.rms_after:.3g} after (planner.fit)"]
-    from dataclasses import replace
-
     fitted = replace(res.topology, name=out.stem,
                      efficiency=replace(res.topology.efficiency,
                                         source=f"{topo.efficiency.source} -- scaled by factors fitted to "

@@ -1,0 +1,144 @@
+"""Host per-op overhead (efficiency.host_op_s) in the closed-form estimate and the discrete-event simulator
+(simulator.host_overhead), and the op-count cache (simulator.op_counts). The real counts of tiny-moe come from the
+session fixture `tiny_counts` (one backend.opcount subprocess per session, in a temporary RACKCAST_CACHE).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import replace
+
+import pytest
+
+from rackcast.errors import RackcastError
+from rackcast.plan import load_plan
+from rackcast.presets import load_model
+from simulator import op_counts as oc
+from simulator.estimate import estimate
+from simulator.host_overhead import host_overhead, ops_per_microbatch, optimizer_ops
+from simulator.step import simulate
+from topologies.spec import HostOpTimes
+
+from conftest import PLANS
+
+# Host seconds per forward, backward and optimizer op for these tests (distinct, so a term priced at the wrong one
+# fails): the overhead is then most of a tiny plan's step.
+T = HostOpTimes(forward=1e-5, backward=6e-6, optimizer=4e-6)
+COUNTS = {"fwd_embed": 20, "fwd_layers": [300, 300, 300, 280], "fwd_experts": [80, 80, 80, 80], "fwd_head": 40,
+          "bwd_over_fwd": 2.0, "optimizer_ops": 4000}
+
+
+def _t_op(topo, t: HostOpTimes):
+    return topo.with_efficiency(replace(topo.efficiency, host_op_s=t))
+
+
+def test_host_overhead_follows_the_layout():
+    one = load_plan(str(PLANS / "tiny-1proc.yaml"))
+    ep = load_plan(str(PLANS / "tiny-2proc-ep.yaml"))
+    pp = load_plan(str(PLANS / "tiny-2proc-pp.yaml"))
+    spec = one.model_spec()
+    full = (20 + 1180 + 40) * 3
+    assert ops_per_microbatch(COUNTS, spec, one, 0) == full
+    assert ops_per_microbatch(COUNTS, spec, ep, 0) == full - 4 * 40 * 3  # half the experts' loop per rank
+    assert ops_per_microbatch(COUNTS, spec, pp, 0) == (20 + 600) * 3
+    assert ops_per_microbatch(COUNTS, spec, pp, 1) == (580 + 40) * 3
+    o = host_overhead(COUNTS, spec, pp, T)
+    m = pp.microbatches
+    per_mb = 620 * (T.forward + 2 * T.backward)
+    assert o.compute_s == pytest.approx(m * per_mb)
+    assert o.bubble_s == pytest.approx((m + 1) * per_mb - o.compute_s)
+    assert o.optimizer_s == pytest.approx(2000 * T.optimizer)
+
+
+@pytest.mark.parametrize("run", [estimate, simulate], ids=["estimate", "simulate"])
+def test_one_process_adds_microbatches_times_ops(run, tiny_counts):
+    plan = load_plan(str(PLANS / "tiny-1proc.yaml"))
+    c, topo, m = tiny_counts, plan.topology_spec(), plan.microbatches
+    fwd_mb = c["fwd_embed"] + sum(c["fwd_layers"]) + c["fwd_head"]  # ep = 1: all of the experts' loop
+    host_mb = fwd_mb * (T.forward + c["bwd_over_fwd"] * T.backward)
+    base, over = run(plan, topo=topo), run(plan, topo=_t_op(topo, T))
+    assert over.phases_s["compute"] - base.phases_s["compute"] == pytest.approx(m * host_mb, rel=1e-9)
+    assert over.phases_s["optimizer"] - base.phases_s["optimizer"] == pytest.approx(c["optimizer_ops"] * T.optimizer,
+                                                                                  rel=1e-9)
+    assert over.phases_s["pipeline_bubble"] == pytest.approx(base.phases_s["pipeline_bubble"], abs=1e-12)
+    assert over.step_time_s - base.step_time_s == pytest.approx(m * host_mb + c["optimizer_ops"] * T.optimizer,
+                                                                rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_overhead_grows_the_bubble_through_the_schedule(schedule, tiny_counts):
+    plan = replace(load_plan(str(PLANS / "tiny-2proc-pp.yaml")), schedule=schedule)
+    spec, topo = plan.model_spec(), plan.topology_spec()
+    m, p = plan.microbatches, plan.parallel.pipeline
+    worst = max(ops_per_microbatch(tiny_counts, spec, plan, s) for s in range(p)) / (1 + tiny_counts["bwd_over_fwd"])
+    per_mb = worst * (T.forward + tiny_counts["bwd_over_fwd"] * T.backward)
+    expected = (m + p - 1) * per_mb + optimizer_ops(tiny_counts, spec, plan, 0) * T.optimizer
+    est = estimate(plan, topo=_t_op(topo, T)).step_time_s - estimate(plan, topo=topo).step_time_s
+    assert est == pytest.approx(expected, rel=1e-9)  # the closed form is this formula
+    base = simulate(plan, topo=topo, record=False)
+    over = simulate(plan, topo=_t_op(topo, T), record=False)
+    # The simulator runs the schedule: the formula charges every stage the heaviest stage's ops (stage 1 holds
+    # about 1% fewer than stage 0 here) and ignores how the overhead overlaps the plan's own bubble, so the
+    # simulated growth is a little below it (about 0.7% on this plan); 3% leaves room for that, not for a
+    # missing term (one micro-batch's ops is 1 / (m + p - 1) = 20% of it).
+    assert over.step_time_s - base.step_time_s == pytest.approx(expected, rel=0.03)
+    assert over.phases_s["pipeline_bubble"] > base.phases_s["pipeline_bubble"]
+
+
+def test_zero_overhead_changes_nothing_and_counts_nothing(monkeypatch):
+    def no_count(*a, **k):
+        raise AssertionError("op counts asked for without measured host_op_s")
+
+    monkeypatch.setattr(oc, "op_counts", no_count)
+    plan = load_plan(str(PLANS / "marin-535b-hero.yaml"))
+    topo = plan.topology_spec()
+    assert not topo.efficiency.host_op_s.measured
+    est = estimate(plan, topo=_t_op(topo, HostOpTimes()))
+    assert est.as_dict() == estimate(plan).as_dict()
+    assert round(est.step_time_s, 3) == 8.508
+    assert round(simulate(plan, topo=_t_op(topo, HostOpTimes()), record=False).step_time_s, 3) == 8.369
+
+
+def test_counts_come_from_the_disk_cache_without_a_subprocess(tiny_counts, monkeypatch):
+    spec = load_model("tiny-moe")
+    assert len(tiny_counts["fwd_layers"]) == spec.layers and tiny_counts["optimizer_ops"] > 0
+    assert (oc.cache_dir() / f"{oc.cache_key(spec, 'muonh')}.json").exists()
+    assert oc.cache_key(spec, "adamw") != oc.cache_key(spec, "muonh")
+    assert oc.cache_key(replace(spec, layers=spec.layers - 1), "muonh") != oc.cache_key(spec, "muonh")
+
+    def no_run(*a, **k):
+        raise AssertionError("counted again")
+
+    monkeypatch.setattr(oc, "_MEMORY", {})
+    monkeypatch.setattr(subprocess, "run", no_run)
+    assert oc.op_counts(spec, "muonh") == tiny_counts
+
+
+def test_a_miss_counts_once_and_a_failure_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv(oc.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(oc, "_MEMORY", {})
+    calls = []
+
+    def fake_run(cmd, input="", **kw):
+        calls.append(json.loads(input))
+        if calls[-1]["name"] == "broken":
+            return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nRuntimeError: out of memory\n")
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(COUNTS) + "\n", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    spec = load_model("tiny-moe")
+    named = {**COUNTS, "model": "tiny-moe"}  # the counts name the model asked for
+    assert oc.op_counts(spec, "muonh") == named
+    monkeypatch.setattr(oc, "_MEMORY", {})
+    assert oc.op_counts(spec, "muonh") == named  # from disk
+    assert len(calls) == 1 and calls[0]["name"] == "tiny-moe"
+    assert calls[0] == oc.spec_data(oc.structural_twin(spec))  # the twin is counted, not the full model
+    assert list((tmp_path / oc.CACHE_SUBDIR).glob("*.json"))
+    wide = replace(spec, name="wide", d_model=2 * spec.d_model,
+                   attention=replace(spec.attention, head_dim=2 * spec.attention.head_dim))
+    assert oc.op_counts(wide, "muonh") == {**COUNTS, "model": "wide"}  # widths of the same structure: no recount
+    assert len(calls) == 1
+    with pytest.raises(RackcastError) as exc:  # another structure (the key leaves names and widths out)
+        oc.op_counts(replace(spec, name="broken", layers=3), "muonh")
+    assert "\n" not in str(exc.value) and "out of memory" in str(exc.value)

@@ -1,0 +1,145 @@
+"""Op counts on the structural twin (simulator.op_counts.structural_twin, backend.opcount.count_ops): the twin keeps
+the structure and is small, it counts exactly what the full model counts, routing reaches every expert, a 535B
+preset counts in seconds, and the cache key ignores widths that keep the structure.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from backend.layers import rotary_dims as backend_rotary_dims  # noqa: E402
+from backend.opcount import count_ops  # noqa: E402
+from rackcast.presets import load_model  # noqa: E402
+from simulator import op_counts as oc  # noqa: E402
+
+PRESETS = sorted(p.stem for p in (Path(oc.ROOT) / "rackcast" / "model_presets").glob("*.yaml"))
+TWIN_WIDTH_MAX = 400  # the widest twin width of any preset (gpt-1t's 160 heads x 2) is 321; far below real widths
+
+
+def _same_counts(a: dict, b: dict) -> None:
+    assert {k: v for k, v in a.items() if k != "model"} == {k: v for k, v in b.items() if k != "model"}
+
+
+def _medium_d768(layers: int):
+    """marin-ladder-d768 at its real d_model, heads, head_dim and 192 experts, with a short vocabulary and sequence
+    and narrow experts and gated norm (still narrower than d_model, so the same structure): a full count's backward
+    materialises a full [E, in, hidden] gradient per routed expert (E^2 x in x hidden per stack), so the real
+    384-wide experts take about 15 s for two layers on a CPU."""
+    d = load_model("marin-ladder-d768")
+    return replace(d, name="medium-d768", layers=layers, vocab=4096, seq_len=256, gated_norm_rank=32,
+                   attention=replace(d.attention, window=128),
+                   moe=replace(d.moe, latent_dim=48, expert_ffn=48, shared_ffn=48))
+
+
+def test_rotary_dims_restates_the_backend():
+    for head_dim in range(1, 200):
+        for fraction in (0.0, 0.1, 0.25, 0.3, 0.5, 0.75, 1.0):
+            assert oc.rotary_dims(head_dim, fraction) == backend_rotary_dims(head_dim, fraction)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_twin_keeps_the_structure_and_is_small(name):
+    spec = load_model(name)
+    twin = oc.structural_twin(spec)
+    assert oc.structural_twin(twin) == twin  # idempotent: counting a twin counts the same twin
+    assert oc.structure(twin) == oc.structure(spec)
+    a, t = spec.attention, twin.attention
+    assert (t.heads, t.kv_heads_local, t.kv_heads_global, t.kv_heads_stored) == \
+        (a.heads, a.kv_heads_local, a.kv_heads_global, a.kv_heads_stored)
+    assert (t.global_every, t.output_gate, t.exclusive, t.rope_fraction, t.bias) == \
+        (a.global_every, a.output_gate, a.exclusive, a.rope_fraction, a.bias)
+    assert (twin.layers, twin.conv, twin.norm, twin.tied_embeddings, twin.positional, twin.embed_norm) == \
+        (spec.layers, spec.conv, spec.norm, spec.tied_embeddings, spec.positional, spec.embed_norm)
+    assert bool(twin.gated_norm_rank) == bool(spec.gated_norm_rank) and bool(twin.ffn) == bool(spec.ffn)
+    if spec.moe:
+        m, tm = spec.moe, twin.moe
+        assert (tm.experts, tm.top_k, tm.shared_experts, tm.dense_layers, tm.router_bias) == \
+            (m.experts, m.top_k, m.shared_experts, m.dense_layers, m.router_bias)
+        assert bool(tm.latent_dim) == bool(m.latent_dim)
+        assert (tm.latent_dim < twin.d_model) == (m.latent_dim < spec.d_model)
+    assert twin.seq_len <= oc.COUNT_SEQ and (t.window == 0) == (a.window == 0)
+    full, small = oc.widths(spec), oc.widths(twin)
+    assert small.keys() == full.keys()
+    assert all(small[k] <= full[k] for k in full) and max(small.values()) <= TWIN_WIDTH_MAX
+    assert twin.params_total <= spec.params_total
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-dense", "tiny-moe-dense0"])
+@pytest.mark.parametrize("optimizer", ["muonh", "adamw"])
+def test_twin_counts_what_the_full_model_counts(name, optimizer):
+    spec = load_model(name)
+    full = count_ops(spec, optimizer, twin=False)
+    _same_counts(count_ops(oc.structural_twin(spec), optimizer, twin=False), full)
+    assert count_ops(spec, optimizer) == full  # the default counts on the twin, named as the model
+
+
+@pytest.mark.slow
+def test_twin_counts_what_a_medium_model_counts():
+    """192 experts at d_model 768 (two sequences counted so that every expert gets a row), three local layers and a
+    global one: the full count takes about 4 s on a CPU. Its twin is marin-ladder-d768's (at 4 layers)."""
+    spec = _medium_d768(layers=4)
+    assert [spec.is_global(i) for i in range(4)] == [False, False, False, True]
+    twin = oc.structural_twin(spec)
+    assert twin == replace(oc.structural_twin(replace(load_model("marin-ladder-d768"), layers=4)),
+                           name=spec.name)
+    full = count_ops(spec, "muonh", twin=False)
+    _same_counts(count_ops(twin, "muonh", twin=False), full)
+    assert count_ops(spec, "muonh") == full
+    assert len(set(full["fwd_experts"])) == 1 and full["fwd_experts"][0] > 192  # every expert ran, in every layer
+
+
+def test_routing_reaches_every_expert():
+    """The expert loop runs once per expert (a fixed number of ops each, plus the concatenation), however few
+    tokens are counted: 96 experts top-2 need two 32-token sequences for a row each."""
+    spec = load_model("tiny-moe")
+    few = count_ops(spec, "muonh")
+    many = count_ops(replace(spec, moe=replace(spec.moe, experts=96)), "muonh")
+    per_expert = (few["fwd_experts"][0] - 1) / 8
+    assert per_expert == int(per_expert) > 0
+    assert many["fwd_experts"] == [96 * per_expert + 1] * spec.layers
+
+
+@pytest.mark.slow
+def test_a_535b_preset_counts_in_seconds():
+    spec = load_model("marin-535b-a23b")
+    start = time.perf_counter()
+    counts = count_ops(spec, "muonh")
+    seconds = time.perf_counter() - start
+    assert len(counts["fwd_layers"]) == len(counts["fwd_experts"]) == spec.layers == 48
+    assert counts["model"] == "marin-535b-a23b" and counts["experts"] == 384
+    assert all(e > spec.moe.experts for e in counts["fwd_experts"])  # every expert ran
+    assert counts["optimizer_ops"] > 0 and counts["bwd_over_fwd"] > 1
+    # About 8 s on one idle CPU core (its backward runs 384 experts x 48 layers); 60 s leaves room for a loaded
+    # machine, not for building the full model (minutes, or out of memory).
+    assert seconds < 60
+
+
+def test_cache_key_ignores_widths_and_labels_not_structure(monkeypatch):
+    monkeypatch.setattr(oc, "torch_version", lambda: "x")
+    spec = load_model("tiny-moe")
+    a, m = spec.attention, spec.moe
+    wider = replace(spec, name="wide", description="", d_model=128, vocab=512, seq_len=512, gated_norm_rank=16,
+                    attention=replace(a, head_dim=32, window=64),
+                    moe=replace(m, expert_ffn=64, latent_dim=64, shared_ffn=64))
+    assert oc.structural_twin(wider) == replace(oc.structural_twin(spec), name="wide", description="")
+    assert oc.cache_key(wider, "muonh") == oc.cache_key(spec, "muonh")
+    for other in (replace(spec, layers=3), replace(spec, moe=replace(m, experts=16)),
+                  replace(spec, moe=replace(m, latent_dim=0)), replace(spec, attention=replace(a, window=0)),
+                  replace(spec, attention=replace(a, window=8)),  # masked local attention on the counted tokens
+                  replace(spec, moe=replace(m, expert_ffn=64))):  # expert matrices now tall: another optimizer path
+        assert oc.cache_key(other, "muonh") != oc.cache_key(spec, "muonh")
+
+
+def test_the_twin_is_valid_data():
+    """The twin travels to backend.opcount as data: it reads back strictly as the same spec."""
+    from rackcast.strict import from_data
+
+    for name in ("marin-ladder-d768", "marin-535b-a23b", "gpt-1t"):
+        twin = oc.structural_twin(load_model(name))
+        assert from_data(type(twin), oc.spec_data(twin)) == twin
