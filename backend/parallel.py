@@ -156,12 +156,16 @@ def is_expert_param(name: str) -> bool:
     return ".experts." in f".{name}"
 
 
-def _timed_allreduce_hook(timer: PhaseTimer, group):
-    """DDP comm hook: average the bucket over `group`, blocking, and time it as the data-parallel reduction."""
+def _timed_allreduce_hook(timer: PhaseTimer, group, buckets: dict[int, tuple[int, int]]):
+    """DDP comm hook: average the bucket over `group`, blocking, and time it as the data-parallel reduction.
+    `buckets` gets (storage address, bytes) of each bucket buffer by bucket index (no reference is kept), so memory
+    accounting can count the buffers that only DDP's C++ reducer holds once the gradients are set to None."""
 
     def hook(state, bucket):
         t0 = timer.now()
         buf = bucket.buffer()
+        storage = buf.untyped_storage()
+        buckets[bucket.index()] = (storage.data_ptr(), storage.nbytes())
         buf.div_(dist.get_world_size(group))
         dist.all_reduce(buf, group=group)
         timer.add("exposed_dp_comm", timer.now() - t0)
@@ -183,7 +187,8 @@ def wrap_data_parallel(module: nn.Module, groups: Groups, layout: Layout, timer:
     if all(is_expert_param(n) or not p.requires_grad for n, p in module.named_parameters()):
         return module  # nothing dense to reduce on this chunk
     ddp = DDP(module, process_group=groups.dp, gradient_as_bucket_view=True)
-    ddp.register_comm_hook(None, _timed_allreduce_hook(timer, groups.dp))
+    ddp.gradient_buckets = {}
+    ddp.register_comm_hook(None, _timed_allreduce_hook(timer, groups.dp, ddp.gradient_buckets))
     return ddp
 
 

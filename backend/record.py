@@ -3,10 +3,14 @@
 Files in the run folder:
 - metrics.parquet: one row per optimizer step: step, loss, ce, z_loss, eval_loss (NaN except at eval steps), lr,
   step_time_s, tokens_per_s, mfu, phase_<name>_s for every simulator phase (simulator.estimate.PHASES, plus
-  "other"), peak_memory_bytes (largest over ranks so far), drop_fraction, plan_hash (rackcast.plan.inputs_hash).
+  "other"), peak_memory_bytes (largest over ranks so far; NaN on CPU until the measured step), peak_rss_bytes,
+  memory_profiled (the step whose memory the profiler measured, slowed down by it), drop_fraction, plan_hash
+  (rackcast.plan.inputs_hash).
 - record.json: the summary: plan, plan_hash, layout, device, steps, tokens_per_step, and the medians over steps after
-  the first (warm-up) of step_time_s, tokens_per_s, mfu, phases_s; peak_memory_bytes, drop_fraction, first/last loss,
-  flops_convention, peak_flops with its dtype, and mfu_vs_bf16_peak (the simulator's convention).
+  the first (warm-up), the memory-profiled step left out, of step_time_s, tokens_per_s, mfu, phases_s;
+  peak_memory_bytes with memory_measure (how it was measured) and param_dtype / activation_dtype (what the trainer
+  kept weights and activations in), peak_rss_bytes, drop_fraction, first/last loss, flops_convention, peak_flops
+  with its dtype, and mfu_vs_bf16_peak (the simulator's convention).
 - routing.parquet: tokens routed per (layer, expert) over the run, columns layer, expert, count (the format
   simulator.routing replays with `expert_transport: {routing: histogram, histogram: <path>}`).
 Phase meanings: compute = forward + backward work (timed around the real calls) less the communication timed inside
@@ -15,6 +19,11 @@ exposed_dp_comm = the gradient all-reduces; pipeline_bubble = pipeline wait (sch
 point-to-point transfers included, so pipeline_p2p stays 0); optimizer = optimizer step + quantile balancing.
 MFU = model FLOPs (ModelSpec.flops_per_token_train, default convention) / (step time x ranks x peak), the peak being
 the topology's for the dtype the model computes in (fp32 on CPU: local-cpu's calibrated fp32 matmul peak).
+Peak memory, per rank (record.json keeps the largest, and the list as peak_memory_per_rank_bytes): on CUDA
+torch.cuda.max_memory_allocated (bytes of live tensors, torch's own count); on CPU the peak bytes of live tensors
+during one step, measured with the profiler (backend.memprof), comparable with the simulator's tensor bytes
+(simulator.memory, with dtype="fp32"); peak_rss_bytes is the process's peak resident set, which also holds the
+Python and torch runtime (about 220 MiB) and allocator slack.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import os
 import statistics
 from pathlib import Path
 
+KIB = 1024  # ru_maxrss is in KiB on Linux
 PHASES = ("compute", "exposed_expert_a2a", "exposed_tensor_comm", "exposed_fsdp_gather", "pipeline_p2p",
           "pipeline_bubble", "exposed_dp_comm", "optimizer", "host_transfer", "other")
 
@@ -67,9 +77,22 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def summary(rows: list[dict], **info) -> dict:
-    """record.json's content from the metric rows (medians skip the first step, which includes warm-up)."""
+def _max(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
+    return max(values) if values else math.nan
+
+
+def steady_rows(rows: list[dict]) -> list[dict]:
+    """The rows the medians use: after the first (warm-up), without the memory-profiled step (when others remain)."""
     steady = rows[1:] if len(rows) > 1 else rows
+    unprofiled = [r for r in steady if not r.get("memory_profiled")]
+    return unprofiled or steady
+
+
+def summary(rows: list[dict], **info) -> dict:
+    """record.json's content from the metric rows (medians skip the first step, which includes warm-up, and the
+    memory-profiled step)."""
+    steady = steady_rows(rows)
     phases = {p: _median(steady, f"phase_{p}_s") for p in PHASES}
     evals = [r for r in rows if not math.isnan(r["eval_loss"])]
     out = {
@@ -79,7 +102,8 @@ def summary(rows: list[dict], **info) -> dict:
         "tokens_per_s": _median(steady, "tokens_per_s"),
         "mfu": _median(steady, "mfu"),
         "phases_s": phases,
-        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
+        "peak_memory_bytes": _max(rows, "peak_memory_bytes"),
+        "peak_rss_bytes": _max(rows, "peak_rss_bytes"),
         "drop_fraction": statistics.fmean(r["drop_fraction"] for r in rows),
         "first_loss": rows[0]["loss"],
         "last_loss": rows[-1]["loss"],
@@ -92,11 +116,16 @@ def summary(rows: list[dict], **info) -> dict:
 
 
 def peak_memory_bytes(device) -> int:
-    """CUDA: max allocated by torch; CPU: the process's peak resident set (includes the torch libraries)."""
+    """CUDA: max allocated by torch; CPU: the process's peak resident set (backend.memprof measures live tensors)."""
     import torch
 
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set (includes the Python and torch runtime)."""
     import resource
 
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * KIB

@@ -7,6 +7,14 @@ the data-parallel group), then per optimizer step: this rank's share of the glob
 micro-batches -> forward/backward (or the pipeline schedule) -> expert gradient reduction -> optimizer -> balancer.
 Measures each step (backend.record), saves checkpoints (backend.checkpoint) and resumes from the latest complete one.
 
+Peak memory: on CUDA torch.cuda.max_memory_allocated. On CPU every rank measures the peak bytes of live tensors
+during one training step with the profiler (backend.memprof): the third step this process runs (MEMORY_STEP; the
+last one when it runs fewer), because the first allocates the optimizer state and the second rebuilds DDP's gradient
+buckets, once-only allocations that a steady step does not make. The profiler slows that step down, so its row is
+marked `memory_profiled` and record.summary leaves it out of the step-time medians; rows before it carry NaN for
+peak_memory_bytes. The process's peak resident set is kept as peak_rss_bytes. With --profile, the Chrome trace
+covers the two steps after the measured one (two profilers cannot run at once).
+
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 -m backend.train \
         --plan examples/plans/tiny-2proc-ep.yaml --steps 20 --out runs/tiny-2proc-ep
 RACKCAST_FAIL="RANK:STEP:WHERE" (WHERE: step or checkpoint) makes that rank exit abruptly, for failure tests.
@@ -26,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from backend import checkpoint, record
+from backend import checkpoint, memprof, record
 from backend.balancing import QuantileBalancer
 from backend.data import TokenData, prepare
 from backend.expert_parallel import pop_drop_counts, shard_experts
@@ -40,6 +48,9 @@ from rackcast.modelspec import FlopsConvention
 from rackcast.plan import inputs_hash, load_plan
 
 EVAL_SEQUENCES = 16
+MEMORY_STEP = 2  # index, among this process's steps, of the step whose peak live tensor bytes are measured on CPU
+TRACE_STEPS = 2  # steps the --profile Chrome trace covers
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", required=True)
     ap.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="write a torch.profiler Chrome trace of steps 2-3")
+    ap.add_argument("--profile", action="store_true",
+                    help="write a torch.profiler Chrome trace of two steps (2-3 on CUDA, 4-5 on CPU)")
     ap.add_argument("--data-dir", default="runs/.data")
     ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end only)")
     ap.add_argument("--log-every", type=int, default=1)
@@ -111,6 +123,10 @@ class Trainer:
         self.chunks = build_chunks(model, lay, self.plan.schedule)
         self.chunk_index = chunk_ids(lay, self.plan.schedule)
         self.local = nn.ModuleList(self.chunks)
+        # Keep only the MoE layers this rank's stages hold: a reference to the others would keep the whole model's
+        # expert weights alive on every pipeline rank.
+        held = {id(m) for m in self.local.modules()}
+        self.moes = [m for m in self.moes if id(m) in held]
         del model
         self.wrapped = self.chunks if lay.pp > 1 else [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
         o = self.plan.optimizer
@@ -133,7 +149,10 @@ class Trainer:
         self.rows: list[dict] = []
         self.start_step = 0
         topo = self.plan.topology_spec()
-        self.peak_dtype = "bf16" if self.cuda else "fp32"
+        self.peak_dtype = "bf16" if self.cuda else "fp32"  # the dtype matmuls run in (CUDA: bf16 autocast)
+        self.param_dtype = DTYPE_NAMES.get(next(self.local.parameters()).dtype, "other")
+        self.memory_measure = "cuda max_memory_allocated" if self.cuda else "torch profiler live tensor bytes"
+        self.memory_peak = -1.0  # CPU: the measured peak live tensor bytes of this rank (-1: not measured yet)
         self.peak = topo.peak_flops(self.peak_dtype)
         self.peak_bf16 = topo.peak_flops("bf16")
         self.tokens_per_step = self.plan.tokens_per_step(spec)
@@ -154,8 +173,14 @@ class Trainer:
     def _autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
 
+    def _cpp_storages(self) -> list[tuple[int, int]]:
+        """(address, bytes) of storages only C++ holds between steps: DDP's gradient buckets (backend.parallel)."""
+        return [st for w in self.wrapped for st in getattr(w, "gradient_buckets", {}).values()]
+
     def train_step(self, step: int) -> tuple[float, float, float, int]:
         lay = self.layout
+        for w in self.wrapped:
+            getattr(w, "gradient_buckets", {}).clear()  # refilled by this step's backward
         tokens = torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp))
         tokens = tokens.to(self.device)
         targets = _targets(tokens)
@@ -259,12 +284,15 @@ class Trainer:
             print(f"resumed from {folder} (step {self.start_step})", flush=True)
 
     # ------------------------------------------------------------------------------------------------ loop
+    def _peak_memory(self) -> float:
+        return float(record.peak_memory_bytes(self.device)) if self.cuda else self.memory_peak
+
     def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time) -> dict:
         dropped, assigned = pop_drop_counts(self.moes)
         names = list(record.PHASES)
         vec = torch.tensor([loss_sum, ce_sum, z_sum, count, dropped, assigned, step_time]
                            + [phases.get(n, 0.0) for n in names], dtype=torch.float64)
-        mem = torch.tensor([record.peak_memory_bytes(self.device)], dtype=torch.float64)
+        mem = torch.tensor([self._peak_memory(), record.peak_rss_bytes()], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(vec)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
@@ -276,7 +304,8 @@ class Trainer:
                "mfu": self.model_flops / (step_time * self.world * self.peak)}
         for i, name in enumerate(names):
             out[f"phase_{name}_s"] = vec[7 + i].item() / self.world
-        out["peak_memory_bytes"] = int(mem[0].item())
+        out["peak_memory_bytes"] = int(mem[0].item()) if mem[0].item() >= 0 else math.nan
+        out["peak_rss_bytes"] = int(mem[1].item())
         out["drop_fraction"] = vec[4].item() / vec[5].item() if vec[5].item() else 0.0
         return out
 
@@ -291,14 +320,22 @@ class Trainer:
             from torch.profiler import ProfilerActivity, profile, schedule
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            profiler = profile(activities=acts, schedule=schedule(wait=1, warmup=0, active=2, repeat=1),
+            wait = 1 if self.cuda else MEMORY_STEP + 1  # after the memory-measured step on CPU
+            profiler = profile(activities=acts, schedule=schedule(wait=wait, warmup=0, active=TRACE_STEPS, repeat=1),
                                on_trace_ready=lambda p: p.export_chrome_trace(str(self.out / "trace.json")))
             profiler.start()
+        memory_step = self.start_step + min(MEMORY_STEP, args.steps - self.start_step - 1)
         for step in range(self.start_step, args.steps):
             self.fail("step", step)
             self.timer.pop()
+            profiled = not self.cuda and step == memory_step
             t0 = self.timer.now()
-            loss_sum, ce_sum, z_sum, count = self.train_step(step)
+            if profiled:
+                stats, peak = memprof.profile_peak(self.train_step, step, extra=self._cpp_storages())
+                self.memory_peak = max(self.memory_peak, float(peak.total_bytes))
+            else:
+                stats = self.train_step(step)
+            loss_sum, ce_sum, z_sum, count = stats
             step_time = self.timer.now() - t0
             t = self.timer.pop()
             fwd_bwd = t.pop("fwd_bwd", 0.0)
@@ -307,7 +344,8 @@ class Trainer:
             phases["other"] = max(0.0, step_time - sum(phases.values()))
             self._collect_routing()
             row = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"],
-                   **self._reduce_stats(loss_sum, ce_sum, z_sum, count, phases, step_time)}
+                   **self._reduce_stats(loss_sum, ce_sum, z_sum, count, phases, step_time),
+                   "memory_profiled": profiled}
             last = step + 1 == args.steps
             do_eval = last or (args.eval_every and (step + 1) % args.eval_every == 0)
             row["eval_loss"] = self.evaluate() if do_eval else math.nan
@@ -328,8 +366,11 @@ class Trainer:
 
     def finish(self) -> None:
         routing = self.routing.clone()
+        per_rank = torch.zeros(self.world, dtype=torch.float64)
+        per_rank[self.rank] = self._peak_memory()
         if self.world > 1:
             dist.all_reduce(routing)
+            dist.all_reduce(per_rank)
         if self.rank != 0 or not self.rows:
             return
         record.write_metrics(self.out, self.rows)
@@ -346,6 +387,9 @@ class Trainer:
                 "torch": torch.__version__, "tokens_per_step": self.tokens_per_step,
                 "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,
+                "memory_measure": self.memory_measure, "param_dtype": self.param_dtype,
+                "peak_memory_per_rank_bytes": [int(v) if v >= 0 else math.nan for v in per_rank.tolist()],
+                "activation_dtype": self.peak_dtype,
                 "routing_histogram": "routing.parquet" if self.spec.moe is not None else ""}
         record.write_json_atomic(self.out / "record.json", record.summary(self.rows, **info))
 

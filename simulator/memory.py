@@ -3,16 +3,25 @@
 The partition follows the plan's layout (see rackcast/plan.py): dense matrices split by `tensor`, layers by
 `pipeline`, experts by `expert x expert_tensor`; parameters, gradients and optimizer state of the dense part are
 sharded `fsdp` ways (ZeRO-3), the experts' by the FSDP part of their expert-data group. The heaviest pipeline rank
-is reported (rank 0 holds the embedding and the most in-flight micro-batches).
+is reported by default (rank 0 holds the embedding and the most in-flight micro-batches); `rank` picks another.
 
 Activations per layer per token are the tensors a layer saves for its backward pass, counted component by
-component. For a dense GPT layer with materialised attention and dropout this is Korthikanti et al. 2022
-("Reducing Activation Recomputation in Large Transformer Models", eq. 1-5): s*b*h*(34 + 5*a*s/h) bytes without
-tensor parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t)) with tensor parallelism t, and s*b*h/t*(34 + 5*a*s/h) with
-sequence parallelism too. Selective recomputation drops the attention-core terms (the 5as/h part); full
-recomputation keeps only each layer's input and the working set of the one layer being recomputed.
+component in simulator.activations, in one of two modes (`activations`): "fused" (the default, what a production
+trainer with fused kernels keeps; the planner and all published figures use it) or "eager" (what rackcast's own
+PyTorch backend saves when run eagerly, as the CPU trainer's measured peak shows; memory_breakdown then adds what
+that backend holds besides saved tensors: the loss backward's logits-sized temporaries, the router margins, token
+ids and targets, pipeline receive buffers and cached stage outputs). Selective recomputation drops the
+attention-core terms; full recomputation keeps only each layer's input and the working set of the one layer being
+recomputed.
+
+`dtype` (memory_breakdown and the functions it calls): the dtype a trainer keeps weights and activations in, e.g.
+"fp32" for the CPU trainer, which runs without autocast; the default (None) is the plan's precision (bf16 weights
+and activations, grad_dtype gradients, an fp32 master). Optimizer state follows backend.optim's groups: MuonH keeps
+one momentum buffer per matrix and two Adam moments for everything else (embeddings, norm gains, router weight,
+gates, convolutions, biases) and for the head (AdamH); parameters without a gradient (the balancing bias) keep none.
 
     python -m simulator.memory examples/plans/marin-535b-hero.yaml
+    python -m simulator.memory examples/plans/tiny-1proc.yaml fp32 eager    # as the CPU trainer keeps it
 """
 
 from __future__ import annotations
@@ -22,11 +31,29 @@ from dataclasses import dataclass
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
+from simulator.activations import (BYTES, FP32, INDEX_BYTES, MASK_BYTES, MODES, Activations,  # noqa: F401
+                                   activation_bytes, attention_core_bytes_per_token, check_mode,
+                                   eager_loss_backward_bytes_per_token, eager_pipeline_bytes_per_token,
+                                   eager_step_bytes_per_token, edge_activation_bytes_per_token, has_qk_norm,
+                                   layer_activation_bytes_per_token, pre_norm_bytes_per_token)
 from simulator.schedule_formulas import peak_in_flight
 
-BYTES = {"bf16": 2, "fp8": 1, "fp32": 4}
-FP32 = 4
-MASK_BYTES = 1  # dropout masks are stored as one byte per element
+
+def weight_bytes(plan: Plan, dtype: str | None = None) -> int:
+    """Bytes per stored weight: `dtype` when given (the trainer's dtype), else the plan's precision (fp8 runs keep
+    bf16 weights and quantise on the fly)."""
+    return BYTES[dtype] if dtype else BYTES[plan.precision if plan.precision != "fp8" else "bf16"]
+
+
+def grad_bytes(plan: Plan, dtype: str | None = None) -> int:
+    """Bytes per gradient element: the plan's grad_dtype, or the wider of it and `dtype` when given (an fp32
+    trainer accumulates fp32 gradients)."""
+    return max(BYTES[plan.grad_dtype], BYTES[dtype]) if dtype else BYTES[plan.grad_dtype]
+
+
+def keeps_master(plan: Plan, dtype: str | None = None) -> bool:
+    """An fp32 master copy exists when the plan asks for one and the weights themselves are narrower than fp32."""
+    return plan.optimizer.master_weights and weight_bytes(plan, dtype) < FP32
 
 
 @dataclass(frozen=True)
@@ -35,11 +62,13 @@ class RankParams:
 
     dense: float  # non-expert matrices and vectors on this rank (after tensor/pipeline split)
     expert: float  # routed-expert parameters on this rank (after expert / expert_tensor split)
-    adam_only: float  # part of `dense` that any optimizer keeps in Adam (embeddings, router, gates, norms, convs)
+    adam_only: float  # part of `dense` that MuonH keeps in Adam (embeddings, router, gates, norms, convs, biases)
     head: float  # output head part of `dense` (AdamH in MuonH)
     layers: int  # transformer layers on this rank
     dense_layer_max: float  # the largest single layer's dense params on this rank (FSDP gather buffer)
     expert_layer_max: float
+    expert_adam: float = 0.0  # part of `expert` that MuonH keeps in Adam (the experts' biases)
+    frozen: float = 0.0  # part of `dense` that gets no gradient and no optimizer state (the balancing bias)
 
 
 @dataclass(frozen=True)
@@ -49,7 +78,7 @@ class MemoryBreakdown:
     master: float
     optimizer: float
     activations: float
-    buffers: float  # FSDP gather buffers and the full-recompute working set
+    buffers: float  # FSDP gather buffers, the full-recompute working set (eager: transients, pipeline buffers)
     host: float  # bytes this GPU keeps in host memory (optimizer state and master when offloaded)
     inflight_microbatches: float
 
@@ -75,18 +104,42 @@ def rank_layers(spec: ModelSpec, plan: Plan, rank: int = 0) -> list[int]:
     return [c * per_chunk + j for c in chunks for j in range(per_chunk)]
 
 
-def _adam_part(spec: ModelSpec, layer: int) -> int:
-    """Parameters of a layer that MuonH leaves to Adam: router (+bias), attention gate, norms, convolutions."""
-    parts = spec.layer_param_breakdown(layer)
-    keys = ("router", "attn_gate", "attn_norm", "mlp_norm", "conv")
-    return sum(parts.get(k, 0) for k in keys)
+def _biases(spec: ModelSpec, d_in: int, width: int) -> int:
+    """Bias parameters of one MLP (ModelSpec._mlp_params's bias term): every matrix but the last has `width`."""
+    matrices = 3 if spec.activation == "swiglu" else 2
+    return (width * (matrices - 1) + d_in) if spec.mlp_bias else 0
+
+
+def _frozen_part(spec: ModelSpec, layer: int) -> int:
+    """Parameters of a layer without a gradient: the router's balancing bias, set by quantile balancing."""
+    m = spec.moe
+    return m.experts if spec.is_moe(layer) and m.router_bias else 0
+
+
+def _adam_part(spec: ModelSpec, layer: int) -> tuple[int, int]:
+    """(dense, expert) parameters of a layer that MuonH leaves to Adam: everything but the matrices (the router
+    weight, attention gate, norm gains, convolutions, the latent norm's gain and all biases), as backend.optim
+    groups them. The gated norms' low-rank matrices are MuonH matrices; the balancing bias has no state."""
+    parts, a, d = spec.layer_param_breakdown(layer), spec.attention, spec.d_model
+    dense = sum(parts.get(k, 0) for k in ("attn_gate", "attn_norm", "mlp_norm", "conv"))
+    dense += parts.get("router", 0) - _frozen_part(spec, layer)
+    if a.bias:
+        dense += a.heads * a.head_dim + 2 * spec.kv_heads_stored(layer) * a.head_dim + d
+    expert = 0
+    if spec.is_moe(layer):
+        m = spec.moe
+        dense += m.latent_dim + m.shared_experts * _biases(spec, d, m.shared_ffn)
+        expert = m.experts * _biases(spec, spec.expert_input_dim, m.expert_ffn)
+    else:
+        dense += _biases(spec, d, spec.ffn)
+    return dense, expert
 
 
 def rank_params(spec: ModelSpec, plan: Plan, rank: int = 0) -> RankParams:
     par = plan.parallel
     t, experts_split = par.tensor, par.expert * par.expert_tensor
     layers = rank_layers(spec, plan, rank)
-    dense = expert = adam = 0.0
+    dense = expert = adam = expert_adam = frozen = 0.0
     dense_max = expert_max = 0.0
     for i in layers:
         parts = spec.layer_param_breakdown(i)
@@ -94,20 +147,26 @@ def rank_params(spec: ModelSpec, plan: Plan, rank: int = 0) -> RankParams:
         d = (spec.layer_params(i) - parts.get("experts", 0)) / t
         dense += d
         expert += e
-        adam += _adam_part(spec, i) / t
+        layer_adam, layer_expert_adam = _adam_part(spec, i)
+        adam += layer_adam / t
+        expert_adam += layer_expert_adam / experts_split
+        frozen += _frozen_part(spec, i) / t
         dense_max, expert_max = max(dense_max, d), max(expert_max, e)
     top = spec.top_param_breakdown()
     first = rank == 0
     last = rank == par.pipeline - 1 or plan.schedule == "dualpipev" and rank == 0
     embed = (top.get("embedding", 0) + top.get("positions", 0)) / t if first else 0.0
     head = top.get("head", 0) / t if last else 0.0
-    norms = sum(v for k, v in top.items() if k not in ("embedding", "positions", "head")) / t
     if spec.tied_embeddings and last and not first:
         head = top.get("embedding", 0) / t  # the last stage keeps its own copy of a tied embedding
-    dense += embed + head + norms
-    adam += embed + norms
+    # The embedding's norm lives with the embedding (first stage), the final norm with the head (last stage); norm
+    # gains are Adam parameters, the gated norms' matrices MuonH ones.
+    gains = (top.get("embed_norm", 0) if first else 0) + (top.get("final_norm", 0) if last else 0)
+    gated = (top.get("embed_gated_norm", 0) if first else 0) + (top.get("final_gated_norm", 0) if last else 0)
+    dense += embed + head + (gains + gated) / t
+    adam += embed + gains / t
     return RankParams(dense=dense, expert=expert, adam_only=adam, head=head, layers=len(layers),
-                      dense_layer_max=dense_max, expert_layer_max=expert_max)
+                      dense_layer_max=dense_max, expert_layer_max=expert_max, expert_adam=expert_adam, frozen=frozen)
 
 
 def expert_fsdp(plan: Plan) -> int:
@@ -118,106 +177,64 @@ def expert_fsdp(plan: Plan) -> int:
     return inner // split if inner % split == 0 and inner >= split else 1
 
 
-def layer_activation_bytes_per_token(spec: ModelSpec, layer: int, plan: Plan) -> float:
-    """Bytes one layer saves for backward per token of a micro-batch on one rank (no recomputation)."""
-    par = plan.parallel
-    t = par.tensor
-    sp = t if par.sequence_parallel else 1  # sequence parallelism shards the d-wide tensors too
-    e = BYTES[plan.precision if plan.precision != "fp8" else "bf16"]  # activations are kept in bf16
-    a, d = spec.attention, spec.d_model
-    q_dim, kv_dim = a.heads * a.head_dim, spec.kv_heads_stored(layer) * a.head_dim
-    r = spec.gated_norm_rank
-    # Attention block.
-    total = e * d / sp  # norm input
-    total += e * (d + 2 * r) / sp if r else 0.0  # gated norm: input, hidden pre/post activation
-    total += e * d / sp  # QKV projection input
-    total += e * (q_dim + 2 * kv_dim) / t  # Q, K, V
-    if plan.attention_kernel == "materialized":
-        ctx = spec.context(layer)
-        total += (e + MASK_BYTES * plan.dropout + e * plan.dropout) * a.heads * ctx / t  # softmax, mask, out
-    else:
-        total += FP32 * a.heads / t  # flash attention keeps only its log-sum-exp (the output is the O input)
-    if a.exclusive:
-        total += e * q_dim / t  # output before the exclusive projection
-    if a.output_gate:
-        total += e * a.heads / t
-    total += e * q_dim / t  # output projection input
-    total += MASK_BYTES * d / sp if plan.dropout else 0.0
-    if spec.conv:
-        widths = {"k": kv_dim / t, "v": kv_dim / t, "attn": d / sp, "mlp": d / sp}
-        total += sum(e * widths[s] for s in spec.conv.sites)
-    # MLP block.
-    total += e * d / sp  # norm input
-    total += e * (d + 2 * r) / sp if r else 0.0
-    gated = spec.activation == "swiglu"
-    if spec.is_moe(layer):
-        m = spec.moe
-        x = spec.expert_input_dim
-        et = par.expert_tensor
-        total += e * d / sp  # MoE input (router, latent projection, shared experts read it)
-        total += FP32 * m.experts  # router logits in fp32
-        if m.latent_dim:
-            total += 2 * e * m.latent_dim  # latent norm input and W_up input
-        # Per routed copy: its input and output rows on each of the et expert-tensor ranks, and the hidden
-        # activations (gate, up, act) of width expert_ffn / et on each of them.
-        per_copy = et * e * x * 2 + e * m.expert_ffn * (3 if gated else 2)
-        total += m.top_k * per_copy
-        total += m.shared_experts * e * m.shared_ffn / t * (3 if gated else 2)
-    else:
-        total += e * d / sp  # MLP input
-        total += e * spec.ffn / t * (3 if gated else 2)  # hidden: gate/up/act (SwiGLU) or GELU in/out
-    total += MASK_BYTES * d / sp if plan.dropout else 0.0
-    return total
-
-
-def attention_core_bytes_per_token(spec: ModelSpec, layer: int, plan: Plan) -> float:
-    """The part selective recomputation avoids storing (the materialised attention core)."""
-    if plan.attention_kernel != "materialized":
-        return 0.0
-    e = BYTES["bf16"]
-    return (e + MASK_BYTES * plan.dropout + e * plan.dropout) * spec.attention.heads * spec.context(layer) / \
-        plan.parallel.tensor
-
-
-def inflight_chunk_microbatches(schedule: str, p: int, m: int, v: int) -> float:
-    """Peak (micro-batch x model chunk) activations held by pipeline rank 0 (the worst rank)."""
+def inflight_chunk_microbatches(schedule: str, p: int, m: int, v: int, rank: int = 0) -> float:
+    """Peak (micro-batch x model chunk) activations held by pipeline rank `rank` (rank 0 is the worst)."""
     if p == 1:
         return 1.0  # gradient accumulation without a pipeline runs each micro-batch's backward right away
-    return float(peak_in_flight(schedule, p, m, v))
+    return float(peak_in_flight(schedule, p, m, v, rank))
 
 
-def optimizer_state_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
-    """(fp32 master, optimizer state) bytes per GPU for this rank's shard of the parameters."""
+def optimizer_state_bytes(rp: RankParams, plan: Plan, dtype: str | None = None) -> tuple[float, float]:
+    """(fp32 master, optimizer state) bytes per GPU for this rank's shard of the parameters (no master copy when
+    the weights are kept in fp32 already)."""
     shard = rp.dense / plan.parallel.fsdp + rp.expert / expert_fsdp(plan)
-    master = FP32 * shard if plan.optimizer.master_weights else 0.0
+    master = FP32 * shard if keeps_master(plan, dtype) else 0.0
+    trained = shard - rp.frozen / plan.parallel.fsdp  # parameters without a gradient get no state (backend.optim)
     if plan.optimizer.name == "adamw":
-        return master, 2 * FP32 * shard
+        return master, 2 * FP32 * trained
     # MuonH: 1 momentum buffer for matrices, Adam (2) for adam-only groups, AdamH (2) for the head.
-    return master, FP32 * (shard + (rp.adam_only + rp.head) / plan.parallel.fsdp)
+    return master, FP32 * (trained + (rp.adam_only + rp.head) / plan.parallel.fsdp + rp.expert_adam / expert_fsdp(plan))
 
 
-def static_bytes(rp: RankParams, plan: Plan) -> dict[str, float]:
+def static_bytes(rp: RankParams, plan: Plan, dtype: str | None = None) -> dict[str, float]:
     """Bytes per GPU that live for the whole step: weights, gradients, master, optimizer state (HBM) and what is
-    kept in host memory instead when the plan offloads the optimizer."""
+    kept in host memory instead when the plan offloads the optimizer. `dtype`: the dtype weights are kept in
+    (default: the plan's precision, with an fp32 master)."""
     par = plan.parallel
     shard = rp.dense / par.fsdp + rp.expert / expert_fsdp(plan)
-    g_bytes = BYTES[plan.grad_dtype]
-    master, states = optimizer_state_bytes(rp, plan)
-    out = {"weights": BYTES[plan.precision if plan.precision != "fp8" else "bf16"] * shard,
-           "gradients": g_bytes * (shard if par.fsdp > 1 else rp.dense + rp.expert),
+    g_bytes = grad_bytes(plan, dtype)
+    master, states = optimizer_state_bytes(rp, plan, dtype)
+    out = {"weights": weight_bytes(plan, dtype) * shard,
+           "gradients": g_bytes * ((shard if par.fsdp > 1 else rp.dense + rp.expert) - rp.frozen / par.fsdp),
            "master": master, "optimizer": states, "host": 0.0}
     if plan.optimizer.state_location == "host":
         out.update(host=master + states, master=0.0, optimizer=0.0)
     return out
 
 
-def memory_breakdown(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
+def _rank_chunks(plan: Plan, rank: int) -> list[int]:
+    """Model chunks (of pipeline x virtual, or 2 x pipeline in the V of dualpipev) that pipeline rank `rank` holds."""
+    p, v = plan.parallel.pipeline, plan.parallel.virtual
+    return [rank, 2 * p - 1 - rank] if plan.schedule == "dualpipev" else [rank + i * p for i in range(v)]
+
+
+def memory_breakdown(spec: ModelSpec, plan: Plan, dtype: str | None = None, rank: int = 0,
+                     activations: Activations = "fused") -> MemoryBreakdown:
+    """Bytes per GPU of pipeline rank `rank` (default 0, the heaviest: it holds the embedding and the most
+    in-flight micro-batches). `dtype` ("fp32", "bf16"): the dtype the trainer keeps weights and activations in
+    (e.g. "fp32" for the CPU trainer, which runs without autocast); gradients are then kept in the wider of it and
+    grad_dtype, and there is no separate master copy when the weights are fp32. The default (None) is the plan's
+    precision: bf16 weights and activations, grad_dtype gradients, an fp32 master. `activations`: "fused" (default)
+    or "eager", rackcast's own backend run eagerly (see simulator.activations): its saved tensors, the embedding and
+    head's per rank and in-flight micro-batch, what it holds for the whole step (activations), and its transients
+    and pipeline buffers (buffers)."""
+    eager = check_mode(activations) == "eager"
     par, b = plan.parallel, plan.batch
-    rp = rank_params(spec, plan, rank=0)
-    w_bytes = BYTES[plan.precision if plan.precision != "fp8" else "bf16"]
-    g_bytes = BYTES[plan.grad_dtype]
+    rp = rank_params(spec, plan, rank=rank)
+    w_bytes = weight_bytes(plan, dtype)
+    g_bytes = grad_bytes(plan, dtype)
     efsdp = expert_fsdp(plan)
-    static = static_bytes(rp, plan)
+    static = static_bytes(rp, plan, dtype)
     weights, gradients, master, states, host = (static[k] for k in ("weights", "gradients", "master",
                                                                      "optimizer", "host"))
     # FSDP gathers one layer while the next is prefetched: two layers of unsharded weights and one of gradients.
@@ -227,29 +244,52 @@ def memory_breakdown(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
     if efsdp > 1:
         buffers += 2 * w_bytes * rp.expert_layer_max + g_bytes * rp.expert_layer_max
     tokens_mb = b.micro_batch * spec.seq_len / par.context
-    layers = rank_layers(spec, plan, 0)
-    per_layer = [layer_activation_bytes_per_token(spec, i, plan) * tokens_mb for i in layers]
-    inflight = inflight_chunk_microbatches(plan.schedule, par.pipeline, plan.microbatches, par.virtual)
+    layers = rank_layers(spec, plan, rank)
+    per_layer = [layer_activation_bytes_per_token(spec, i, plan, dtype, activations) * tokens_mb for i in layers]
+    inflight = inflight_chunk_microbatches(plan.schedule, par.pipeline, plan.microbatches, par.virtual, rank)
     chunk_layers = len(layers) / (2 if plan.schedule == "dualpipev" else par.virtual)
-    act_e = BYTES["bf16"]
+    act_e = activation_bytes(dtype)
     if plan.recompute == "full":
         kept = act_e * spec.d_model / (par.tensor if par.sequence_parallel else 1) * tokens_mb
-        activations = kept * chunk_layers * inflight
+        saved = kept * chunk_layers * inflight
         buffers += max(per_layer)  # the layer being recomputed holds its full activations
     else:
         if plan.recompute == "selective":
-            per_layer = [x - attention_core_bytes_per_token(spec, i, plan) * tokens_mb
+            per_layer = [x - attention_core_bytes_per_token(spec, i, plan, dtype) * tokens_mb
                          for x, i in zip(per_layer, layers)]
-        activations = sum(per_layer) / len(layers) * chunk_layers * inflight
-    # Embedding output and the head's input (the fused loss keeps no full logits).
-    activations += 2 * act_e * spec.d_model * tokens_mb
+        saved = sum(per_layer) / len(layers) * chunk_layers * inflight
+    # Outside the layers. Fused: two d-wide tensors once, on every rank. Eager: rank 0 holds the embedding, the last
+    # rank (rank 0 too in the V of dualpipev) the head, for each of its in-flight micro-batches of that chunk.
+    chunks = _rank_chunks(plan, rank)
+    total_chunks = 2 * par.pipeline if plan.schedule == "dualpipev" else par.pipeline * par.virtual
+    first, last = 0 in chunks, total_chunks - 1 in chunks
+    edge = edge_activation_bytes_per_token(spec, plan, first=first, last=last, dtype=dtype, activations=activations)
+    saved += edge * tokens_mb * (inflight / len(chunks) if eager else 1.0)
+    if eager:
+        m = plan.microbatches
+        saved += eager_step_bytes_per_token(spec, sum(spec.is_moe(i) for i in layers)) * tokens_mb * m
+        if last:
+            buffers += eager_loss_backward_bytes_per_token(spec) * tokens_mb
+        if par.pipeline == 1 and par.data * par.fsdp > 1 and m > 1:
+            # DDP (gradient_as_bucket_view, backend.parallel) keeps gradient buckets for the dense parameters across
+            # steps; the no_sync micro-batches accumulate into fresh gradients that the synchronising backward then
+            # copies into the buckets, so where it starts (the peak) both exist.
+            buffers += g_bytes * (rp.dense - rp.frozen)
+        if par.pipeline > 1:
+            buffers += sum(eager_pipeline_bytes_per_token(spec, act_e, c == 0, c == total_chunks - 1, m,
+                                                          inflight / len(chunks)) for c in chunks) * tokens_mb
     return MemoryBreakdown(weights=weights, gradients=gradients, master=master, optimizer=states,
-                           activations=activations, buffers=buffers, host=host, inflight_microbatches=inflight)
+                           activations=saved, buffers=buffers, host=host, inflight_microbatches=inflight)
 
 
 if __name__ == "__main__":
     from rackcast.plan import load_plan
 
     loaded = load_plan(sys.argv[1])
-    for key, value in memory_breakdown(loaded.model_spec(), loaded).as_dict().items():
-        print(f"{key:12s} {value / 2**30:10.2f} GiB")
+    words = sys.argv[2:]
+    dtype = next((w for w in words if w in BYTES), None)
+    mode = next((w for w in words if w in MODES), "fused")
+    figures = memory_breakdown(loaded.model_spec(), loaded, dtype, activations=mode).as_dict()
+    unit, scale = ("GiB", 2**30) if figures["total"] >= 2**30 else ("MiB", 2**20)
+    for key, value in figures.items():
+        print(f"{key:12s} {value / scale:10.2f} {unit}")

@@ -1,4 +1,5 @@
-"""Memory model against closed forms: Korthikanti et al. 2022 activations, optimizer state by optimizer."""
+"""Memory model against closed forms: Korthikanti et al. 2022 activations, optimizer state by optimizer, the
+tiny MoE in the CPU trainer's fp32, and the optimizer state and gradients the backend really keeps."""
 
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ def test_muonh_keeps_one_state_for_matrices_and_two_for_adam_groups():
                             "optimizer": {"name": "muonh"}})
     rp = rank_params(spec, plan)
     mem = memory_breakdown(spec, plan)
-    assert mem.optimizer == pytest.approx(4 * (rp.dense + rp.expert) + 4 * (rp.adam_only + rp.head))
+    assert mem.optimizer == pytest.approx(4 * (rp.dense + rp.expert - rp.frozen) + 4 * (rp.adam_only + rp.head))
     assert rp.dense + rp.expert == pytest.approx(spec.params_total)
+    assert rp.frozen == spec.layers * spec.moe.experts  # the balancing biases: no gradient, no state
 
 
 def test_host_offload_moves_master_and_state_out_of_hbm():
@@ -109,3 +111,145 @@ def test_gpipe_holds_all_microbatches_and_1f1b_holds_pipeline_depth():
                                            batch={"global_batch": 32, "micro_batch": 1}))
     assert gpipe.inflight_microbatches == 16
     assert one_f.inflight_microbatches == 4
+
+
+def tiny_plan(**overrides) -> Plan:
+    data = {"name": "t", "model": "tiny-moe", "topology": {"name": "local-cpu", "usable_gpus": 1}, "parallel": {},
+            "batch": {"global_batch": 8, "micro_batch": 4}, "optimizer": {"name": "muonh"}}
+    return from_data(Plan, {**data, **overrides})
+
+
+def test_fp32_breakdown_of_the_tiny_moe_equals_its_closed_form():
+    """memory_breakdown(dtype="fp32"), the fused count in the CPU trainer's dtype: every tensor at 4 bytes, no
+    master copy, every activation a fused layer's backward reads."""
+    spec, plan, e = load_model("tiny-moe"), tiny_plan(), 4
+    d, r, L, V = spec.d_model, spec.gated_norm_rank, spec.layers, spec.vocab  # 64, 8, 4, 256
+    a, m = spec.attention, spec.moe
+    q, kv = a.heads * a.head_dim, a.kv_heads_stored * a.head_dim  # 64, 32
+    params, frozen = spec.params_total, L * m.experts  # the balancing biases get no gradient and no state
+    adam = (V * d + 2 * L * d + 2 * d + L * m.experts * d + L * d * a.heads  # embedding, norm gains, router, gate
+            + L * spec.conv.kernel * (kv + 2 * d) + L * m.latent_dim)  # convolutions (k, attn, mlp), latent gain
+    mem = memory_breakdown(spec, plan, dtype="fp32")
+    assert mem.weights == e * params and mem.master == 0
+    assert mem.gradients == e * (params - frozen)
+    assert mem.optimizer == e * (params - frozen + adam + V * d)  # momentum; 2nd moment for Adam and AdamH (head)
+
+    norm = e * d + e * (d + 2 * r)  # norm input; gated norm: input, rank-r hidden before/after silu
+    attn = norm + e * d + e * (q + 2 * kv)  # QKV input, Q K V
+    attn += 4 * a.heads + e * q + e * a.heads + e * q  # lse, pre-XSA output, gate, o input
+    attn += e * (kv + 2 * d)  # convolution inputs (k, attn, mlp sites)
+    per_copy = 2 * e * m.latent_dim + 3 * e * m.expert_ffn  # rows in/out, SwiGLU hidden
+    moe = norm + e * d + 4 * m.experts + 2 * e * m.latent_dim + m.top_k * per_copy + 3 * e * m.shared_ffn
+    edge = 2 * e * d  # embedding output and head input, once
+    tokens = plan.batch.micro_batch * spec.seq_len
+    assert mem.activations == pytest.approx((L * (attn + moe) + edge) * tokens, rel=1e-12)
+    assert mem.buffers == 0 and mem.total == pytest.approx(mem.weights + mem.gradients + mem.optimizer
+                                                           + mem.activations)
+
+
+def test_eager_breakdown_of_the_tiny_moe_adds_the_backends_step_terms():
+    """activations="eager": the same static bytes; the eager layers, embedding and head per in-flight micro-batch,
+    the token ids, targets and router margins of every micro-batch; the loss backward's temporaries as a buffer."""
+    from simulator.activations import (eager_loss_backward_bytes_per_token, eager_step_bytes_per_token,
+                                       edge_activation_bytes_per_token)
+
+    spec, plan = load_model("tiny-moe"), tiny_plan()
+    fused, eager = (memory_breakdown(spec, plan, dtype="fp32", activations=x) for x in ("fused", "eager"))
+    assert (eager.weights, eager.gradients, eager.optimizer) == (fused.weights, fused.gradients, fused.optimizer)
+    tokens = plan.batch.micro_batch * spec.seq_len
+    per_token = sum(layer_activation_bytes_per_token(spec, i, plan, "fp32", "eager") for i in range(spec.layers))
+    per_token += edge_activation_bytes_per_token(spec, plan, dtype="fp32", activations="eager")
+    step = eager_step_bytes_per_token(spec, spec.layers) * plan.microbatches
+    assert eager_step_bytes_per_token(spec, 1) == 2 * 8 + 4 * spec.moe.experts  # ids and targets; margins
+    assert eager.activations == pytest.approx((per_token + step) * tokens, rel=1e-12)
+    assert eager.buffers == pytest.approx(eager_loss_backward_bytes_per_token(spec) * tokens, rel=1e-12)
+    assert eager_loss_backward_bytes_per_token(spec) == 3 * 4 * spec.vocab * (spec.seq_len - 1) / spec.seq_len
+    assert 1.9 < eager.total / fused.total < 2.1
+
+
+def test_fused_is_the_default_and_keeps_the_published_hero_figure():
+    from conftest import PLANS
+    from rackcast.plan import load_plan
+
+    plan = load_plan(str(PLANS / "marin-535b-hero.yaml"))
+    spec = plan.model_spec()
+    default = memory_breakdown(spec, plan)
+    assert default == memory_breakdown(spec, plan, activations="fused")
+    assert round(default.total / 2**30, 1) == 113.1
+    assert memory_breakdown(spec, plan, activations="eager").total > default.total
+    with pytest.raises(ValueError, match="activations"):
+        memory_breakdown(spec, plan, activations="complete")
+
+
+def test_the_cli_prints_the_eager_fp32_breakdown():
+    import subprocess
+    import sys
+
+    from conftest import PLANS, ROOT
+
+    out = subprocess.run([sys.executable, "-m", "simulator.memory", str(PLANS / "tiny-1proc.yaml"), "fp32", "eager"],
+                         capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    from rackcast.plan import load_plan
+
+    plan = load_plan(str(PLANS / "tiny-1proc.yaml"))
+    total = memory_breakdown(plan.model_spec(), plan, "fp32", activations="eager").total
+    assert f"{'total':12s} {total / 2**20:10.2f} MiB" in out
+
+
+def test_the_default_dtype_is_the_plans_precision_and_fp32_only_widens_it():
+    spec, plan = load_model("tiny-moe"), tiny_plan()
+    default, bf16, fp32 = (memory_breakdown(spec, plan, dtype=x) for x in (None, "bf16", "fp32"))
+    assert default == bf16
+    assert fp32.weights == 2 * default.weights and fp32.master == 0 and default.master == 2 * default.weights
+    assert fp32.gradients == default.gradients and fp32.optimizer == default.optimizer  # fp32 already
+    assert 1.9 < fp32.activations / default.activations < 2.0  # router logits and lse were fp32 already
+
+
+@pytest.mark.parametrize("plan_name", ["tiny-1proc", "tiny-2proc-pp"])
+def test_optimizer_state_and_gradients_equal_what_the_backend_keeps(plan_name):
+    import torch
+    from torch import nn
+
+    from backend.model import build_model
+    from backend.optim import build_optimizer, optimizer_state_numel
+    from backend.parallel import Layout
+    from backend.pipeline import build_chunks
+    from conftest import PLANS
+    from rackcast.plan import load_plan
+    from simulator.memory import static_bytes
+
+    plan = load_plan(PLANS / f"{plan_name}.yaml")
+    spec = plan.model_spec()
+    for stage in range(plan.parallel.pipeline):
+        chunks = nn.ModuleList(build_chunks(build_model(spec, seed=0), Layout.of(plan, stage), plan.schedule))
+        optimizer = build_optimizer(chunks, "muonh")
+        trained = [p for p in chunks.parameters() if p.requires_grad]
+        for p in trained:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        static = static_bytes(rank_params(spec, plan, stage), plan, "fp32")
+        assert static["optimizer"] == 4 * sum(optimizer_state_numel(optimizer).values())
+        assert static["gradients"] == 4 * sum(p.numel() for p in trained)
+        assert static["weights"] == 4 * sum(p.numel() for p in chunks.parameters())
+
+
+def test_pipeline_ranks_split_the_embedding_and_head_activations():
+    from simulator.activations import (eager_loss_backward_bytes_per_token, eager_pipeline_bytes_per_token,
+                                       eager_step_bytes_per_token, edge_activation_bytes_per_token)
+
+    spec = load_model("tiny-moe")
+    plan = tiny_plan(parallel={"pipeline": 2}, schedule="gpipe", topology={"name": "local-cpu", "usable_gpus": 2})
+    m, tokens_mb = plan.microbatches, plan.batch.micro_batch * spec.seq_len
+    for rank, layers, first, last in ((0, (0, 1), True, False), (1, (2, 3), False, True)):
+        mem = memory_breakdown(spec, plan, rank=rank, activations="eager")
+        assert mem.inflight_microbatches == m  # GPipe: every micro-batch in flight
+        per_token = sum(layer_activation_bytes_per_token(spec, i, plan, activations="eager") for i in layers)
+        per_token += edge_activation_bytes_per_token(spec, plan, first=first, last=last, activations="eager")
+        step = eager_step_bytes_per_token(spec, len(layers))
+        assert mem.activations == pytest.approx((per_token + step) * tokens_mb * m, rel=1e-12)
+        stage = eager_pipeline_bytes_per_token(spec, 2, first, last, m, m)
+        loss = eager_loss_backward_bytes_per_token(spec) if last else 0.0
+        assert mem.buffers == pytest.approx((stage + loss) * tokens_mb, rel=1e-12)
+    # Stage 0 keeps a gradient receive buffer per micro-batch and its in-flight outputs; stage 1 every logits tensor.
+    assert eager_pipeline_bytes_per_token(spec, 2, True, False, m, m) == 2 * spec.d_model * 2 * m
+    assert eager_pipeline_bytes_per_token(spec, 2, False, True, m, 1) == 2 * (spec.d_model * (m - 1) + spec.vocab * m)

@@ -7,6 +7,7 @@ the routing histogram the simulator replays.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -101,3 +102,49 @@ def test_routing_histogram_is_replayed_by_the_simulator(tmp_path):
     transport = ExpertTransport(routing="histogram", histogram=str(tmp_path / "routing.parquet"))
     probs = expert_probabilities(transport, 4)
     assert np.allclose(probs, [40 / 100, 40 / 100, 0, 20 / 100])
+
+
+def _row(step: int, time_s: float, peak: float, profiled: bool = False) -> dict:
+    from backend.record import PHASES
+
+    return {"step": step, "loss": 1.0, "eval_loss": math.nan, "step_time_s": time_s, "tokens_per_s": 1 / time_s,
+            "mfu": 0.1, **{f"phase_{p}_s": 0.0 for p in PHASES}, "peak_memory_bytes": peak,
+            "peak_rss_bytes": 500, "drop_fraction": 0.0, "memory_profiled": profiled}
+
+
+def test_summary_medians_skip_warm_up_and_the_memory_profiled_step():
+    from backend.record import summary
+
+    rows = [_row(1, 9.0, math.nan), _row(2, 1.0, math.nan), _row(3, 5.0, 120, profiled=True), _row(4, 1.0, 120),
+            _row(5, 2.0, 120)]
+    out = summary(rows)
+    assert out["step_time_s"] == 1.0  # median of steps 2, 4, 5
+    assert out["peak_memory_bytes"] == 120 and out["peak_rss_bytes"] == 500
+    assert summary([rows[0], rows[2]])["step_time_s"] == 5.0  # nothing else after warm-up: the profiled step counts
+
+
+@pytest.mark.slow
+def test_one_process_run_records_the_profiled_live_tensor_peak(tmp_path):
+    """The CPU record carries the profiler's peak live tensor bytes, the RSS beside it, and says how and in what
+    dtype; the measured peak is above the fused fp32 memory model (the eager backend keeps more) and within 5% of its
+    eager count (simulator.activations)."""
+    import pyarrow.parquet as pq
+
+    from simulator.memory import memory_breakdown
+    from trainer_helpers import run_worker, write_plan
+
+    plan_path = write_plan(tmp_path / "p.yaml", {}, global_batch=4, micro_batch=2)
+    result = run_worker(plan_path, tmp_path / "run", 4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "run" / "record.json").read_text())
+    assert record["memory_measure"] == "torch profiler live tensor bytes"
+    assert record["param_dtype"] == "fp32" and record["activation_dtype"] == "fp32"
+    plan = load_plan(plan_path)
+    fused = memory_breakdown(plan.model_spec(), plan, dtype="fp32").total
+    eager = memory_breakdown(plan.model_spec(), plan, dtype="fp32", activations="eager").total
+    assert fused < record["peak_memory_bytes"] == pytest.approx(eager, rel=0.05)
+    assert record["peak_memory_per_rank_bytes"] == [record["peak_memory_bytes"]]
+    assert record["peak_rss_bytes"] > 2 * record["peak_memory_bytes"]  # the runtime's share
+    rows = pq.read_table(tmp_path / "run" / "metrics.parquet").to_pydict()
+    assert rows["memory_profiled"] == [False, False, True, False]
+    assert math.isnan(rows["peak_memory_bytes"][1]) and rows["peak_memory_bytes"][2] == record["peak_memory_bytes"]

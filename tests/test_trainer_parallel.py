@@ -78,5 +78,10 @@ def test_a_rank_killed_while_checkpointing_resumes_from_the_last_complete_checkp
     assert losses(run) == pytest.approx(uninterrupted, rel=1e-4)
     record = json.loads((run / "record.json").read_text())
     assert record["steps"] == 6 and record["world"] == 2
+    # Each rank measured its own peak live tensor bytes (the resumed process profiled its last step); the record
+    # keeps the largest.
+    per_rank = record["peak_memory_per_rank_bytes"]
+    assert len(per_rank) == 2 and all(0 < b < record["peak_rss_bytes"] for b in per_rank)
+    assert record["peak_memory_bytes"] == max(per_rank)
     manifest = json.loads((step_dir(run, 6) / "manifest.json").read_text())
     assert manifest["files"] == ["rank-00000.pt", "rank-00001.pt"]
