@@ -9,8 +9,11 @@ Metric conventions (both sides use them, so the comparison is a join on names):
   topology it ran with, and on CPU by the fp32 peak it computes in), else the run's `mfu_vs_bf16_peak`;
 - phases: estimate.PHASES, with pipeline_p2p and pipeline_bubble summed (the trainer counts p2p inside the bubble);
   the trainer's `other` (time in no phase) has no prediction;
-- peak_memory_bytes: the simulator's peak allocation per GPU against the run's; on CPU the run reports the process's
-  peak resident set, which includes the Python and torch runtime, so the error there is dominated by the runtime;
+- peak_memory_bytes: the run's peak tensor bytes (CPU: live tensor bytes of a profiled step, backend.memprof; CUDA:
+  max_memory_allocated), largest over ranks, against the memory model for what that trainer keeps: weights and
+  activations in the dtype the run records (param_dtype), the activations eager PyTorch saves for backward
+  (simulator.memory, activations="eager"), on the busiest pipeline rank (`predicted_run_memory`). A record without
+  param_dtype (older runs) is compared with the simulator's peak;
 - drop_fraction: assignments dropped by capacity transport (0 when dropless).
 Error = (predicted - measured) / measured.
 
@@ -46,10 +49,9 @@ def load_record(run_dir: str | Path) -> dict:
         raise RackcastError(f"malformed JSON: {exc}", where=str(path)) from None
 
 
-def predict(plan: Plan, topo=None, record: bool = False, prefer: str = "simulate", op_counts: dict | None = None):
-    """(source, result): the simulator's SimResult when available (and preferred), else the estimate's Estimate;
-    with op counts (backend.opcount) and a topology whose op_overhead_s is measured, plus the host overhead
-    (planner.overhead; source "... + op overhead")."""
+def predict(plan: Plan, topo=None, record: bool = False, prefer: str = "simulate"):
+    """(source, result): the simulator's SimResult when available (and preferred), else the estimate's Estimate.
+    Both include the host per-op overhead where the topology has a measured op_overhead_s."""
     topo = topo or plan.topology_spec()
     source, result = None, None
     if prefer == "simulate":
@@ -65,12 +67,6 @@ def predict(plan: Plan, topo=None, record: bool = False, prefer: str = "simulate
         from simulator.estimate import estimate
 
         source, result = "estimate", estimate(plan, topo=topo)
-    if op_counts and topo.efficiency.op_overhead_s > 0:
-        from planner.overhead import WithOverhead, host_overhead
-
-        spec = plan.model_spec()
-        result = WithOverhead.of(result, host_overhead(op_counts, spec, plan, topo.efficiency.op_overhead_s))
-        source += " + op overhead"
     return source, result
 
 
@@ -78,6 +74,18 @@ def _peak_memory(result) -> float:
     if hasattr(result, "peak_memory_bytes"):
         return float(result.peak_memory_bytes)
     return float(result.memory.total)
+
+
+def predicted_run_memory(plan: Plan | None, rec: dict, result) -> float:
+    """The prediction a run's peak memory is compared with (see the module docstring)."""
+    dtype = rec.get("param_dtype")
+    if plan is None or not dtype:
+        return _peak_memory(result)
+    from simulator.memory import memory_breakdown
+
+    spec = plan.model_spec()
+    return max(memory_breakdown(spec, plan, dtype=dtype, activations="eager", rank=r).total
+               for r in range(plan.parallel.pipeline))
 
 
 def _err(pred: float, meas: float) -> float:
@@ -88,8 +96,8 @@ def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas
 
 
-def compare_rows(result, rec: dict) -> list[dict]:
-    """One row per metric: name, unit, predicted, measured, error."""
+def compare_rows(result, rec: dict, plan: Plan | None = None) -> list[dict]:
+    """One row per metric: name, unit, predicted, measured, error (memory as predicted_run_memory(plan, ...))."""
     rows = []
 
     def add(name, unit, pred, meas):
@@ -97,9 +105,8 @@ def compare_rows(result, rec: dict) -> list[dict]:
 
     add("step_time_s", "s", result.step_time_s, rec.get("step_time_s"))
     add("tokens_per_s", "tokens/s", result.tokens_per_s, rec.get("tokens_per_s"))
-    base = getattr(result, "base", result)
     meas_mfu = rec.get("mfu_vs_bf16_peak", rec.get("mfu"))
-    if rec.get("model_flops_per_step") and math.isclose(rec["model_flops_per_step"], base.model_flops_per_step,
+    if rec.get("model_flops_per_step") and math.isclose(rec["model_flops_per_step"], result.model_flops_per_step,
                                                         rel_tol=1e-6) and rec.get("step_time_s"):
         meas_mfu = result.mfu * result.step_time_s / rec["step_time_s"]  # on the prediction's peak and GPU count
     add("mfu", "fraction of bf16 peak", result.mfu, meas_mfu)
@@ -111,7 +118,7 @@ def compare_rows(result, rec: dict) -> list[dict]:
     if "other" in phases:
         rows.append({"metric": "phase other (not modelled)", "unit": "s", "predicted": None,
                      "measured": phases["other"], "error": math.nan})
-    add("peak_memory_bytes", "bytes", _peak_memory(result), rec.get("peak_memory_bytes"))
+    add("peak_memory_bytes", "bytes", predicted_run_memory(plan, rec, result), rec.get("peak_memory_bytes"))
     add("drop_fraction", "fraction", float(result.drop_fraction), rec.get("drop_fraction"))
     return rows
 
@@ -151,8 +158,7 @@ def measured_events(run_dir: Path, rec: dict) -> tuple[list[dict], str]:
 
 def combined_trace(result, source: str, run_dir: Path, rec: dict) -> dict:
     """Simulated (or estimated) and measured timelines in one trace-event file, as separate processes."""
-    result = getattr(result, "base", result)  # the timeline is the simulator's (without the overhead term)
-    if source.startswith("simulate"):
+    if source == "simulate":
         from simulator.trace import trace_events
 
         sim = trace_events(result)

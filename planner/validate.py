@@ -21,15 +21,14 @@ Each plan is trained `repeats` times for `steps` steps, interleaved (plan 1..n, 
 shared machine fall on every plan; the measured figure is the median over repeats of each run's median step (the first
 step, warm-up, skipped).
 
-Predictions: the simulator (simulator.step.simulate) with the calibrated topology ("microbenchmarks"; one-process
-plans use `topology_1proc` when given, from `rackcast calibrate --world 1 --threads 1`: a process alone on this
-machine can run faster than one of two busy ones); the same plus the host per-op overhead (planner.overhead: op counts of the
-backend model x the calibrated op_overhead_s; "+ op overhead"); and that after fitting the topology's factors, op
-overhead included (planner.fit), to the measured phase times of the first `fit_on` plans ("fitted"; its held-out
-error counts only the other plans). Figures: step-time MAPE and max |error|, Kendall's tau-b between predicted and
-measured step times, and peak-memory error. On CPU the measured peak memory is the process's resident set; the
-suite also measures the resident set of a trainer-like process that has loaded torch and the model code but trained
-nothing (`runtime_bytes`) and reports the error of predicted + runtime as well.
+Predictions: the simulator (simulator.step.simulate) with the calibrated topology less its host per-op overhead
+("microbenchmarks"); with the calibrated topology as it is, which includes the overhead (simulator.host_overhead:
+op counts of the backend model x the calibrated host times per forward, backward and optimizer op; "+ op
+overhead"); and that after fitting the topology's factors, op overhead included (planner.fit), to the measured phase
+times of the first `fit_on` plans ("fitted"; its held-out error counts only the other plans). Figures: step-time
+MAPE and max |error|, Kendall's tau-b between predicted and measured step times, and peak-memory error: the
+trainer's peak live tensor bytes (backend.memprof) against the memory model for what it keeps (fp32, the activations
+eager PyTorch saves; planner.compare.predicted_run_memory).
 
     python -m planner.validate --quick       # same as `rackcast validate --quick`, minus the CLI's table
 """
@@ -119,13 +118,17 @@ def train(plan_path: Path, out: Path, steps: int, data_dir: str, timeout_s: floa
                         f"{out}/train-stderr-*.txt", where=str(plan_path))
 
 
-def runtime_bytes() -> int:
-    """Peak resident set of a process that imported the trainer (torch included) but trained nothing."""
-    code = ("import resource, torch, backend.train; "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return int(proc.stdout.strip().splitlines()[-1])
+def reused(run_dir: Path, steps: int) -> dict:
+    """The record of an earlier run of this suite (for `reuse`); one line naming the run when it is missing or short."""
+    path = run_dir / "record.json"
+    if not path.exists():
+        raise RackcastError("no record.json: run the suite once without --reuse (same --steps and --repeats)",
+                            where=str(run_dir))
+    rec = json.loads(path.read_text())
+    if rec.get("steps") != steps:
+        raise RackcastError(f"recorded {rec.get('steps')} steps, this suite asks for {steps} (pass the same --steps)",
+                            where=str(path))
+    return rec
 
 
 def kendall_tau(x, y) -> float:
@@ -148,9 +151,10 @@ class PlanResult:
     measured_phases_s: dict[str, float]
     measured_peak_memory_bytes: float
     predicted: dict[str, dict] = field(default_factory=dict)  # profile label -> figures
+    param_dtype: str = ""  # the dtype the trainer kept weights and activations in (its record's param_dtype)
 
 
-def summarise(results: list[PlanResult], label: str, runtime: float, held_out: set[str] | None = None) -> dict:
+def summarise(results: list[PlanResult], label: str, held_out: set[str] | None = None) -> dict:
     rows = [r for r in results if held_out is None or r.name in held_out]
     meas = np.array([r.measured_step_s for r in rows])
     pred = np.array([r.predicted[label]["step_time_s"] for r in rows])
@@ -160,43 +164,35 @@ def summarise(results: list[PlanResult], label: str, runtime: float, held_out: s
     return {"profile": label, "plans": len(rows), "step_mape": float(np.mean(np.abs(err))),
             "step_max_abs_error": float(np.max(np.abs(err))), "kendall_tau": kendall_tau(pred, meas),
             "memory_mape": float(np.mean(np.abs((mem_p - mem_m) / mem_m))),
-            "memory_plus_runtime_mape": float(np.mean(np.abs((mem_p + runtime - mem_m) / mem_m)))}
+            "memory_max_abs_error": float(np.max(np.abs((mem_p - mem_m) / mem_m)))}
 
 
-def op_counts(model: str, optimizer: str) -> dict:
-    """backend.opcount's counts, in a subprocess (this module does not import torch)."""
-    proc = subprocess.run([sys.executable, "-m", "backend.opcount", model, "--optimizer", optimizer], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def predict_all(results: list[PlanResult], topo_path: str, label: str, counts: dict | None = None,
-                single: str = "") -> None:
-    """Predict every plan with topology `topo_path` (or `single` for one-process plans, when given)."""
-    from planner.compare import predict
+def predict_all(results: list[PlanResult], topo_path: str, label: str, overhead: bool = True) -> None:
+    """Predict every plan with topology `topo_path`; overhead=False leaves its host per-op times out."""
+    from planner.compare import predict, predicted_run_memory
     from topologies import load_topology
 
     for r in results:
         plan = load_plan(r.plan_path)
-        path = single if single and plan.parallel.gpus == 1 else topo_path
-        topo = load_topology(path, plan.topology.domains, plan.topology.usable_gpus or None)
-        source, res = predict(plan, topo=topo, op_counts=counts)
+        topo = load_topology(topo_path, plan.topology.domains, plan.topology.usable_gpus or None)
+        if not overhead:
+            topo = topo.with_efficiency(topo.efficiency.without_host_ops())
+        source, res = predict(plan, topo=topo)
         r.predicted[label] = {"source": source, "step_time_s": float(res.step_time_s),
-                              "peak_memory_bytes": float(res.peak_memory_bytes if hasattr(res, "peak_memory_bytes")
-                                                           else res.memory.total),
+                              "peak_memory_bytes": predicted_run_memory(plan, {"param_dtype": r.param_dtype}, res),
                               "phases_s": {k: float(v) for k, v in res.phases_s.items()}}
 
 
 def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0, repeats: int = 0, fit_on: int = 3,
-              data_dir: str = "runs/.data", progress=None, topology_1proc: str = "") -> dict:
-    """Train, predict, fit, summarise; writes plans/, runs/, results.parquet, fitted topology and summary.json."""
+              data_dir: str = "runs/.data", progress=None, reuse: bool = False) -> dict:
+    """Train, predict, fit, summarise; writes plans/, runs/, results.parquet, fitted topology and summary.json.
+    reuse: take the measurements of an earlier run of the suite in `out_dir` (its runs/*/record.json) instead of
+    training again, to predict them with another topology or a changed model."""
     from planner.calibration import write_topology
     from planner.fit import Measurement, fit
     from topologies import load_topology
 
     load_topology(topology)  # a missing or malformed topology fails here, before any training
-    if topology_1proc:
-        load_topology(topology_1proc)
     steps = steps or (8 if quick else 20)
     repeats = repeats or (1 if quick else 3)
     plans = write_suite(out_dir / "plans", str(Path(topology).resolve()) if Path(topology).exists() else topology,
@@ -209,48 +205,50 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
         for p in plans:
             if progress:
                 progress(f"train {p.stem} ({rep + 1}/{repeats})", done, total)
-            records[p.stem].append(train(p, out_dir / "runs" / f"{p.stem}-r{rep}", steps, data_dir))
+            run_dir = out_dir / "runs" / f"{p.stem}-r{rep}"
+            records[p.stem].append(reused(run_dir, steps) if reuse else train(p, run_dir, steps, data_dir))
             done += 1
-    runtime = runtime_bytes()
     results = []
     for p in plans:
         recs = records[p.stem]
         phases = {k: statistics.median(r["phases_s"].get(k, 0.0) or 0.0 for r in recs) for k in recs[0]["phases_s"]}
         results.append(PlanResult(p.stem, str(p), statistics.median(r["step_time_s"] for r in recs),
                                   [r["step_time_s"] for r in recs], phases,
-                                  max(r["peak_memory_bytes"] for r in recs)))
+                                  max(r["peak_memory_bytes"] for r in recs),
+                                  param_dtype=recs[0].get("param_dtype", "")))
     if progress:
         progress("simulate (calibrated profile)", done, total)
-    predict_all(results, topology, "microbenchmarks", single=topology_1proc)
+    predict_all(results, topology, "microbenchmarks", overhead=False)
     counts = None
-    if load_topology(topology).efficiency.op_overhead_s > 0:
-        counts = op_counts("tiny-moe", "muonh")
-        predict_all(results, topology, "microbenchmarks + op overhead", counts, single=topology_1proc)
+    if load_topology(topology).efficiency.host_op_s.measured:
+        from rackcast.presets import load_model
+        from simulator.op_counts import op_counts
+
+        counts = op_counts(load_model("tiny-moe"), "muonh")  # for the summary; the predictions count their own
+        predict_all(results, topology, "microbenchmarks + op overhead")
     done += 1
     fit_on = max(1, min(fit_on, len(results) - 1))
     calib = results[:fit_on]
     base = load_topology(topology)
     names = FIT_FACTORS + (["op_overhead"] if counts else [])
     res = fit([Measurement(load_plan(r.plan_path), r.measured_step_s, r.measured_phases_s, label=r.name)
-               for r in calib], base, names, op_counts=counts)
+               for r in calib], base, names)
     fitted_path = out_dir / "fitted-topology.yaml"
     write_topology(fitted_path, replace(res.topology, name="validate-fitted"),
                    [f"rackcast validate: {topology} with factors fitted to {', '.join(r.name for r in calib)}:",
                     *[f"  {k}: {v:.4g} (se {res.std_error[k]:.2g})" for k, v in res.fitted.items()]])
     if progress:
         progress("simulate (fitted profile)", done, total)
-    predict_all(results, str(fitted_path), "fitted", counts)
+    predict_all(results, str(fitted_path), "fitted")
     held = {r.name for r in results[fit_on:]}
-    summary = {"topology": topology, "topology_1proc": topology_1proc, "steps": steps, "repeats": repeats,
-               "runtime_bytes": runtime,
+    summary = {"topology": topology, "reused_runs": reuse, "steps": steps, "repeats": repeats,
                "fit_on": [r.name for r in calib], "fitted_factors": res.fitted,
                "fitted_std_error": res.std_error, "wall_s": time.perf_counter() - t0,
                "op_counts": counts,
                "runs_with_teardown_crash": sum("teardown_exit" in r for recs in records.values() for r in recs),
-               "summaries": [summarise(results, label, runtime) for label in results[0].predicted
-                             if label != "fitted"] + [
-                             summarise(results, "fitted", runtime),
-                             dict(summarise(results, "fitted", runtime, held), profile="fitted (held-out plans)")]}
+               "summaries": [summarise(results, label) for label in results[0].predicted if label != "fitted"] + [
+                   summarise(results, "fitted"), dict(summarise(results, "fitted", held),
+                                                      profile="fitted (held-out plans)")]}
     _write_results(out_dir, results)
     from rackcast.strict import write_text_atomic
 

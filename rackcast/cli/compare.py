@@ -21,8 +21,9 @@ def register(sub) -> None:
     p.add_argument("--topology", help="topology preset or YAML to predict with (default: the plan's), e.g. the "
                                       "output of `rackcast calibrate`")
     p.add_argument("--estimate", action="store_true", help="predict with the closed-form estimate, not the simulator")
-    p.add_argument("--no-overhead", action="store_true", help="leave out the host per-op overhead term (it is added "
-                                                               "when the topology has a measured op_overhead_s)")
+    p.add_argument("--no-overhead", action="store_true", help="predict with the topology's host_op_s set to 0 "
+                                                               "(the host per-op overhead is otherwise included when "
+                                                               "the topology has a measured one)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--trace", metavar="OUT.json", help="write simulated and measured timelines as one Chrome trace")
     p.set_defaults(func=_run)
@@ -51,14 +52,12 @@ def _run(args) -> int:
     if args.topology:
         t = plan.topology
         topo = load_topology(args.topology, t.domains, t.usable_gpus or None)
-    counts = None
-    if not args.no_overhead and (topo or plan.topology_spec()).efficiency.op_overhead_s > 0:
-        from backend.opcount import count_ops  # torch: only when the overhead term is wanted
-
-        counts = count_ops(plan.model_spec(), plan.optimizer.name)
+    if args.no_overhead:
+        topo = topo or plan.topology_spec()
+        topo = topo.with_efficiency(topo.efficiency.without_host_ops())
     source, result = predict(plan, topo=topo, record=bool(args.trace),
-                             prefer="estimate" if args.estimate else "simulate", op_counts=counts)
-    rows = compare_rows(result, rec)
+                             prefer="estimate" if args.estimate else "simulate")
+    rows = compare_rows(result, rec, plan)
     if args.trace:
         write_text_atomic(args.trace, json.dumps(combined_trace(result, source, Path(args.run_dir), rec)) + "\n")
     topo_name = args.topology or plan.topology.name
@@ -72,8 +71,11 @@ def _run(args) -> int:
               "-" if math.isnan(r["error"]) else f"{100 * r['error']:+.1f}%"] for r in rows]
     out.print(table(f"{plan.name}: predicted ({source}, topology {topo_name}) vs measured ({args.run_dir}); "
                     "error = (predicted - measured) / measured", ["metric", "predicted", "measured", "error"], cells))
-    if rec.get("device", "cpu") == "cpu":
-        out.print("peak memory: the run reports the process's peak resident set (runtime included) on CPU")
+    if rec.get("memory_measure"):
+        out.print(f"peak memory: measured as {rec['memory_measure']}, largest rank; predicted for "
+                  f"{rec.get('param_dtype', 'bf16')} weights and eager activations (planner.compare)")
+    elif rec.get("device", "cpu") == "cpu":
+        out.print("peak memory: this (older) run reports the process's peak resident set, runtime included")
     if args.trace:
         out.print(f"wrote {args.trace} (open in https://ui.perfetto.dev)")
     return 0

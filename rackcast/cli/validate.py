@@ -18,11 +18,10 @@ def register(sub) -> None:
     p = sub.add_parser("validate", help="train a suite of tiny plans here, predict them, report the errors")
     p.add_argument("--topology", default="", help="topology to predict with (default runs/calibrated.yaml from "
                                                   "`rackcast calibrate`, else the local-cpu preset)")
-    p.add_argument("--topology-1proc", default="",
-                   help="topology for one-process plans (default runs/calibrated-1proc.yaml, from `rackcast "
-                        "calibrate --world 1 --threads 1 --out runs/calibrated-1proc.yaml`, when it exists)")
     p.add_argument("--out", default="runs/validate", help="results folder (default runs/validate)")
     p.add_argument("--quick", action="store_true", help="8 plans, 1 repeat, 8 steps each")
+    p.add_argument("--reuse", action="store_true", help="predict the runs an earlier `validate` left in --out "
+                                                        "instead of training again (same --steps, --repeats)")
     p.add_argument("--steps", type=int, default=0, help="steps per run (default 20; --quick 8)")
     p.add_argument("--repeats", type=int, default=0, help="runs per plan, medians taken (default 3; --quick 1)")
     p.add_argument("--fit-on", type=int, default=3, help="plans whose phase times the fitted profile uses "
@@ -44,13 +43,10 @@ def _run(args) -> int:
     from planner.validate import run_suite
 
     topology = args.topology or ("runs/calibrated.yaml" if Path("runs/calibrated.yaml").exists() else "local-cpu")
-    single = args.topology_1proc or ("runs/calibrated-1proc.yaml" if not args.topology and
-                                     Path("runs/calibrated-1proc.yaml").exists() else "")
     if args.steps < 0 or args.repeats < 0:
         raise RackcastError("--steps and --repeats must be positive")
     if not args.json:
-        print(f"validate: predicting with topology {topology}" + (f" ({single} for one-process plans)" if single
-                                                                   else "")
+        print(f"validate: predicting with topology {topology}"
               + ("" if args.topology or topology != "local-cpu" else " (run `rackcast calibrate` first to measure "
                                                                       "this machine)"), file=sys.stderr)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -58,7 +54,7 @@ def _run(args) -> int:
     with progress:
         task = progress.add_task("validate", total=None)
         s = run_suite(topology, Path(args.out), quick=args.quick, steps=args.steps, repeats=args.repeats,
-                      fit_on=args.fit_on, data_dir=args.data_dir, topology_1proc=single,
+                      fit_on=args.fit_on, data_dir=args.data_dir, reuse=args.reuse,
                       progress=lambda label, d, t: progress.update(task, completed=d, total=t,
                                                                    description=f"validate: {label:<36}"))
     results = s.pop("results")
@@ -89,13 +85,13 @@ def _run(args) -> int:
     out.print(table(f"Step time per plan (ms; {s['repeats']} runs x {s['steps']} steps, medians; sim = "
                     f"{results[0].predicted[labels[0]]['source']} with the calibrated topology, +ovh = plus the "
                     "measured per-op host overhead, fitted = factors fitted to the (fit) plans)",
-                    cols + ["mem MiB (RSS)", "mem MiB pred"], rows))
+                    cols + ["mem MiB", "mem MiB pred"], rows))
     rows = [[x["profile"], str(x["plans"]), _pct(x["step_mape"]), _pct(x["step_max_abs_error"]),
-             f"{x['kendall_tau']:.2f}", _pct(x["memory_mape"]), _pct(x["memory_plus_runtime_mape"])]
+             f"{x['kendall_tau']:.2f}", _pct(x["memory_mape"]), _pct(x["memory_max_abs_error"])]
             for x in s["summaries"]]
     out.print(table("Validation summary (targets: step MAPE <= 10%, tau >= 0.8)",
                     ["profile", "plans", "step MAPE", "max |error|", "Kendall tau", "memory MAPE",
-                     f"memory MAPE (+{s['runtime_bytes'] / 2**20:.0f} MiB runtime)"], rows))
+                     "memory max |error|"], rows))
     out.print("fitted factors (" + ", ".join(s["fit_on"]) + "): "
               + ", ".join(f"{k} {v:.3g}" for k, v in s["fitted_factors"].items()))
     out.print(f"results: {args.out}/results.parquet, {args.out}/summary.json ({s['wall_s']:.0f} s)")

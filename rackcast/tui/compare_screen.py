@@ -47,7 +47,7 @@ def load_comparison(plan_path: str, run_dir: str) -> Comparison:
 
         table = pq.read_table(metrics, columns=["step", "step_time_s"]).to_pydict()
         steps, times = table["step"], table["step_time_s"]
-    return Comparison(plan.name, source, compare_rows(result, rec), steps, times, float(result.step_time_s))
+    return Comparison(plan.name, source, compare_rows(result, rec, plan), steps, times, float(result.step_time_s))
 
 
 def metric_cells(rows: list[dict]) -> list[list[str]]:
