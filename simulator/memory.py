@@ -31,11 +31,10 @@ from dataclasses import dataclass
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
-from simulator.activations import (BYTES, FP32, INDEX_BYTES, MASK_BYTES, MODES, Activations,  # noqa: F401
-                                   activation_bytes, attention_core_bytes_per_token, check_mode,
-                                   eager_loss_backward_bytes_per_token, eager_pipeline_bytes_per_token,
-                                   eager_step_bytes_per_token, edge_activation_bytes_per_token, has_qk_norm,
-                                   layer_activation_bytes_per_token, pre_norm_bytes_per_token)
+from simulator.activations import (BYTES, FP32, MODES, Activations, activation_bytes,  # noqa: F401
+                                   attention_core_bytes_per_token, check_mode, eager_loss_backward_bytes_per_token,
+                                   eager_pipeline_bytes_per_token, eager_step_bytes_per_token,
+                                   edge_activation_bytes_per_token, layer_activation_bytes_per_token)
 from simulator.schedule_formulas import peak_in_flight
 
 
