@@ -51,7 +51,7 @@ def load_record(run_dir: str | Path) -> dict:
 
 def predict(plan: Plan, topo=None, record: bool = False, prefer: str = "simulate"):
     """(source, result): the simulator's SimResult when available (and preferred), else the estimate's Estimate.
-    Both include the host per-op overhead where the topology has a measured op_overhead_s."""
+    Both include the host per-op overhead where the topology has measured host_op_s."""
     topo = topo or plan.topology_spec()
     source, result = None, None
     if prefer == "simulate":

@@ -10,9 +10,9 @@ The factors multiply a topology's efficiency profile (so the fitted topology pre
                                                                        exposed_expert_a2a, pipeline p2p + bubble)
     comm_compute_slowdown  additive (not a factor), clamped to [0, 0.95]  compute time of plans with and without
                                                                        overlapping communication
-    op_overhead     the host time per op (simulator.host_overhead;      compute time of plans with different
-                    only where the topology has a measured              micro-batch sizes (overhead is per op, the
-                    op_overhead_s: the estimate includes the term)      rest per token)
+    op_overhead     the host times per op, all three (forward,          compute time of plans with different
+                    backward, optimizer; simulator.host_overhead; only  micro-batch sizes (overhead is per op, the
+                    where the topology has measured host_op_s)          rest per token)
 Efficiencies are clamped to (0, 1]. Identifiability: one step time alone fits one number, so with step times only
 (no phase times) a single `overall` factor scales every efficiency together; each phase time adds one equation, so
 k factors need at least k independent measured quantities (a single run with phases fits gemm-or-compute, one factor
@@ -142,7 +142,7 @@ def fit(measurements: list[Measurement], topo: Topology, names: list[str] | None
         iterations: int = 60) -> FitResult:
     """Least-squares factors (see the module docstring). names: which to fit (default: all that the measurements
     are sensitive to; `overall` alone when no phase times were measured). The host per-op overhead is part of the
-    predictions (and op_overhead a factor) where the topology has a measured op_overhead_s."""
+    predictions (and op_overhead a factor) where the topology has measured host_op_s."""
     if not measurements:
         raise ValueError("fit needs at least one measurement")
     prob = _Problem(measurements, topo)
