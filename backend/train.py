@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from backend import checkpoint, memprof, record
-from backend.balancing import QuantileBalancer
+from backend.balancing import DEFAULT_BINS, QuantileBalancer
 from backend.data import TokenData, prepare
 from backend.expert_parallel import pop_drop_counts, shard_experts
 from backend.model import build_model, next_token_loss
@@ -137,7 +137,8 @@ class Trainer:
         dp_group = self.groups.dp if self.groups else None
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
         reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)) if dp_group else None
-        self.balancer = QuantileBalancer(self.local, reduce_counts=reduce_sum, reduce_max=reduce_max)
+        self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else DEFAULT_BINS,
+                                         reduce_counts=reduce_sum, reduce_max=reduce_max)
         self.microbatches = self.plan.microbatches
         self.pipe = None
         if lay.pp > 1:

@@ -72,6 +72,9 @@ class MoESpec:
     shared_ffn: int = 0  # intermediate width of each shared SwiGLU expert (full width input)
     dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP (width ModelSpec.ffn) instead
     router_bias: bool = True  # a per-expert balancing bias (no gradient in Marin, but a stored parameter)
+    # Quantile balancing sets that bias every step from a histogram of router margins, this many bins per expert,
+    # pooled over the ranks that see different tokens (Marin's qb_hist_bins; 1,000 by default).
+    balance_bins: int = 1000
 
     def __post_init__(self):
         for name in ("experts", "top_k", "expert_ffn"):
@@ -81,6 +84,8 @@ class MoESpec:
             raise ValueError(f"moe.top_k={self.top_k} must be below experts={self.experts}")
         if self.latent_dim < 0 or self.shared_experts < 0 or self.shared_ffn < 0:
             raise ValueError("moe.latent_dim, shared_experts and shared_ffn must be >= 0")
+        if self.balance_bins <= 0:
+            raise ValueError(f"moe.balance_bins must be positive, got {self.balance_bins}")
         if self.shared_experts and not self.shared_ffn:
             raise ValueError("moe.shared_ffn must be positive when shared_experts > 0")
 

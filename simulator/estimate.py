@@ -35,7 +35,7 @@ from simulator import collective_formulas as formulas
 from simulator.collective_formulas import efficiency_at
 from simulator.host_overhead import host_ops
 from simulator.memory import BYTES, MemoryBreakdown, expert_fsdp, memory_breakdown, rank_layers, rank_params
-from simulator.optimizer_cost import newton_schulz_flops, optimizer_traffic_bytes
+from simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
 from simulator.placement import place
 from simulator.routing import expected_max_load_factor
 from simulator.schedule_formulas import bubble_fraction
@@ -124,6 +124,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
     efsdp = expert_fsdp(plan)
     ns = newton_schulz_flops(spec, plan, layers)
     opt_bytes, host_bytes = optimizer_traffic_bytes(rp, plan)
+    bal_count, bal_hist, bal_max = balancing_reductions(spec, layers)
     return {
         "microbatches": plan.microbatches,
         "bubble_fraction": bubble_fraction(plan.schedule, par.pipeline, plan.microbatches, par.virtual),
@@ -159,10 +160,24 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         "fsdp_n": par.fsdp, "fsdp_out": pl.fsdp.span == "scale_out",
         "fsdp_bytes": rp.dense * w_bytes,
         "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": 2 * spec.d_model ** 3,
+        "bal_count": bal_count, "bal_hist_bytes": bal_hist, "bal_max_bytes": bal_max,
         "host_bytes": host_bytes,
         "drop_fraction": drop,
         **host_op_features(spec, plan, topo),
     }
+
+
+def balancing_time(f: dict, topo: Topology):
+    """Quantile balancing's reductions per step (simulator.optimizer_cost.balancing_reductions), blocking, priced as
+    a hierarchical all-reduce over the token-sharding ranks like the gradient reduction: reduce-scatter inside the
+    fsdp x context group, all-reduce of the shard across data replicas, all-gather inside again."""
+    inner, outer = f["inner_n"], f["outer_n"]
+    hist = (collective_time(topo, "reduce_scatter", inner, f["bal_hist_bytes"], f["inner_out"]) +
+            collective_time(topo, "all_reduce", outer, f["bal_hist_bytes"] / np.maximum(inner, 1), f["outer_out"]) +
+            collective_time(topo, "all_gather", inner, f["bal_hist_bytes"], f["inner_out"]))
+    extremes = (collective_time(topo, "all_reduce", inner, f["bal_max_bytes"], f["inner_out"]) +
+                collective_time(topo, "all_reduce", outer, f["bal_max_bytes"], f["outer_out"]))
+    return f["bal_count"] * (hist + extremes)
 
 
 def make_inner_span(pl) -> bool:
@@ -211,7 +226,7 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
                         f["erep_out"])
     dp_exposed = np.maximum(0.0, dp_t - 2 * fwd)
     optimizer_t = f["opt_bytes"] / (topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound) + \
-        f["ns_flops"] / (peak * _interp(eff.gemm, f["ns_size"]))
+        f["ns_flops"] / (peak * _interp(eff.gemm, f["ns_size"])) + balancing_time(f, topo)
     host_t = f["host_bytes"] / (topo.host.link_bandwidth_Bps * eff.host_link)
     # Host per-op overhead (features in ops; zero without measured host_op_s), blocking: added, not overlapped.
     h = eff.host_op_s

@@ -1,6 +1,7 @@
 """Cost of the optimizer step for one rank: Newton-Schulz FLOPs (MuonH), HBM traffic and host transfers.
 
-Shared by the closed-form estimate and the discrete-event workload so both price the step the same way.
+Shared by the closed-form estimate and the discrete-event workload so both price the step the same way. The step
+also runs quantile balancing's reductions (`balancing_reductions`; priced by simulator.estimate.balancing_time).
 MuonH orthogonalises every matrix with NEWTON_SCHULZ_STEPS quintic iterations (Jordan et al. 2024, "Muon");
 one iteration on an m x n matrix (m <= n) computes A = X X^T, B = bA + cA^2, X' = aX + BX: 4 m^2 n + 2 m^3 FLOPs.
 Dense matrices are split `tensor` ways and their orthogonalisation spread over the `fsdp` shards; expert matrices
@@ -15,9 +16,21 @@ import sys
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
+from simulator.activations import INDEX_BYTES
 from simulator.memory import BYTES, RankParams, expert_fsdp, optimizer_state_bytes
 
 NEWTON_SCHULZ_STEPS = 5
+
+
+def balancing_reductions(spec: ModelSpec, layers: list[int]) -> tuple[int, float, float]:
+    """Quantile expert balancing (backend.balancing) on a rank holding `layers`, per step: every MoE layer with a
+    router bias all-reduces its margin extremes (2 fp32, max) and its margin histogram (experts x bins + 1 int64
+    counts, sum) over the ranks that see different tokens. Returns (such layers, histogram bytes, extremes bytes)."""
+    moe = spec.moe
+    if moe is None or not moe.router_bias:
+        return 0, 0.0, 0.0
+    count = sum(1 for i in layers if spec.is_moe(i))
+    return count, float((moe.experts * moe.balance_bins + 1) * INDEX_BYTES), float(2 * BYTES["fp32"])
 
 
 def matrix_ns_flops(m: int, n: int) -> float:

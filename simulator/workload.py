@@ -40,7 +40,7 @@ from rackcast.plan import Plan
 from simulator.host_overhead import layer_forward_ops, optimizer_ops
 from simulator.memory import (BYTES, attention_core_bytes_per_token, expert_fsdp,
                               layer_activation_bytes_per_token, rank_params, static_bytes)
-from simulator.optimizer_cost import newton_schulz_flops, optimizer_traffic_bytes
+from simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
 from simulator.routing import expert_probabilities
 from simulator.schedules import stage_to_rank
 from topologies.spec import Topology
@@ -175,7 +175,7 @@ class Workload:
         opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
         ns = newton_schulz_flops(spec, plan, layers)
         optimizer_s = opt_bytes / (self.topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound) + \
-            ns / (self.peak * eff.gemm_efficiency(2 * spec.d_model ** 3))
+            ns / (self.peak * eff.gemm_efficiency(2 * spec.d_model ** 3)) + self._balancing_s(layers)
         top = rp.dense - sum(lw.dense_params for c in chunks for lw in chunks[c])
         embed_ops = head_ops = 0.0
         if self.counts:
@@ -185,6 +185,21 @@ class Workload:
         return StageWork(stage=s, chunks=chunks, head_s=head_s, top_params=top, static_bytes=static,
                          io_bytes=2 * BYTES["bf16"] * spec.d_model * self.tokens_mb, optimizer_s=optimizer_s,
                          host_bytes=host_bytes, embed_ops=embed_ops, head_ops=head_ops)
+
+    def _balancing_s(self, layers: list[int]) -> float:
+        """Quantile balancing's reductions for these layers, priced as simulator.estimate.balancing_time."""
+        from simulator.estimate import balancing_time, make_inner_span
+        from simulator.placement import place
+
+        count, hist, extremes = balancing_reductions(self.spec, layers)
+        if not count:
+            return 0.0
+        par = self.plan.parallel
+        pl = place(self.plan, self.topo.scale_up.usable_gpus)
+        f = {"bal_count": count, "bal_hist_bytes": hist, "bal_max_bytes": extremes,
+             "inner_n": par.fsdp * par.context, "inner_out": make_inner_span(pl),
+             "outer_n": par.data, "outer_out": pl.data.span == "scale_out"}
+        return float(balancing_time(f, self.topo))
 
     def host_forward_s(self, forward_ops: float) -> float:
         """Host time of `forward_ops` framework ops in a forward pass."""

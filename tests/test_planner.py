@@ -162,7 +162,7 @@ def test_size_dense_gpt_through_the_cli(cli):
 
 def test_global_batch_range_tries_several_batches(cli):
     proc = cli("plan", "--model", "tiny-moe", "--topology", "local-cpu", "--tokens", "1e9", "--top", "0",
-               "--global-batch-range", "8:64", "--json", "--rows", "50")
+               "--global-batch-range", "8:64", "--json", "--rows", "400")
     assert proc.returncode == 0, proc.stderr
     batches = {row["global_batch"] for row in json.loads(proc.stdout)["ranked"]}
     assert len(batches) > 1 and all(8 <= b <= 64 for b in batches)
