@@ -151,8 +151,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         "pp_n": par.pipeline, "pp_out": pl.pipeline.span == "scale_out",
         "pp_bytes": tokens_mb * spec.d_model * w_bytes,
         "dense_grad_bytes": rp.dense * g_bytes,
-        "inner_n": par.fsdp * cp, "inner_out": make_inner_span(pl),
-        "outer_n": par.data, "outer_out": pl.data.span == "scale_out",
+        **reduction_groups(plan, pl),
         "expert_grad_bytes": rp.expert * g_bytes,
         "efsdp_n": efsdp, "efsdp_out": pl.expert_fsdp.span == "scale_out",
         "expert_fsdp_bytes": rp.expert * w_bytes if efsdp > 1 else 0.0,
@@ -178,6 +177,14 @@ def balancing_time(f: dict, topo: Topology):
     extremes = (collective_time(topo, "all_reduce", inner, f["bal_max_bytes"], f["inner_out"]) +
                 collective_time(topo, "all_reduce", outer, f["bal_max_bytes"], f["outer_out"]))
     return f["bal_count"] * (hist + extremes)
+
+
+def reduction_groups(plan: Plan, pl) -> dict:
+    """The two levels a reduction over the token-sharding ranks runs on: inside the fsdp x context group, then across
+    data replicas (sizes and whether each crosses domains); pl: simulator.placement.place(plan, ...)."""
+    par = plan.parallel
+    return {"inner_n": par.fsdp * par.context, "inner_out": make_inner_span(pl),
+            "outer_n": par.data, "outer_out": pl.data.span == "scale_out"}
 
 
 def make_inner_span(pl) -> bool:

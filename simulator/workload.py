@@ -188,17 +188,14 @@ class Workload:
 
     def _balancing_s(self, layers: list[int]) -> float:
         """Quantile balancing's reductions for these layers, priced as simulator.estimate.balancing_time."""
-        from simulator.estimate import balancing_time, make_inner_span
+        from simulator.estimate import balancing_time, reduction_groups
         from simulator.placement import place
 
         count, hist, extremes = balancing_reductions(self.spec, layers)
         if not count:
             return 0.0
-        par = self.plan.parallel
-        pl = place(self.plan, self.topo.scale_up.usable_gpus)
         f = {"bal_count": count, "bal_hist_bytes": hist, "bal_max_bytes": extremes,
-             "inner_n": par.fsdp * par.context, "inner_out": make_inner_span(pl),
-             "outer_n": par.data, "outer_out": pl.data.span == "scale_out"}
+             **reduction_groups(self.plan, place(self.plan, self.topo.scale_up.usable_gpus))}
         return float(balancing_time(f, self.topo))
 
     def host_forward_s(self, forward_ops: float) -> float:
