@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backend.layers import Normal, ShortConv, apply_rope, rms_norm, rotary_dims
+from rackcast.backend.layers import Normal, ShortConv, apply_rope, rms_norm, rotary_dims
 from rackcast.modelspec import ModelSpec
 
 XSA_EPS = 1e-6  # Marin: z = y - (y.v / (|v|^2 + 1e-6)) v

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from backend.moe import MoE
+from rackcast.backend.moe import MoE
 
 Reduce = Callable[[Tensor], object]  # reduces its argument in place (a return value, if a tensor, is used instead)
 

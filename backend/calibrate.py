@@ -5,9 +5,9 @@ All ranks run the compute benchmarks at the same moment (barrier before each), a
 machine; rank 0's figures are kept. Collectives: all_reduce, all_gather (size = gathered output), reduce_scatter
 (size = input per rank), all_to_all_single with even and uneven splits (size = bytes sent per rank), send/recv (one
 way, from a ping-pong) over group sizes 2 and `world` (when larger), at several message sizes; the reported time is
-rank 0's median per call. Results are plain data (JSON-able); planner.calibration turns them into a topology.
+rank 0's median per call. Results are plain data (JSON-able); validation.calibration turns them into a topology.
 
-    .venv/bin/python -m backend.calibrate --quick            # measure and print the JSON
+    .venv/bin/python -m rackcast.backend.calibrate --quick            # measure and print the JSON
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from backend.calibrate_compute import run_compute, task_count
+from rackcast.backend.calibrate_compute import run_compute, task_count
 
 # torch 2.13 renamed the tensor forms; older versions only have the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -82,7 +82,7 @@ def _host_link_Bps(device: torch.device, quick: bool) -> float:
     nbytes = (1 << 26) if quick else (1 << 28)
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    from backend.calibrate_compute import Timer
+    from rackcast.backend.calibrate_compute import Timer
 
     t = Timer(device, samples=3, target_s=0.0)(lambda: dst.copy_(src, non_blocking=device.type == "cuda"))
     return nbytes / t
@@ -249,7 +249,7 @@ def measure(world: int, quick: bool = False, on_tick=None, threads: int = 0) -> 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="backend.calibrate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="rackcast.backend.calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)

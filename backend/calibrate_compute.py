@@ -2,11 +2,11 @@
 
 Every benchmark runs in the dtype the trainer computes in (fp32 on CPU, where the trainer uses no autocast; bf16 on
 CUDA, under autocast) and reports achieved FLOP/s or bytes/s; turning them into fractions of a peak is the job of
-planner.calibration (torch-free). Timing: `Timer` takes the median of several samples, each sample an inner loop
+validation.calibration (torch-free). Timing: `Timer` takes the median of several samples, each sample an inner loop
 sized to last `target_s` (so per-call dispatch overhead, a real cost of small ops, is part of what is measured);
 CUDA timings use CUDA events.
 
-    .venv/bin/python -m backend.calibrate --quick     # runs these (and the collectives) and prints JSON
+    .venv/bin/python -m rackcast.backend.calibrate --quick     # runs these (and the collectives) and prints JSON
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
 def _op_overhead(device: torch.device, quick: bool) -> dict:
     """Host seconds per framework op, on the trainer's own op mix: a training step of the smallest backend model on
     a few tokens (kernels negligible) over the ops it makes (backend.opcount.host_seconds_per_op)."""
-    from backend.opcount import host_seconds_per_op
+    from rackcast.backend.opcount import host_seconds_per_op
 
     return host_seconds_per_op(samples=3 if quick else 7, device=device)
 

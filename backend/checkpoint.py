@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from backend.parallel import Layout, is_expert_param
+from rackcast.backend.parallel import Layout, is_expert_param
 
 KEEP = 3  # complete checkpoints kept; older ones are removed by rank 0
 

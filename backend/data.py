@@ -14,7 +14,7 @@ of a permutation seeded by (seed, e). Optimizer step s takes stream positions [s
 data-parallel rank r of D takes positions r, r+D, r+2D, ... of those, so ranks never overlap and the union of all
 ranks is exactly what one process with the same global batch sees.
 
-    .venv/bin/python -m backend.data runs/.data      # build (or find) the cache and print its size
+    .venv/bin/python -m rackcast.backend.data runs/.data      # build (or find) the cache and print its size
 """
 
 from __future__ import annotations

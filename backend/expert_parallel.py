@@ -12,7 +12,7 @@ model, so the result matches one process) and overrides only `dispatch_compute_c
 5. MoE.combine scales by the combine weights and sums per token.
 With ep == 1 the same class runs without communication (used for capacity mode on one process).
 
-    from backend.expert_parallel import shard_experts
+    from rackcast.backend.expert_parallel import shard_experts
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from backend.moe import GroupedExperts, MoE
+from rackcast.backend.moe import GroupedExperts, MoE
 
 
 class _AllToAll(torch.autograd.Function):

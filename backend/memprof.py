@@ -19,7 +19,7 @@ peak resident set (ru_maxrss) is dominated by the torch libraries and allocator 
 The profiler used is torch.autograd.profiler.profile(use_kineto=True), the object torch.profiler.profile wraps for
 CPU activity; calling it directly avoids torch.profiler's import of torch._inductor (about a second, once).
 
-    from backend.memprof import profile_peak
+    from rackcast.backend.memprof import profile_peak
     result, peak = profile_peak(fn, *args)       # peak.total_bytes, peak.base_bytes, peak.step_bytes
     .venv/bin/pytest -q tests/test_memprof.py
 """

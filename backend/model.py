@@ -1,6 +1,6 @@
 """The PyTorch language model built from a ModelSpec, parameter for parameter (module count == spec.params_total).
 
-    from backend.model import build_model, next_token_loss
+    from rackcast.backend.model import build_model, next_token_loss
     model = build_model(load_model("tiny-moe"), seed=0)
     logits = model(tokens)                                   # [B, S, vocab]
     loss, parts = next_token_loss(logits, tokens, z_loss_weight=1e-4)
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backend.attention import Attention
-from backend.layers import Mlp, Norm, ShortConv, default_init_std, init_module, make_normal
-from backend.moe import MoE
+from rackcast.backend.attention import Attention
+from rackcast.backend.layers import Mlp, Norm, ShortConv, default_init_std, init_module, make_normal
+from rackcast.backend.moe import MoE
 from rackcast.modelspec import ModelSpec
 
 MARIN_Z_LOSS_WEIGHT = 1e-4  # removing z-loss made Marin's loss turn upward as output-norm gains grew

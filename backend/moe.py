@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backend.layers import Mlp, Normal, RMSNorm
+from rackcast.backend.layers import Mlp, Normal, RMSNorm
 from rackcast.modelspec import ModelSpec
 
 

@@ -15,9 +15,9 @@ training micro-batch of thousands of tokens: each MoE layer's routing is replace
 assignment (token t's k-th choice is expert (t K + k) mod E) over enough sequences that every expert gets a row, so
 the count does not depend on which experts a few random tokens happen to reach.
 
-    .venv/bin/python -m backend.opcount tiny-moe            # prints the counts as JSON
-    .venv/bin/python -m backend.opcount path/to/model.yaml --optimizer adamw
-    .venv/bin/python -m backend.opcount - < spec.json       # a ModelSpec's data (JSON or YAML) on stdin
+    .venv/bin/python -m rackcast.backend.opcount tiny-moe            # prints the counts as JSON
+    .venv/bin/python -m rackcast.backend.opcount path/to/model.yaml --optimizer adamw
+    .venv/bin/python -m rackcast.backend.opcount - < spec.json       # a ModelSpec's data (JSON or YAML) on stdin
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backend.model import build_model, next_token_loss
-from backend.moe import GroupedExperts, MoE
-from backend.optim import build_optimizer
+from rackcast.backend.model import build_model, next_token_loss
+from rackcast.backend.moe import GroupedExperts, MoE
+from rackcast.backend.optim import build_optimizer
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import load_model
-from simulator.op_counts import COUNT_SEQ, structural_twin
+from rackcast.simulator.op_counts import COUNT_SEQ, structural_twin
 
 
 class _Counter(TorchDispatchMode):
@@ -180,7 +180,7 @@ def host_seconds_per_op(model: str = "tiny-moe", optimizer: str = "muonh", seq: 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="backend.opcount", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="rackcast.backend.opcount", description=__doc__.splitlines()[0])
     ap.add_argument("model", help="model preset name, model YAML path, or - for a ModelSpec's data on stdin")
     ap.add_argument("--optimizer", default="muonh", choices=("muonh", "adamw"))
     args = ap.parse_args(argv)

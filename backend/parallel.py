@@ -15,7 +15,7 @@ Pipeline stages are not DDP-wrapped (torch 2.13's DDP reducer fails its bucket r
 several no_sync micro-batch backwards): their dense gradients are averaged over "dp" by one flat all-reduce after
 the schedule step, which is what DDP computes, without the overlap.
 
-    from backend.parallel import validate_trainable, Layout
+    from rackcast.backend.parallel import validate_trainable, Layout
     validate_trainable(plan)                    # RackcastError naming the field when the trainer cannot run it
 """
 

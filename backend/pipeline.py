@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from backend.parallel import SCHEDULES, Layout, PhaseTimer
+from rackcast.backend.parallel import SCHEDULES, Layout, PhaseTimer
 
 
 class StageChunk(nn.Module):
@@ -66,7 +66,7 @@ def _timed(fn, timer: PhaseTimer, name: str):
 def _without_statistics(fn, module: nn.Module):
     """Run fn (the stage's metadata-inference forward) without it counting as a training forward: no
     quantile-balancing margins, routing counts or drop counts are kept from it."""
-    from backend.moe import MoE
+    from rackcast.backend.moe import MoE
 
     def wrapper(*args, **kwargs):
         moes = [m for m in module.modules() if isinstance(m, MoE)]

@@ -34,15 +34,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from backend import checkpoint, memprof, record
-from backend.balancing import DEFAULT_BINS, QuantileBalancer
-from backend.data import TokenData, prepare
-from backend.expert_parallel import pop_drop_counts, shard_experts
-from backend.model import build_model, next_token_loss
-from backend.optim import build_optimizer, marin_lr_lambda
-from backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, reduce_grads,
+from rackcast.backend import checkpoint, memprof, record
+from rackcast.backend.balancing import DEFAULT_BINS, QuantileBalancer
+from rackcast.backend.data import TokenData, prepare
+from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
+from rackcast.backend.model import build_model, next_token_loss
+from rackcast.backend.optim import build_optimizer, marin_lr_lambda
+from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, reduce_grads,
                               validate_trainable, wrap_data_parallel)
-from backend.pipeline import Pipeline, build_chunks, chunk_ids
+from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import inputs_hash, load_plan
@@ -54,7 +54,7 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="backend.train", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="rackcast.backend.train", description=__doc__.splitlines()[0])
     ap.add_argument("--plan", required=True)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", required=True)

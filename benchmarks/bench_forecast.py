@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from planner.forecast import best_interval, forecast, prepare, run_many
-from planner.forecast_sim import simulate_reference
+from rackcast.planner.forecast import best_interval, forecast, prepare, run_many
+from rackcast.planner.forecast_sim import simulate_reference
 from rackcast.plan import load_plan
 
 PLAN = Path(__file__).resolve().parent.parent / "examples" / "plans" / "marin-535b-hero.yaml"

@@ -15,11 +15,11 @@ import time
 import numpy as np
 import simpy
 
-from simulator import collectives as coll
-from simulator.fairshare import maxmin_rates, maxmin_rates_numpy
-from simulator.network import Network
-from topologies import load_topology
-from topologies.graph import build_graph, gpu_name
+from rackcast.simulator import collectives as coll
+from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
+from rackcast.simulator.network import Network
+from rackcast.topologies import load_topology
+from rackcast.topologies.graph import build_graph, gpu_name
 
 NBYTES = 256e6  # per-rank send buffer of the all-to-all
 REPEATS = 5

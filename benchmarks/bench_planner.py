@@ -13,12 +13,10 @@ import os
 import resource
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planner.search import Request, search  # noqa: E402
-from planner.size import size_search  # noqa: E402
+from rackcast.planner.search import Request, search  # noqa: E402
+from rackcast.planner.size import size_search  # noqa: E402
 
 
 def cpu_s() -> float:

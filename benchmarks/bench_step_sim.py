@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rackcast.plan import BatchSpec, load_plan, validate
-from simulator.step import simulate
+from rackcast.simulator.step import simulate
 
 HERO = Path(__file__).resolve().parent.parent / "examples" / "plans" / "marin-535b-hero.yaml"
 REPEATS = 3

@@ -2,7 +2,7 @@
 HBM, the dominating phase of the step (pipeline bubble, exposed expert all-to-all, NIC-bound data-parallel
 reduction, ...), the divisibility rule that refused it (the RackcastError text), and the deadline.
 
-    from planner.explain import explain_lines
+    from rackcast.planner.explain import explain_lines
     for line in explain_lines(result): print(line)
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from planner.search import Result, Row
-from simulator.placement import place
+from rackcast.planner.search import Result, Row
+from rackcast.simulator.placement import place
 
 GIB = 2 ** 30
 PHASE_WORDS = {

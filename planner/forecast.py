@@ -11,7 +11,7 @@ domains (estimate() of the plan with fewer data-parallel replicas, each keeping 
 `forecast` runs the Monte Carlo and summarises it; `best_interval` searches checkpoint intervals with common random
 numbers; `forecast_days` is the planner's short form.
 
-    python -m planner.forecast examples/plans/marin-535b-hero.yaml 18e12 2026-09-01 2026-11-20
+    python -m rackcast.planner.forecast examples/plans/marin-535b-hero.yaml 18e12 2026-09-01 2026-11-20
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from typing import Callable
 
 import numpy as np
 
-from planner.forecast_formulas import daly_interval_s, young_interval_s
-from planner.forecast_sim import CAUSES, CLASSES, SHRINK, WAIT_POLICY, SimInputs, simulate
+from rackcast.planner.forecast_formulas import daly_interval_s, young_interval_s
+from rackcast.planner.forecast_sim import CAUSES, CLASSES, SHRINK, WAIT_POLICY, SimInputs, simulate
 from rackcast.errors import RackcastError
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import ParallelSpec, Plan, validate
-from simulator.estimate import SECONDS_PER_DAY, Estimate, estimate
-from simulator.memory import BYTES, FP32, rank_params
-from topologies.reliability import SPARES_POLICIES, ReliabilitySpec, load_reliability
-from topologies.spec import Topology
+from rackcast.simulator.estimate import SECONDS_PER_DAY, Estimate, estimate
+from rackcast.simulator.memory import BYTES, FP32, rank_params
+from rackcast.topologies.reliability import SPARES_POLICIES, ReliabilitySpec, load_reliability
+from rackcast.topologies.spec import Topology
 
 CHUNK_RUNS = 1000  # runs per numba call, so progress shows and Ctrl-C is seen between calls
 SEARCH_RUNS = 2000  # runs per interval in the checkpoint-interval search

@@ -5,7 +5,7 @@ Notation (Daly 2006, "A higher order estimate of the optimum checkpoint interval
 time between failures of the whole job (1 / total failure rate), C the time to write one checkpoint, R the restart
 cost after a failure, tau the compute time between checkpoints, W the total compute time (steady-state seconds).
 
-    python -m planner.forecast_formulas 60 86400      # C and M in seconds: Young's and Daly's intervals
+    python -m rackcast.planner.forecast_formulas 60 86400      # C and M in seconds: Young's and Daly's intervals
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ Outputs per run: wall time and its split into restart, waiting for repair, lost 
 rolled back), checkpoint writes, degraded running (the extra time of running at reduced speed) and useful work
 (which sums to `work_s`), and the failure count per class.
 
-    python -m planner.forecast_sim      # runs both implementations on a small example and prints them
+    python -m rackcast.planner.forecast_sim      # runs both implementations on a small example and prints them
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Output of a layout search: the ranked rich table, JSON, every candidate as Parquet, and the winner as a plan file.
 
-    from planner.report import ranked_table, write_parquet, write_best_plan
+    from rackcast.planner.report import ranked_table, write_parquet, write_best_plan
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 from rackcast.plan import Plan, save_plan, with_prediction
 from rich.table import Table
 
-from planner.search import Result, Row, predicted_for
-from planner.space import Layout
-from simulator.estimate import PHASES
+from rackcast.planner.search import Result, Row, predicted_for
+from rackcast.planner.space import Layout
+from rackcast.simulator.estimate import PHASES
 
 GIB = 2 ** 30
 LAYOUT_FIELDS = [f for f in Layout.__dataclass_fields__]
@@ -70,7 +70,7 @@ def size_table(res) -> Table:
     """One row per shape of a model-size search (planner.size.SizeResult)."""
     table = Table(title=f"{res.family} on {res.racks} x {res.topology}, {res.tokens:.3g} tokens: best layout per shape",
                   title_justify="left")
-    from topologies import load_topology
+    from rackcast.topologies import load_topology
 
     dom = load_topology(res.topology).domain_label
     cols = ["shape", "total", "active", "best layout", f"{dom}s/replica", f"min {dom}s/replica",
@@ -96,7 +96,7 @@ def size_table(res) -> Table:
 def _hbm(sh, res) -> float:
     if sh.result is not None:
         return sh.result.hbm_bytes
-    from topologies import load_topology
+    from rackcast.topologies import load_topology
 
     return load_topology(res.topology).accelerator.hbm_bytes
 

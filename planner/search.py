@@ -10,7 +10,7 @@ Stages:
 4. The best K are run through the discrete-event simulator (simulator.step.simulate, 2 processes) when it is
    importable, and re-ranked by its figures; otherwise the result says that they were not simulated.
 
-    python -m planner.search marin-535b-a23b gb200-nvl72 11 18e12
+    python -m rackcast.planner.search marin-535b-a23b gb200-nvl72 11 18e12
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan, Predicted, validate
 from rackcast.presets import load_model
-from simulator.estimate import PHASES, SECONDS_PER_DAY, plan_features, step_time
-from simulator.memory import MemoryBreakdown, attention_core_bytes_per_token, memory_breakdown
-from topologies import load_topology
-from topologies.spec import Topology
+from rackcast.simulator.estimate import PHASES, SECONDS_PER_DAY, plan_features, step_time
+from rackcast.simulator.memory import MemoryBreakdown, attention_core_bytes_per_token, memory_breakdown
+from rackcast.topologies import load_topology
+from rackcast.topologies.spec import Topology
 
-from planner.space import (Enumeration, Layout, SpaceOptions, enumerate_space, fast_spec, make_plan,
+from rackcast.planner.space import (Enumeration, Layout, SpaceOptions, enumerate_space, fast_spec, make_plan,
                            optimizer_for)
 
 OBJECTIVES = ("days", "mfu")
@@ -255,7 +255,7 @@ def search(r: Request) -> Result:
     topos = {u: load_topology(r.topology, r.racks, u) for u in usables}
     _STATE.update(spec=fspec, topos=topos, request=r, memo={}, selective={})
     if base.efficiency.host_op_s.measured:  # count the model's ops once, before the pool's workers fork
-        from simulator.op_counts import op_counts
+        from rackcast.simulator.op_counts import op_counts
 
         op_counts(spec, optimizer_for(spec))
     rows = [Row(layout=lay, status="invalid", reason=why) for lay, why in found.rejected]
@@ -367,7 +367,7 @@ def _sort(ranked: list[Row], objective: str, simulated: bool) -> None:
 
 # ---------------------------------------------------------------- simulation and forecast
 def _simulate_one(plan: Plan) -> dict:
-    from simulator.step import simulate
+    from rackcast.simulator.step import simulate
 
     res = simulate(plan, seed=0)
     return {"step_time_s": float(res.step_time_s), "tokens_per_s": float(res.tokens_per_s), "mfu": float(res.mfu),
@@ -400,8 +400,8 @@ def simulate_top(result: Result, k: int, workers: int) -> str:
 def apply_forecast(result: Result, k: int) -> str:
     """Days with the failure and restart allowance (planner.forecast: P50 of its Monte Carlo) for the best k; the
     rest keep steady-state days."""
-    from planner.forecast import forecast_days
-    from simulator.estimate import estimate
+    from rackcast.planner.forecast import forecast_days
+    from rackcast.simulator.estimate import estimate
 
     avail = None if math.isnan(result.available_days) else result.available_days
     for row in result.ranked[:k]:

@@ -13,7 +13,7 @@ Families (each shape is built in code from the family's rules; the numbers come 
 Per shape: total and active parameters, the best layout, the fewest domains one replica needs, tokens/s, days to the
 token budget, whether it meets the deadline, and whether it is on the Pareto front of size against days.
 
-    python -m planner.size marin-moe gb200-nvl72 11 18e12
+    python -m rackcast.planner.size marin-moe gb200-nvl72 11 18e12
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from rackcast.errors import RackcastError
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import list_models, load_model
 
-from planner.search import Request, Result, Row, apply_forecast, attach_simulation, search, simulate_plans
-from planner.space import SpaceOptions
+from rackcast.planner.search import Request, Result, Row, apply_forecast, attach_simulation, search, simulate_plans
+from rackcast.planner.space import SpaceOptions
 
 FAMILIES = ("marin-moe", "dense-gpt")
 MARIN_TEMPLATE = "marin-535b-a23b"
@@ -140,10 +140,10 @@ def one_domain_replica(spec: ModelSpec, topology: str, racks: int, options: Spac
     expert degree that divides both), non-expert state sharded over it (fsdp = GPUs per domain), data parallel
     across domains, the whole per-GPU batch as one micro-batch, full recomputation, optimizer state in HBM.
     It is the check behind "~360B trains on one rack, ~707B needs two racks" (shared/reference/marin-535b.md)."""
-    from simulator.memory import memory_breakdown
-    from topologies import load_topology
+    from rackcast.simulator.memory import memory_breakdown
+    from rackcast.topologies import load_topology
 
-    from planner.space import Layout, default_global_batch, make_plan
+    from rackcast.planner.space import Layout, default_global_batch, make_plan
 
     topo = load_topology(topology, racks, options.usable[0] if options.usable else None)
     u = topo.scale_up.usable_gpus
@@ -159,7 +159,7 @@ def size_search(family: str, topology: str, racks: int, tokens: float, start: st
                 objective: str = "days", top: int = 10, workers: int = 2,
                 options: SpaceOptions | None = None) -> SizeResult:
     """Best layout per shape (closed form), then the best layouts of the `top` fastest shapes simulated."""
-    from topologies import load_topology
+    from rackcast.topologies import load_topology
 
     # One GPU count per domain (the preset's default), so "domains per replica" compares across shapes.
     options = options or SpaceOptions.coarse(usable=(load_topology(topology).scale_up.usable_gpus,))

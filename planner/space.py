@@ -11,7 +11,7 @@ Everything else about divisibility (heads, KV heads, layers, experts, expert wid
 decided by rackcast.plan.validate, the single authority: a layout it refuses is kept as a rejected row with the
 RackcastError text.
 
-    python -m planner.space marin-535b-a23b gb200-nvl72 11     # counts the layouts of the default space
+    python -m rackcast.planner.space marin-535b-a23b gb200-nvl72 11     # counts the layouts of the default space
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Iterator
 
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
-from simulator.schedule_formulas import peak_in_flight
+from rackcast.simulator.schedule_formulas import peak_in_flight
 from rackcast.plan import (BatchSpec, ExpertTransport, OptimizerSpec, ParallelSpec, Plan, TopologyRef,
                            validate)
 
@@ -333,7 +333,7 @@ def fast_spec(spec: ModelSpec) -> FastSpec:
 
 if __name__ == "__main__":
     from rackcast.presets import load_model
-    from topologies import load_topology
+    from rackcast.topologies import load_topology
 
     model, topo_name, racks = sys.argv[1], sys.argv[2], int(sys.argv[3])
     topo = load_topology(topo_name)

@@ -21,7 +21,6 @@ context: by default a local layer counts its window and a global layer the whole
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -391,9 +390,3 @@ class ModelSpec:
             "layers": [vars(row) for row in self.layer_table(convention)],
         }
 
-
-if __name__ == "__main__":
-    from rackcast.presets import load_model
-
-    spec = load_model(sys.argv[1] if len(sys.argv) > 1 else "marin-535b-a23b")
-    print(f"{spec.name}: total {spec.params_total:,}  active {spec.params_active:,}  embedding {spec.params_embedding:,}")

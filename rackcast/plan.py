@@ -142,7 +142,7 @@ class Plan:
         return self.model if isinstance(self.model, ModelSpec) else load_model(self.model)
 
     def topology_spec(self):
-        from topologies import load_topology
+        from rackcast.topologies import load_topology
 
         return load_topology(self.topology.name, self.topology.domains, self.topology.usable_gpus or None)
 

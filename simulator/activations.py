@@ -23,7 +23,7 @@ pipeline stages' receive buffers and cached outputs (simulator.memory.memory_bre
 follows the elements the backend saves at `dtype` bytes each (fp32 on the CPU trainer); under bf16 autocast the
 fp32 copies autocast and the fp32 norms make are not counted.
 
-    from simulator.activations import layer_activation_bytes_per_token
+    from rackcast.simulator.activations import layer_activation_bytes_per_token
     layer_activation_bytes_per_token(spec, 0, plan, dtype="fp32", activations="eager")
 """
 

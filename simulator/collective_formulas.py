@@ -9,7 +9,7 @@ pairs at once), send_recv 1. Sizes follow nccl-tests (see simulator.collectives)
 per-direction bandwidth of the slowest hop, `latency_s` one hop's route latency (alpha). Every argument may be an
 array; they broadcast.
 
-    from simulator.collective_formulas import collective_time
+    from rackcast.simulator.collective_formulas import collective_time
     t = collective_time("all_reduce", nbytes=np.logspace(6, 10, 5), n=64, bandwidth_Bps=bw, latency_s=alpha)
 
 Tests: `.venv/bin/pytest -q tests/test_network.py`.

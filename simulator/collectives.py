@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from simulator.network import Network
+from rackcast.simulator.network import Network
 
 Efficiency = float | Callable[[str, str, float], float]
 

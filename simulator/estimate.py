@@ -17,7 +17,7 @@ counts of the backend model (simulator.op_counts) per step, as simulator.host_ov
 forward and backward ops, the extra ones on the pipeline's critical path, the optimizer's), each x its host time per
 op, added to compute, pipeline_bubble and optimizer.
 
-    python -m simulator.estimate examples/plans/marin-535b-hero.yaml
+    python -m rackcast.simulator.estimate examples/plans/marin-535b-hero.yaml
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ import numpy as np
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
-from simulator import collective_formulas as formulas
-from simulator.collective_formulas import efficiency_at
-from simulator.host_overhead import host_ops
-from simulator.memory import BYTES, MemoryBreakdown, expert_fsdp, memory_breakdown, rank_layers, rank_params
-from simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
-from simulator.placement import place
-from simulator.routing import expected_max_load_factor
-from simulator.schedule_formulas import bubble_fraction
-from topologies.spec import Topology
+from rackcast.simulator import collective_formulas as formulas
+from rackcast.simulator.collective_formulas import efficiency_at
+from rackcast.simulator.host_overhead import host_ops
+from rackcast.simulator.memory import BYTES, MemoryBreakdown, expert_fsdp, memory_breakdown, rank_layers, rank_params
+from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
+from rackcast.simulator.placement import place
+from rackcast.simulator.routing import expected_max_load_factor
+from rackcast.simulator.schedule_formulas import bubble_fraction
+from rackcast.topologies.spec import Topology
 
 SECONDS_PER_DAY = 86400.0
 
@@ -58,7 +58,7 @@ def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, f
     host_op_s."""
     if not topo.efficiency.host_op_s.measured:
         return dict.fromkeys(HOST_OP_FEATURES, 0.0)
-    from simulator.op_counts import op_counts
+    from rackcast.simulator.op_counts import op_counts
 
     o = host_ops(op_counts(spec, plan.optimizer.name), spec, plan)
     return {"op_forward": o.forward, "op_backward": o.backward, "op_bubble_forward": o.bubble_forward,
@@ -105,7 +105,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
     # The head runs on the last stage; with one stage (or the V shape) rank 0 carries it.
     if par.pipeline == 1 or plan.schedule == "dualpipev":
         gemm += spec.head_flops_fwd(hw)
-    from simulator.memory import layer_activation_bytes_per_token
+    from rackcast.simulator.memory import layer_activation_bytes_per_token
 
     for i in layers:
         elementwise += 2 * layer_activation_bytes_per_token(spec, i, plan)  # written in forward, read in backward

@@ -10,7 +10,7 @@ that level), freeze those flows at that level, subtract, repeat.
 is stale once its link's level changed), all links at the lowest level frozen in one round, O(nnz log nnz).
 `maxmin_rates_numpy` is a plain vectorised numpy version of the same algorithm, the reference the tests compare to.
 
-    from simulator.fairshare import maxmin_rates
+    from rackcast.simulator.fairshare import maxmin_rates
     rates = maxmin_rates(indptr, indices, capacity, caps)
 
 Tests: `.venv/bin/pytest -q tests/test_network.py`; speed: `.venv/bin/python benchmarks/bench_network.py`.

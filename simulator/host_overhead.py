@@ -16,7 +16,7 @@ Model, per pipeline rank s holding layers L(s) (simulator.memory.rank_layers):
 Communication is blocking in the CPU trainer, so the overhead is added, not overlapped. Recomputation is not counted
 (the trainer does not recompute). This module does not import torch.
 
-    python -m simulator.host_overhead examples/plans/tiny-2proc-pp.yaml 5e-6 3e-6 2.7e-6   # forward, backward,
+    python -m rackcast.simulator.host_overhead examples/plans/tiny-2proc-pp.yaml 5e-6 3e-6 2.7e-6   # forward, backward,
                                                                     # optimizer s/op: ops and seconds of one step
 """
 
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
-from simulator.memory import rank_layers
-from simulator.schedules import stage_to_rank
-from topologies.spec import HostOpTimes
+from rackcast.simulator.memory import rank_layers
+from rackcast.simulator.schedules import stage_to_rank
+from rackcast.topologies.spec import HostOpTimes
 
 
 def layer_forward_ops(counts: dict, plan: Plan, layer: int) -> float:
@@ -105,7 +105,7 @@ def host_overhead(counts: dict, spec: ModelSpec, plan: Plan, times: HostOpTimes)
 
 if __name__ == "__main__":
     from rackcast.plan import load_plan
-    from simulator.op_counts import op_counts
+    from rackcast.simulator.op_counts import op_counts
 
     loaded = load_plan(sys.argv[1])
     model = loaded.model_spec()

@@ -20,8 +20,8 @@ and activations, grad_dtype gradients, an fp32 master). Optimizer state follows 
 one momentum buffer per matrix and two Adam moments for everything else (embeddings, norm gains, router weight,
 gates, convolutions, biases) and for the head (AdamH); parameters without a gradient (the balancing bias) keep none.
 
-    python -m simulator.memory examples/plans/marin-535b-hero.yaml
-    python -m simulator.memory examples/plans/tiny-1proc.yaml fp32 eager    # as the CPU trainer keeps it
+    python -m rackcast.simulator.memory examples/plans/marin-535b-hero.yaml
+    python -m rackcast.simulator.memory examples/plans/tiny-1proc.yaml fp32 eager    # as the CPU trainer keeps it
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
-from simulator.activations import (BYTES, FP32, MODES, Activations, activation_bytes,  # noqa: F401
+from rackcast.simulator.activations import (BYTES, FP32, MODES, Activations, activation_bytes,  # noqa: F401
                                    attention_core_bytes_per_token, check_mode, eager_loss_backward_bytes_per_token,
                                    eager_pipeline_bytes_per_token, eager_step_bytes_per_token,
                                    edge_activation_bytes_per_token, layer_activation_bytes_per_token)
-from simulator.schedule_formulas import peak_in_flight
+from rackcast.simulator.schedule_formulas import peak_in_flight
 
 
 def weight_bytes(plan: Plan, dtype: str | None = None) -> int:

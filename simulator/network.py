@@ -18,7 +18,7 @@ A hard per-flow rate cap (`rate_cap_Bps`) is available as well.
 Link utilisation is kept as change points (time, link, bytes/s in use) for trace counters.
 
     import simpy
-    from simulator.network import Network
+    from rackcast.simulator.network import Network
     env = simpy.Environment()
     net = Network(env, graph)                      # graph: topologies.graph format (networkx.DiGraph)
     done = net.send("d0/gpu0", "d0/gpu1", 1e9)     # a simpy event
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import simpy
 
-from simulator.fairshare import maxmin_rates, maxmin_rates_numpy
+from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
 
 Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 
@@ -46,7 +46,7 @@ _TIME_EPS_REL = 1e-12
 
 
 def _default_router(graph, src: str, dst: str):
-    from topologies.graph import route
+    from rackcast.topologies.graph import route
 
     return route(graph, src, dst)
 

@@ -10,7 +10,7 @@ disk as one JSON file per key under $RACKCAST_CACHE/op-counts/ (else ~/.cache/ra
 hash of the twin's data (rackcast.strict.to_data, less name, family and description), the optimizer and the
 installed torch version (read from the package metadata, no import): models of one structure share one count
 whatever their widths, while another structure, optimizer or torch counts again. A miss runs
-`python -m backend.opcount - --optimizer X` in a subprocess with the twin as JSON on its stdin and writes the cache
+`python -m rackcast.backend.opcount - --optimizer X` in a subprocess with the twin as JSON on its stdin and writes the cache
 file atomically. A failure is one RackcastError line. The returned dict names the model asked for ("model").
 
 Why a twin counts the same (see backend.model, layers, attention, moe, optim): an op count changes with a width only
@@ -23,7 +23,7 @@ reshape's ops). Head and KV-head counts are kept, not shrunk. Routing is made to
 (backend.opcount), so the routed weights' values do not matter either. tests/test_op_counts.py checks the twin's
 counts against full counts.
 
-    python -m simulator.op_counts tiny-moe muonh        # prints the counts (from the cache when there)
+    python -m rackcast.simulator.op_counts tiny-moe muonh        # prints the counts (from the cache when there)
 """
 
 from __future__ import annotations
@@ -200,19 +200,18 @@ def _valid(counts) -> bool:
 
 def _count(spec: ModelSpec, optimizer: str) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "backend.opcount", "-", "--optimizer", optimizer], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "rackcast.backend.opcount", "-", "--optimizer", optimizer], cwd=ROOT,
                           input=json.dumps(spec_data(structural_twin(spec))), capture_output=True, text=True, env=env)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        raise RackcastError(f"counting the ops of model {spec.name!r} (python -m backend.opcount) failed: {why}")
+        raise RackcastError(f"counting the ops of model {spec.name!r} (python -m rackcast.backend.opcount) failed: {why}")
     try:
         counts = json.loads(lines[-1])
     except json.JSONDecodeError:
         counts = None
     if not _valid(counts):
-        raise RackcastError(f"counting the ops of model {spec.name!r} (python -m backend.opcount) printed no counts")
+        raise RackcastError(f"counting the ops of model {spec.name!r} (python -m rackcast.backend.opcount) printed no counts")
     return counts
 
 

@@ -7,7 +7,7 @@ one iteration on an m x n matrix (m <= n) computes A = X X^T, B = bA + cA^2, X' 
 Dense matrices are split `tensor` ways and their orthogonalisation spread over the `fsdp` shards; expert matrices
 over the expert ranks and the experts' own FSDP shards.
 
-    python -m simulator.optimizer_cost examples/plans/marin-535b-hero.yaml
+    python -m rackcast.simulator.optimizer_cost examples/plans/marin-535b-hero.yaml
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
-from simulator.activations import INDEX_BYTES
-from simulator.memory import BYTES, RankParams, expert_fsdp, optimizer_state_bytes
+from rackcast.simulator.activations import INDEX_BYTES
+from rackcast.simulator.memory import BYTES, RankParams, expert_fsdp, optimizer_state_bytes
 
 NEWTON_SCHULZ_STEPS = 5
 
@@ -79,7 +79,7 @@ def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
 
 if __name__ == "__main__":
     from rackcast.plan import load_plan
-    from simulator.memory import rank_layers, rank_params
+    from rackcast.simulator.memory import rank_layers, rank_params
 
     loaded = load_plan(sys.argv[1])
     spec_ = loaded.model_spec()

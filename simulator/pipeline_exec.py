@@ -17,7 +17,7 @@ peak number of (chunk, microbatch) pairs in flight: forward done, input-gradient
 
 Run a schedule from the command line::
 
-    python -m simulator.pipeline_exec 1f1b 4 8 [VIRTUAL]
+    python -m rackcast.simulator.pipeline_exec 1f1b 4 8 [VIRTUAL]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Sequence
 
 import simpy
 
-from simulator.schedules import Action, num_chunks, pipeline_orders, stage_to_rank
+from rackcast.simulator.schedules import Action, num_chunks, pipeline_orders, stage_to_rank
 
 __all__ = ["ChunkDurations", "TimelineEntry", "PipelineResult", "run_pipeline", "run_orders", "in_flight_peaks"]
 
@@ -225,7 +225,7 @@ def in_flight_peaks(ops: Sequence[Action]) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (3, 4):
-        print("usage: python -m simulator.pipeline_exec NAME STAGES MICROBATCHES [VIRTUAL]", file=sys.stderr)
+        print("usage: python -m rackcast.simulator.pipeline_exec NAME STAGES MICROBATCHES [VIRTUAL]", file=sys.stderr)
         return 2
     virtual = int(args[3]) if len(args) == 4 else 1
     try:

@@ -5,7 +5,7 @@ one domain hold consecutive ranks. A group is the set of ranks that differ only 
 a run of consecutive ranks of the folded tensor x context x fsdp x data grid). A group whose ranks all fall in one
 domain talks over NVLink ("scale_up"); otherwise its traffic crosses the NICs ("scale_out").
 
-    python -m simulator.placement examples/plans/marin-535b-hero.yaml
+    python -m rackcast.simulator.placement examples/plans/marin-535b-hero.yaml
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rackcast.plan import Plan
-from simulator.memory import expert_fsdp
+from rackcast.simulator.memory import expert_fsdp
 
 
 @dataclass(frozen=True)

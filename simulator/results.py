@@ -4,7 +4,7 @@ JSON: the SimResult metrics (no timeline) with sorted keys, floats rounded to 12
 written as null, so the same plan and seed give byte-identical files. Parquet: one row, scalar metrics as
 columns, each phase as `phase_<name>_s`, peak memory per stage as a list column.
 
-    from simulator.results import result_json, write_json, write_parquet
+    from rackcast.simulator.results import result_json, write_json, write_parquet
 """
 
 from __future__ import annotations

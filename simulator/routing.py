@@ -9,7 +9,7 @@ gives the same counts.
 Dropless transport: every assignment is computed and the step waits for the most loaded rank. Capacity transport
 (factor c): each expert takes at most c x tokens x top_k / experts assignments; the rest are dropped.
 
-    python -m simulator.routing zipf 384 8 64 65536
+    python -m rackcast.simulator.routing zipf 384 8 64 65536
 """
 
 from __future__ import annotations

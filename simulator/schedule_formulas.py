@@ -35,14 +35,14 @@ computes it); ZB-H1 the same with 1 forward per hop instead of 2, so p - rank fo
 1F1B); ZB-V 2p chunks = p stage-sized microbatches on every rank (Qi et al. section 6); DualPipeV 2p + 1 chunks
 on every rank (DualPipe README: PP + 1).
 
-Run ``python -m simulator.schedule_formulas NAME STAGES MICROBATCHES [VIRTUAL]`` to print the figures.
+Run ``python -m rackcast.simulator.schedule_formulas NAME STAGES MICROBATCHES [VIRTUAL]`` to print the figures.
 """
 
 from __future__ import annotations
 
 import sys
 
-from simulator.schedules import validate
+from rackcast.simulator.schedules import validate
 
 
 def _per_round(stages: int, microbatches: int) -> int:
@@ -130,7 +130,7 @@ def peak_in_flight(name: str, stages: int, microbatches: int, virtual: int = 1, 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (3, 4):
-        print("usage: python -m simulator.schedule_formulas NAME STAGES MICROBATCHES [VIRTUAL]", file=sys.stderr)
+        print("usage: python -m rackcast.simulator.schedule_formulas NAME STAGES MICROBATCHES [VIRTUAL]", file=sys.stderr)
         return 2
     name, p, m = args[0], int(args[1]), int(args[2])
     v = int(args[3]) if len(args) == 4 else 1

@@ -26,7 +26,7 @@ they are two actions, in that order, both marked ``paired=True``.
 
 This module imports neither torch nor simpy. Run it to print a schedule::
 
-    python -m simulator.schedules dualpipev 4 8 2
+    python -m rackcast.simulator.schedules dualpipev 4 8 2
 """
 
 from __future__ import annotations
@@ -303,7 +303,7 @@ def format_orders(orders: list[list[Action]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (3, 4):
-        print("usage: python -m simulator.schedules NAME STAGES MICROBATCHES [VIRTUAL]", file=sys.stderr)
+        print("usage: python -m rackcast.simulator.schedules NAME STAGES MICROBATCHES [VIRTUAL]", file=sys.stderr)
         return 2
     try:
         orders = pipeline_orders(args[0], int(args[1]), int(args[2]), int(args[3]) if len(args) == 4 else 1)

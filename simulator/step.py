@@ -21,7 +21,7 @@ communication, for another stage (pipeline_bubble) or for a transfer from it (pi
 time. Memory: allocation and release events give each rank's peak (static state, saved activations per layer and
 micro-batch, FSDP gather and gradient buffers, the recomputed layer).
 
-    python -m simulator.step examples/plans/marin-535b-hero.yaml
+    python -m rackcast.simulator.step examples/plans/marin-535b-hero.yaml
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ import simpy
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan, Predicted
-from simulator.estimate import PHASES, SECONDS_PER_DAY
-from simulator.schedules import pipeline_orders
-from simulator.stepnet import StepNetwork
-from simulator.workload import Comm, StageWork, Workload
-from topologies.spec import Topology
+from rackcast.simulator.estimate import PHASES, SECONDS_PER_DAY
+from rackcast.simulator.schedules import pipeline_orders
+from rackcast.simulator.stepnet import StepNetwork
+from rackcast.simulator.workload import Comm, StageWork, Workload
+from rackcast.topologies.spec import Topology
 
 
 @dataclass

@@ -30,11 +30,11 @@ import networkx as nx
 import numpy as np
 
 from rackcast.plan import Plan
-from simulator import collectives
-from simulator.collective_formulas import algo_factor, latency_steps
-from simulator.network import Network
-from simulator.placement import Group, make_group, place
-from topologies.spec import Topology
+from rackcast.simulator import collectives
+from rackcast.simulator.collective_formulas import algo_factor, latency_steps
+from rackcast.simulator.network import Network
+from rackcast.simulator.placement import Group, make_group, place
+from rackcast.topologies.spec import Topology
 
 RING_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 HIERARCHY = {  # kind -> phases (kind, level), as simulator.collectives runs them
@@ -341,12 +341,12 @@ def _busiest_ports(b: np.ndarray) -> np.ndarray:
 
 
 def _full_graph(topo: Topology) -> nx.DiGraph:
-    from topologies.graph import build_graph
+    from rackcast.topologies.graph import build_graph
 
     return build_graph(topo)
 
 
 def collectives_route(graph, src: str, dst: str):
-    from topologies.graph import route
+    from rackcast.topologies.graph import route
 
     return route(graph, src, dst)

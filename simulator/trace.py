@@ -6,7 +6,7 @@ timestamps. Counters ("ph": "C"): each stage's allocated memory, and in a separa
 (fraction of capacity in use) of every link that carried traffic. Output is deterministic: sorted keys, times
 rounded to nanoseconds. Open the file in https://ui.perfetto.dev or chrome://tracing.
 
-    python -m simulator.trace examples/plans/marin-535b-hero.yaml hero-trace.json
+    python -m rackcast.simulator.trace examples/plans/marin-535b-hero.yaml hero-trace.json
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def write_trace(result, path: str) -> None:
 
 if __name__ == "__main__":
     from rackcast.plan import load_plan
-    from simulator.step import simulate
+    from rackcast.simulator.step import simulate
 
     write_trace(simulate(load_plan(sys.argv[1])), sys.argv[2])
     print(f"wrote {sys.argv[2]}")

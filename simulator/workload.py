@@ -25,7 +25,7 @@ Ops are plain tuples, interpreted by simulator.step:
     ("m", bytes)                      allocate (+) or release (-) memory on this GPU
 Expert all-to-all token counts come from simulator.routing (see ExpertLoads).
 
-    python -m simulator.workload examples/plans/marin-535b-hero.yaml     # per-stage op counts and seconds
+    python -m rackcast.simulator.workload examples/plans/marin-535b-hero.yaml     # per-stage op counts and seconds
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ import numpy as np
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
-from simulator.host_overhead import layer_forward_ops, optimizer_ops
-from simulator.memory import (BYTES, attention_core_bytes_per_token, expert_fsdp,
+from rackcast.simulator.host_overhead import layer_forward_ops, optimizer_ops
+from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, expert_fsdp,
                               layer_activation_bytes_per_token, rank_params, static_bytes)
-from simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
-from simulator.routing import expert_probabilities
-from simulator.schedules import stage_to_rank
-from topologies.spec import Topology
+from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
+from rackcast.simulator.routing import expert_probabilities
+from rackcast.simulator.schedules import stage_to_rank
+from rackcast.topologies.spec import Topology
 
 HW = FlopsConvention(attention="causal", window="window", head=True)  # the work kernels really do
 W_BYTES = BYTES["bf16"]
@@ -108,7 +108,7 @@ class Workload:
         self.host = eff.host_op_s
         self.counts = None
         if self.host.measured:
-            from simulator.op_counts import op_counts
+            from rackcast.simulator.op_counts import op_counts
 
             self.counts = op_counts(spec, plan.optimizer.name)
         self.tokens_mb = b.micro_batch * spec.seq_len / par.context
@@ -188,8 +188,8 @@ class Workload:
 
     def _balancing_s(self, layers: list[int]) -> float:
         """Quantile balancing's reductions for these layers, priced as simulator.estimate.balancing_time."""
-        from simulator.estimate import balancing_time, reduction_groups
-        from simulator.placement import place
+        from rackcast.simulator.estimate import balancing_time, reduction_groups
+        from rackcast.simulator.placement import place
 
         count, hist, extremes = balancing_reductions(self.spec, layers)
         if not count:

@@ -27,7 +27,7 @@ def cli():
 @pytest.fixture(scope="session", autouse=True)
 def op_count_cache(tmp_path_factory):
     """A temporary RACKCAST_CACHE for the whole session (CLI subprocesses inherit it): one count per model."""
-    from simulator.op_counts import CACHE_ENV
+    from rackcast.simulator.op_counts import CACHE_ENV
 
     path = tmp_path_factory.mktemp("rackcast-cache")
     old = os.environ.get(CACHE_ENV)
@@ -43,6 +43,6 @@ def op_count_cache(tmp_path_factory):
 def tiny_counts(op_count_cache):
     """backend.opcount's counts of tiny-moe with MuonH (a subprocess, a few seconds, once per session)."""
     from rackcast.presets import load_model
-    from simulator.op_counts import op_counts
+    from rackcast.simulator.op_counts import op_counts
 
     return op_counts(load_model("tiny-moe"), "muonh")

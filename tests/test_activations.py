@@ -16,12 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.memprof import live_cpu_tensors, profile_peak
-from backend.model import build_model, next_token_loss
+from rackcast.backend.memprof import live_cpu_tensors, profile_peak
+from rackcast.backend.model import build_model, next_token_loss
 from rackcast.plan import Plan
 from rackcast.presets import load_model
 from rackcast.strict import from_data
-from simulator.activations import (eager_loss_backward_bytes_per_token, edge_activation_bytes_per_token,
+from rackcast.simulator.activations import (eager_loss_backward_bytes_per_token, edge_activation_bytes_per_token,
                                    layer_activation_bytes_per_token)
 
 PRESETS = ["tiny-moe", "tiny-moe-dense0", "tiny-dense"]

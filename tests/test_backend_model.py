@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from backend.balancing import QuantileBalancer, histogram_upper_quantile
-from backend.model import build_model, count_parameters, next_token_loss
-from backend.moe import MoE
+from rackcast.backend.balancing import QuantileBalancer, histogram_upper_quantile
+from rackcast.backend.model import build_model, count_parameters, next_token_loss
+from rackcast.backend.moe import MoE
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import load_model
 

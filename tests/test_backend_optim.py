@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.model import build_model, next_token_loss
-from backend.optim import (
+from rackcast.backend.model import build_model, next_token_loss
+from rackcast.backend.optim import (
     MuonH,
     build_optimizer,
     hyperball_step_,

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from rackcast.plan import load_plan
-from simulator.estimate import collective_time, estimate, plan_features
-from simulator.optimizer_cost import balancing_reductions
-from simulator.step import simulate
+from rackcast.simulator.estimate import collective_time, estimate, plan_features
+from rackcast.simulator.optimizer_cost import balancing_reductions
+from rackcast.simulator.step import simulate
 
 from conftest import PLANS
 

@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from planner.calibration import build_topology, header_for, write_topology
-from planner.fit import apply_factors, fit, synthetic
+from rackcast.validation.calibration import build_topology, header_for, write_topology
+from rackcast.validation.fit import apply_factors, fit, synthetic
 from rackcast.plan import load_plan
-from topologies import load_topology
-from topologies.spec import HostOpTimes
+from rackcast.topologies import load_topology
+from rackcast.topologies.spec import HostOpTimes
 
 from conftest import PLANS, ROOT
 
@@ -133,7 +133,7 @@ def test_calibrate_quick_on_this_machine(tmp_path, cli):
     assert topo.peak_flops("bf16") > 0 and topo.scale_up.bandwidth_Bps > 0
     assert dest.read_text().startswith("# rackcast calibrate --quick")
     assert load_plan(str(PLANS / "tiny-2proc-ep.yaml")).topology.name == "local-cpu"
-    from simulator.estimate import estimate
+    from rackcast.simulator.estimate import estimate
 
     assert estimate(load_plan(str(PLANS / "tiny-2proc-ep.yaml")), topo=topo).step_time_s > 0
 
@@ -155,7 +155,7 @@ def test_fit_recovers_op_overhead_with_gemm(tiny_counts):
 
 @pytest.mark.slow
 def test_opcount_counts_the_backend_model():
-    from backend.opcount import count_ops
+    from rackcast.backend.opcount import count_ops
 
     c = count_ops("tiny-moe")
     spec = load_model_spec("tiny-moe")

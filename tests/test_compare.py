@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from planner.compare import combined_trace, compare_rows, load_record, predict
-from planner.validate import kendall_tau
+from rackcast.validation.compare import combined_trace, compare_rows, load_record, predict
+from rackcast.validation.validate import kendall_tau
 from rackcast.plan import load_plan
 
 from conftest import ROOT
@@ -71,7 +71,7 @@ def test_kendall_tau():
 
 
 def test_validate_suite_plans_and_summary(tmp_path):
-    from planner.validate import PlanResult, summarise, write_suite
+    from rackcast.validation.validate import PlanResult, summarise, write_suite
 
     paths = write_suite(tmp_path, "local-cpu", quick=False)
     plans = [load_plan(str(p)) for p in paths]

@@ -11,8 +11,8 @@ import pytest
 from conftest import PLANS
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import load_plan
-from simulator.estimate import collective_time, estimate, plan_features, step_time
-from topologies import load_topology
+from rackcast.simulator.estimate import collective_time, estimate, plan_features, step_time
+from rackcast.topologies import load_topology
 
 GB200 = load_topology("gb200-nvl72", domains=2)
 

@@ -13,13 +13,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from planner.forecast import checkpoint_bytes, forecast, forecast_days, run_many, search_intervals
-from planner.forecast_formulas import daly_expected_wall_s, daly_interval_s, young_interval_s
-from planner.forecast_sim import SHRINK, WAIT_POLICY, SimInputs, simulate, simulate_reference
+from rackcast.planner.forecast import checkpoint_bytes, forecast, forecast_days, run_many, search_intervals
+from rackcast.planner.forecast_formulas import daly_expected_wall_s, daly_interval_s, young_interval_s
+from rackcast.planner.forecast_sim import SHRINK, WAIT_POLICY, SimInputs, simulate, simulate_reference
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
-from simulator.estimate import SECONDS_PER_DAY, estimate
-from topologies.reliability import FailureRates, load_reliability
+from rackcast.simulator.estimate import SECONDS_PER_DAY, estimate
+from rackcast.topologies.reliability import FailureRates, load_reliability
 
 from conftest import PLANS
 

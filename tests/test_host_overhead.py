@@ -14,11 +14,11 @@ import pytest
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
 from rackcast.presets import load_model
-from simulator import op_counts as oc
-from simulator.estimate import estimate
-from simulator.host_overhead import host_overhead, ops_per_microbatch, optimizer_ops
-from simulator.step import simulate
-from topologies.spec import HostOpTimes
+from rackcast.simulator import op_counts as oc
+from rackcast.simulator.estimate import estimate
+from rackcast.simulator.host_overhead import host_overhead, ops_per_microbatch, optimizer_ops
+from rackcast.simulator.step import simulate
+from rackcast.topologies.spec import HostOpTimes
 
 from conftest import PLANS
 

@@ -8,7 +8,7 @@ import pytest
 from rackcast.plan import Plan
 from rackcast.presets import load_model
 from rackcast.strict import from_data
-from simulator.memory import layer_activation_bytes_per_token, memory_breakdown, rank_params
+from rackcast.simulator.memory import layer_activation_bytes_per_token, memory_breakdown, rank_params
 
 GPT = load_model("gpt-1.7b")
 
@@ -150,7 +150,7 @@ def test_fp32_breakdown_of_the_tiny_moe_equals_its_closed_form():
 def test_eager_breakdown_of_the_tiny_moe_adds_the_backends_step_terms():
     """activations="eager": the same static bytes; the eager layers, embedding and head per in-flight micro-batch,
     the token ids, targets and router margins of every micro-batch; the loss backward's temporaries as a buffer."""
-    from simulator.activations import (eager_loss_backward_bytes_per_token, eager_step_bytes_per_token,
+    from rackcast.simulator.activations import (eager_loss_backward_bytes_per_token, eager_step_bytes_per_token,
                                        edge_activation_bytes_per_token)
 
     spec, plan = load_model("tiny-moe"), tiny_plan()
@@ -187,7 +187,7 @@ def test_the_cli_prints_the_eager_fp32_breakdown():
 
     from conftest import PLANS, ROOT
 
-    out = subprocess.run([sys.executable, "-m", "simulator.memory", str(PLANS / "tiny-1proc.yaml"), "fp32", "eager"],
+    out = subprocess.run([sys.executable, "-m", "rackcast.simulator.memory", str(PLANS / "tiny-1proc.yaml"), "fp32", "eager"],
                          capture_output=True, text=True, cwd=ROOT, check=True).stdout
     from rackcast.plan import load_plan
 
@@ -210,13 +210,13 @@ def test_optimizer_state_and_gradients_equal_what_the_backend_keeps(plan_name):
     import torch
     from torch import nn
 
-    from backend.model import build_model
-    from backend.optim import build_optimizer, optimizer_state_numel
-    from backend.parallel import Layout
-    from backend.pipeline import build_chunks
+    from rackcast.backend.model import build_model
+    from rackcast.backend.optim import build_optimizer, optimizer_state_numel
+    from rackcast.backend.parallel import Layout
+    from rackcast.backend.pipeline import build_chunks
     from conftest import PLANS
     from rackcast.plan import load_plan
-    from simulator.memory import static_bytes
+    from rackcast.simulator.memory import static_bytes
 
     plan = load_plan(PLANS / f"{plan_name}.yaml")
     spec = plan.model_spec()
@@ -234,7 +234,7 @@ def test_optimizer_state_and_gradients_equal_what_the_backend_keeps(plan_name):
 
 
 def test_pipeline_ranks_split_the_embedding_and_head_activations():
-    from simulator.activations import (eager_loss_backward_bytes_per_token, eager_pipeline_bytes_per_token,
+    from rackcast.simulator.activations import (eager_loss_backward_bytes_per_token, eager_pipeline_bytes_per_token,
                                        eager_step_bytes_per_token, edge_activation_bytes_per_token)
 
     spec = load_model("tiny-moe")

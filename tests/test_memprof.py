@@ -9,7 +9,7 @@ import gc
 
 import torch
 
-from backend.memprof import live_bytes, profile_peak, running_peak, storage_bytes
+from rackcast.backend.memprof import live_bytes, profile_peak, running_peak, storage_bytes
 
 MIB = 1 << 20
 

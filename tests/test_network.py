@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import simpy
 
-from simulator import collective_formulas as cf
-from simulator import collectives as coll
-from simulator.fairshare import maxmin_rates, maxmin_rates_numpy
-from simulator.network import Network
+from rackcast.simulator import collective_formulas as cf
+from rackcast.simulator import collectives as coll
+from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
+from rackcast.simulator.network import Network
 
 NVLINK = 900e9
 NIC = 50e9
@@ -216,7 +216,7 @@ def test_quantum_merges_finishes_and_stays_within_the_quantum():
 
 
 def test_closed_forms_vectorise_and_match_the_topology_efficiency_curves():
-    from topologies import load_topology
+    from rackcast.topologies import load_topology
 
     topo = load_topology("gb200-nvl72")
     sizes = np.logspace(5, 10, 11)
@@ -325,8 +325,8 @@ def test_contention_between_collectives_slows_both():
 
 
 def test_all_to_all_on_the_preset_graph_is_bound_by_the_preset_nic():
-    from topologies import load_topology
-    from topologies.graph import build_graph
+    from rackcast.topologies import load_topology
+    from rackcast.topologies.graph import build_graph
 
     topo = load_topology("gb200-nvl72", domains=2, usable_gpus=4)
     group = gpus(2, 4)

@@ -13,10 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend.layers import rotary_dims as backend_rotary_dims  # noqa: E402
-from backend.opcount import count_ops  # noqa: E402
+from rackcast.backend.layers import rotary_dims as backend_rotary_dims  # noqa: E402
+from rackcast.backend.opcount import count_ops  # noqa: E402
 from rackcast.presets import load_model  # noqa: E402
-from simulator import op_counts as oc  # noqa: E402
+from rackcast.simulator import op_counts as oc  # noqa: E402
 
 PRESETS = sorted(p.stem for p in (Path(oc.ROOT) / "rackcast" / "model_presets").glob("*.yaml"))
 TWIN_WIDTH_MAX = 400  # the widest twin width of any preset (gpt-1t's 160 heads x 2) is 321; far below real widths

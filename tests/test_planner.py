@@ -17,15 +17,15 @@ from rackcast.presets import load_model
 
 @pytest.fixture(scope="module")
 def small_result():
-    from planner.search import Request, search
-    from planner.space import SpaceOptions
+    from rackcast.planner.search import Request, search
+    from rackcast.planner.space import SpaceOptions
 
     return search(Request(model="marin-535b-a23b", topology="gb200-nvl72", racks=2, tokens=1e12, top=0,
                           simulate=False, options=SpaceOptions.coarse()))
 
 
 def test_vectorised_ranking_equals_scalar_estimate(small_result):
-    from simulator.estimate import estimate
+    from rackcast.simulator.estimate import estimate
 
     ranked = small_result.ranked
     assert {row.layout.usable for row in ranked} == {64, 72}  # both GPU counts per rack are in the sample
@@ -50,9 +50,9 @@ def test_ranking_is_sorted_and_rows_cover_every_status(small_result):
 
 
 def test_host_offload_shortcut_matches_memory_breakdown():
-    from planner.search import offloaded
-    from planner.space import Layout, make_plan
-    from simulator.memory import memory_breakdown
+    from rackcast.planner.search import offloaded
+    from rackcast.planner.space import Layout, make_plan
+    from rackcast.simulator.memory import memory_breakdown
 
     spec = load_model("marin-535b-a23b")
     lay = Layout(64, 11, 64, 1, 1, 1, 64, 1, 1, 11264, 4, "1f1b", "full", "hbm", "dropless")
@@ -62,7 +62,7 @@ def test_host_offload_shortcut_matches_memory_breakdown():
 
 
 def test_fast_spec_answers_like_the_spec():
-    from planner.space import fast_spec
+    from rackcast.planner.space import fast_spec
 
     spec = load_model("marin-535b-a23b")
     fast = fast_spec(spec)
@@ -73,7 +73,7 @@ def test_fast_spec_answers_like_the_spec():
 
 
 def test_default_global_batch_is_marins():
-    from planner.space import default_global_batch
+    from rackcast.planner.space import default_global_batch
 
     assert default_global_batch(load_model("marin-535b-a23b"), 64, 11) == 11264
 
@@ -130,9 +130,9 @@ def test_plan_output_is_deterministic(tmp_path, cli):
 
 
 def test_marin_family_reproduces_the_presets_and_the_reference_sizing():
-    from planner.size import marin_shapes, one_domain_replica
-    from planner.space import SpaceOptions
-    from topologies import load_topology
+    from rackcast.planner.size import marin_shapes, one_domain_replica
+    from rackcast.planner.space import SpaceOptions
+    from rackcast.topologies import load_topology
 
     shapes = {s.name: s for s in marin_shapes()}
     hbm = load_topology("gb200-nvl72").accelerator.hbm_bytes

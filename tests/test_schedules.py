@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from simulator import schedule_formulas as formulas
-from simulator.pipeline_exec import ChunkDurations, run_pipeline
-from simulator.schedules import SCHEDULE_NAMES, Action, pipeline_orders, stage_to_rank
+from rackcast.simulator import schedule_formulas as formulas
+from rackcast.simulator.pipeline_exec import ChunkDurations, run_pipeline
+from rackcast.simulator.schedules import SCHEDULE_NAMES, Action, pipeline_orders, stage_to_rank
 
 REPO = Path(__file__).resolve().parents[1]
 

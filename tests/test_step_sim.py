@@ -13,11 +13,11 @@ import pytest
 
 from conftest import PLANS
 from rackcast.plan import BatchSpec, ExpertTransport, ParallelSpec, TopologyRef, load_plan, validate
-from simulator.estimate import PHASES, estimate
-from simulator.memory import memory_breakdown
-from simulator.results import result_json, write_parquet
-from simulator.step import simulate
-from simulator.trace import trace_json
+from rackcast.simulator.estimate import PHASES, estimate
+from rackcast.simulator.memory import memory_breakdown
+from rackcast.simulator.results import result_json, write_parquet
+from rackcast.simulator.step import simulate
+from rackcast.simulator.trace import trace_json
 
 EXAMPLES = sorted(p.name for p in PLANS.glob("*.yaml"))
 

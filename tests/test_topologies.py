@@ -15,9 +15,9 @@ import pytest
 
 from rackcast.errors import RackcastError
 from rackcast.strict import from_data, load_yaml, to_data
-from topologies import PRESET_DIR, list_topologies, load_topology
-from topologies.graph import build_graph, gpu_name, max_flow_Bps, route, route_latency_s
-from topologies.spec import Topology
+from rackcast.topologies import PRESET_DIR, list_topologies, load_topology
+from rackcast.topologies.graph import build_graph, gpu_name, max_flow_Bps, route, route_latency_s
+from rackcast.topologies.spec import Topology
 
 REPO = Path(__file__).resolve().parent.parent
 EXPECTED_PRESETS = {"gb200-nvl72", "h100-hgx", "h200-hgx", "b200-hgx", "a100-dgx", "local-cpu"}

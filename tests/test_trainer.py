@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from backend.checkpoint import latest_complete, step_dir
-from backend.data import TokenData, prepare
-from backend.expert_parallel import pop_drop_counts, shard_experts
-from backend.model import build_model
-from backend.parallel import validate_trainable
-from backend.record import write_routing
+from rackcast.backend.checkpoint import latest_complete, step_dir
+from rackcast.backend.data import TokenData, prepare
+from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
+from rackcast.backend.model import build_model
+from rackcast.backend.parallel import validate_trainable
+from rackcast.backend.record import write_routing
 from rackcast.errors import RackcastError
 from rackcast.plan import ExpertTransport, load_plan
 from rackcast.presets import load_model
@@ -96,7 +96,7 @@ def test_a_checkpoint_without_its_manifest_is_not_resumed_from(tmp_path):
 
 
 def test_routing_histogram_is_replayed_by_the_simulator(tmp_path):
-    from simulator.routing import expert_probabilities
+    from rackcast.simulator.routing import expert_probabilities
 
     write_routing(tmp_path, {0: [30, 10, 0, 0], 1: [10, 30, 0, 20]})
     transport = ExpertTransport(routing="histogram", histogram=str(tmp_path / "routing.parquet"))
@@ -105,7 +105,7 @@ def test_routing_histogram_is_replayed_by_the_simulator(tmp_path):
 
 
 def _row(step: int, time_s: float, peak: float, profiled: bool = False) -> dict:
-    from backend.record import PHASES
+    from rackcast.backend.record import PHASES
 
     return {"step": step, "loss": 1.0, "eval_loss": math.nan, "step_time_s": time_s, "tokens_per_s": 1 / time_s,
             "mfu": 0.1, **{f"phase_{p}_s": 0.0 for p in PHASES}, "peak_memory_bytes": peak,
@@ -113,7 +113,7 @@ def _row(step: int, time_s: float, peak: float, profiled: bool = False) -> dict:
 
 
 def test_summary_medians_skip_warm_up_and_the_memory_profiled_step():
-    from backend.record import summary
+    from rackcast.backend.record import summary
 
     rows = [_row(1, 9.0, math.nan), _row(2, 1.0, math.nan), _row(3, 5.0, 120, profiled=True), _row(4, 1.0, 120),
             _row(5, 2.0, 120)]
@@ -130,7 +130,7 @@ def test_one_process_run_records_the_profiled_live_tensor_peak(tmp_path):
     eager count (simulator.activations)."""
     import pyarrow.parquet as pq
 
-    from simulator.memory import memory_breakdown
+    from rackcast.simulator.memory import memory_breakdown
     from trainer_helpers import run_worker, write_plan
 
     plan_path = write_plan(tmp_path / "p.yaml", {}, global_batch=4, micro_batch=2)

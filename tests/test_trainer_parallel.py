@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from backend.checkpoint import complete_steps, latest_complete, merge_full_state, step_dir
+from rackcast.backend.checkpoint import complete_steps, latest_complete, merge_full_state, step_dir
 from trainer_helpers import losses, run_worker, write_plan
 
 pytestmark = pytest.mark.slow

@@ -168,7 +168,7 @@ def test_screen_captures(screens, name, expected):
 
 
 def test_pipeline_gantt_draws_every_action():
-    from simulator.pipeline_exec import ChunkDurations, run_pipeline
+    from rackcast.simulator.pipeline_exec import ChunkDurations, run_pipeline
 
     res = run_pipeline("1f1b", 4, 8, 1, ChunkDurations.uniform(1.0))
     lines = pipeline_gantt(res.timelines, res.total_s, width=int(res.total_s)).plain.splitlines()

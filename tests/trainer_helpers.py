@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
@@ -27,14 +25,12 @@ def write_plan(path: Path, parallel: dict, *, global_batch: int = 8, micro_batch
 
 def run_worker(plan: Path, out: Path, steps: int, *extra: str, world: int = 1, env: dict | None = None,
                data_dir: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    from rackcast.cli.train import torchrun_command
+    from rackcast.backend.launch import torchrun_command, worker_command, worker_env
 
     args = ["--steps", str(steps), "--out", str(out), "--quiet", "--threads", "1",
             "--data-dir", str(data_dir or ROOT / "runs" / ".data"), *extra]
-    cmd = torchrun_command(str(plan), world, args) if world > 1 else \
-        [sys.executable, "-m", "backend.train", "--plan", str(plan), *args]
-    full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-                **(env or {})}
+    cmd = torchrun_command(str(plan), world, args) if world > 1 else worker_command(str(plan), args)
+    full_env = worker_env(env, override=True)
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,6 +1,6 @@
 """Hardware as data: topology presets (YAML), their typed form, and the networkx graph built from them.
 
-    from topologies import load_topology, list_topologies
+    from rackcast.topologies import load_topology, list_topologies
     topo = load_topology("gb200-nvl72", domains=11)       # 11 racks, 64 of 72 GPUs each (the preset's default)
     topo = load_topology("gb200-nvl72", domains=2, usable_gpus=72)
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rackcast.errors import RackcastError
 from rackcast.strict import load_preset, preset_names
-from topologies.spec import Topology
+from rackcast.topologies.spec import Topology
 
 PRESET_DIR = Path(__file__).parent / "presets"
 

@@ -1,7 +1,7 @@
 """The topology as a networkx graph: GPUs, switches, NICs, rails, spine and hosts, with per-direction link capacities.
 
-    from topologies import load_topology
-    from topologies.graph import build_graph, route, max_flow_Bps, gpu_name
+    from rackcast.topologies import load_topology
+    from rackcast.topologies.graph import build_graph, route, max_flow_Bps, gpu_name
     g = build_graph(load_topology("gb200-nvl72", domains=11))        # 704 GPUs
     edges = route(g, gpu_name(0, 0), gpu_name(3, 5))                  # [(u, v), ...] directed edges
     max_flow_Bps(g, gpu_name(0, 0), gpu_name(0, 1))                   # 900e9 inside one NVL72 rack
@@ -31,7 +31,7 @@ from __future__ import annotations
 import networkx as nx
 
 from rackcast.errors import RackcastError
-from topologies.spec import Topology
+from rackcast.topologies.spec import Topology
 
 SPINE = "spine"
 

@@ -7,7 +7,7 @@ measured runs.
 
 A measurement file is YAML: `plan` (path, relative to the file), `step_time_s` or `tokens_per_s`, optionally
 `phases_s` (trainer phase names: compute, exposed_expert_a2a, exposed_dp_comm, pipeline_bubble, optimizer, ...);
-or `measurements:` holding a list of those. The fitted factors and what each needs are in planner.fit.
+or `measurements:` holding a list of those. The fitted factors and what each needs are in validation.fit.
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ def _run(args) -> int:
 def _measure(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from backend.calibrate import default_device, measure
-    from planner.calibration import build_topology, header_for, write_topology
-    from topologies import load_topology
+    from rackcast.backend.calibrate import default_device, measure
+    from rackcast.validation.calibration import build_topology, header_for, write_topology
+    from rackcast.topologies import load_topology
     from rackcast.strict import write_text_atomic
 
     device = default_device()
@@ -131,7 +131,7 @@ def _measure(args) -> int:
 
 # ----------------------------------------------------------------------------------------------------- fitting
 def load_measurements(args) -> list:
-    from planner.fit import Measurement
+    from rackcast.validation.fit import Measurement
     from rackcast.plan import load_plan
 
     out = []
@@ -166,9 +166,9 @@ def load_measurements(args) -> list:
 
 
 def _fit(args) -> int:
-    from planner.calibration import write_topology
-    from planner.fit import FACTORS, fit
-    from topologies import load_topology
+    from rackcast.validation.calibration import write_topology
+    from rackcast.validation.fit import FACTORS, fit
+    from rackcast.topologies import load_topology
 
     ms = load_measurements(args)
     first = ms[0].plan.topology
@@ -192,7 +192,7 @@ def _fit(args) -> int:
               *[f"  {k}: {v:.4g} (se {res.std_error[k]:.2g}, "
                 f"{'identified' if res.identified[k] else 'NOT identified: kept near 1 by the prior'})"
                 for k, v in res.fitted.items()],
-              f"rms residual {res.rms_before:.3g} before, {res.rms_after:.3g} after (planner.fit)"]
+              f"rms residual {res.rms_before:.3g} before, {res.rms_after:.3g} after (validation.fit)"]
     fitted = replace(res.topology, name=out.stem,
                      efficiency=replace(res.topology.efficiency,
                                         source=f"{topo.efficiency.source} -- scaled by factors fitted to "

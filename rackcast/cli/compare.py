@@ -42,9 +42,9 @@ def _fmt(v, unit: str) -> str:
 
 
 def _run(args) -> int:
-    from planner.compare import combined_trace, compare_rows, load_record, predict
+    from rackcast.validation.compare import combined_trace, compare_rows, load_record, predict
     from rackcast.strict import write_text_atomic
-    from topologies import load_topology
+    from rackcast.topologies import load_topology
 
     plan = load_plan(args.plan)
     rec = load_record(args.run_dir)
@@ -73,7 +73,7 @@ def _run(args) -> int:
                     "error = (predicted - measured) / measured", ["metric", "predicted", "measured", "error"], cells))
     if rec.get("memory_measure"):
         out.print(f"peak memory: measured as {rec['memory_measure']}, largest rank; predicted for "
-                  f"{rec.get('param_dtype', 'bf16')} weights and eager activations (planner.compare)")
+                  f"{rec.get('param_dtype', 'bf16')} weights and eager activations (validation.compare)")
     elif rec.get("device", "cpu") == "cpu":
         out.print("peak memory: this (older) run reports the process's peak resident set, runtime included")
     if args.trace:

@@ -26,7 +26,7 @@ def register(sub) -> None:
 
 
 def _run(args) -> int:
-    from simulator.estimate import estimate
+    from rackcast.simulator.estimate import estimate
 
     plan = load_plan(args.plan)
     result = estimate(plan, FlopsConvention.parse(args.flops_convention))

@@ -76,9 +76,9 @@ def _progress():
 
 
 def _run(args) -> int:
-    from planner.forecast import forecast
+    from rackcast.planner.forecast import forecast
     from rackcast.strict import write_text_atomic
-    from topologies.reliability import load_reliability
+    from rackcast.topologies.reliability import load_reliability
 
     runs = _number(args.runs, "runs", int)
     seed = _number(args.seed, "seed", int)

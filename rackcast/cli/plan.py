@@ -69,7 +69,7 @@ def command_line(name: str) -> str:
 
 
 def resolve_racks(topology: str, racks: int | None) -> int:
-    from topologies import load_topology
+    from rackcast.topologies import load_topology
 
     return load_topology(topology).domains if racks is None else racks
 
@@ -80,9 +80,9 @@ def _run(args) -> int:
     from rich.console import Console
 
     from rackcast.cli.common import print_json
-    from planner.report import ranked_table, result_json, summary_lines, write_best_plan, write_parquet
-    from planner.search import Request, search
-    from planner.space import SpaceOptions
+    from rackcast.planner.report import ranked_table, result_json, summary_lines, write_best_plan, write_parquet
+    from rackcast.planner.search import Request, search
+    from rackcast.planner.space import SpaceOptions
 
     if args.global_batch < 0:
         raise RackcastError(f"--global-batch must be positive, got {args.global_batch}")
@@ -102,7 +102,7 @@ def _run(args) -> int:
     if args.json:
         data = result_json(result, args.rows)
         if args.explain:
-            from planner.explain import explain_lines
+            from rackcast.planner.explain import explain_lines
 
             data["explain"] = explain_lines(result)
         data["wrote"] = {"plan": args.out or None, "parquet": args.parquet or None, "parquet_rows": rows}
@@ -113,7 +113,7 @@ def _run(args) -> int:
     for line in summary_lines(result):
         out.print(line)
     if args.explain:
-        from planner.explain import explain_lines
+        from rackcast.planner.explain import explain_lines
 
         for line in explain_lines(result):
             out.print(line, markup=False)

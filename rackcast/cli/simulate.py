@@ -26,9 +26,9 @@ def register(sub) -> None:
 def _run(args) -> int:
     import sys
 
-    from simulator.results import result_json, write_parquet
-    from simulator.step import simulate
-    from simulator.trace import write_trace
+    from rackcast.simulator.results import result_json, write_parquet
+    from rackcast.simulator.step import simulate
+    from rackcast.simulator.trace import write_trace
 
     plan = load_plan(args.plan)
     seed = plan.seed if args.seed is None else args.seed

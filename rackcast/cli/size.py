@@ -23,9 +23,9 @@ def register(sub) -> None:
 
 def _run(args) -> int:
     from rackcast.cli.common import print_json
-    from planner.report import size_json, size_table
-    from planner.search import available_days
-    from planner.size import size_search
+    from rackcast.planner.report import size_json, size_table
+    from rackcast.planner.search import available_days
+    from rackcast.planner.size import size_search
     from rich.console import Console
 
     if args.workers < 1:

@@ -12,8 +12,8 @@ from typing import Any
 
 from rackcast.cli.common import console, gib, human, print_json, table
 from rackcast.strict import to_data
-from topologies import list_topologies, load_topology
-from topologies.spec import Topology
+from rackcast.topologies import list_topologies, load_topology
+from rackcast.topologies.spec import Topology
 
 
 def register(sub) -> None:
@@ -71,7 +71,7 @@ def _list(args) -> int:
 
 def show_data(topo: Topology) -> dict[str, Any]:
     """Every typed field (strict.to_data) plus derived figures and the graph's size."""
-    from topologies.graph import build_graph  # networkx: only when a graph is asked for
+    from rackcast.topologies.graph import build_graph  # networkx: only when a graph is asked for
 
     graph = build_graph(topo)
     peak = _peak_bf16(topo)

@@ -11,11 +11,11 @@ receives metrics.parquet, record.json, routing.parquet, checkpoints/ and, with -
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from rackcast.backend.launch import torchrun_command, worker_env
 from rackcast.cli.common import refuse_unless_fits
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
@@ -38,16 +38,10 @@ def register(sub) -> None:
     parser.set_defaults(func=_run)
 
 
-def torchrun_command(plan_path: str, world: int, worker_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--max-restarts", "0",
-            "-m", "backend.train", "--plan", plan_path, *worker_args]
-
-
 def _run(args) -> int:
-    from backend.data import prepare
-    from backend.parallel import validate_trainable
-    from simulator.estimate import estimate
+    from rackcast.backend.data import prepare
+    from rackcast.backend.parallel import validate_trainable
+    from rackcast.simulator.estimate import estimate
 
     if args.steps <= 0:
         raise RackcastError(f"--steps must be positive, got {args.steps}")
@@ -64,12 +58,7 @@ def _run(args) -> int:
               "--threads", str(args.threads)]
     worker += ["--resume"] if args.resume else []
     worker += ["--profile"] if args.profile else []
-    env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    code = subprocess.call(torchrun_command(args.plan, plan.parallel.gpus, worker), env=env)
+    code = subprocess.call(torchrun_command(args.plan, plan.parallel.gpus, worker), env=worker_env())
     if code != 0:
         print(f"rackcast train: training stopped with exit code {code}; continue it with --resume "
               f"(run folder {out})", file=sys.stderr)

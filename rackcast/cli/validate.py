@@ -1,4 +1,4 @@
-"""`rackcast validate [--quick] [--json]`: train the validation suite (planner.validate) on this machine, predict each
+"""`rackcast validate [--quick] [--json]`: train the validation suite (validation.validate) on this machine, predict each
 plan with the calibrated topology, fit and re-predict, and print the error table (step-time MAPE, max error,
 Kendall tau, peak-memory error). Results go to OUT/results.parquet and OUT/summary.json.
 
@@ -40,7 +40,7 @@ def _run(args) -> int:
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from planner.validate import run_suite
+    from rackcast.validation.validate import run_suite
 
     topology = args.topology or ("runs/calibrated.yaml" if Path("runs/calibrated.yaml").exists() else "local-cpu")
     if args.steps < 0 or args.repeats < 0:

@@ -69,7 +69,7 @@ class RackcastApp(App):
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from rackcast.cli.tui import add_arguments
+    from rackcast.tui.arguments import add_arguments
 
     parser = argparse.ArgumentParser(prog="tui.py", description="rackcast terminal UI")
     add_arguments(parser)

@@ -46,7 +46,7 @@ def screen_text(app) -> str:
 
 def size_options():
     """A small space for the size search (seconds, not minutes): one node, few degrees and knobs."""
-    from planner.space import SpaceOptions
+    from rackcast.planner.space import SpaceOptions
 
     return {"workers": 1, "top": 1, "options": SpaceOptions.coarse(
         max_pipeline=2, contexts=(1,), max_micro_batch=1, schedules=("1f1b",), recompute=("none",),
@@ -72,7 +72,7 @@ def synthetic_run(folder: Path, plan_path: str = COMPARE_PLAN, steps: int = 12) 
     """A run folder in backend.record's format with fixed numbers (for tests and captures without training)."""
     import math
 
-    from backend.record import PHASES, summary, write_json_atomic, write_metrics
+    from rackcast.backend.record import PHASES, summary, write_json_atomic, write_metrics
 
     folder.mkdir(parents=True, exist_ok=True)
     rows = []

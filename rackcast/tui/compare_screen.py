@@ -1,5 +1,5 @@
 """Compare screen: a plan file and a run folder (metrics.parquet + record.json from `rackcast train`): predicted
-against measured per metric (planner.compare, as `rackcast compare` prints it) and a per-step plot of the measured
+against measured per metric (validation.compare, as `rackcast compare` prints it) and a per-step plot of the measured
 step time with the prediction as a line (textual-plotext).
 
 Keys: enter in a field or ctrl+r loads. Part of the app in rackcast.tui.app.
@@ -26,7 +26,7 @@ from rackcast.tui.widgets import Field
 class Comparison:
     plan_name: str
     source: str  # simulate | estimate
-    rows: list[dict]  # planner.compare.compare_rows
+    rows: list[dict]  # validation.compare.compare_rows
     steps: list[int]
     step_times_s: list[float]
     predicted_step_s: float
@@ -34,7 +34,7 @@ class Comparison:
 
 def load_comparison(plan_path: str, run_dir: str) -> Comparison:
     """What `rackcast compare PLAN RUN_DIR` computes, plus the run's per-step times from metrics.parquet."""
-    from planner.compare import compare_rows, load_record, predict
+    from rackcast.validation.compare import compare_rows, load_record, predict
     from rackcast.plan import load_plan
 
     plan = load_plan(plan_path)

@@ -78,10 +78,8 @@ class Job:
         self._stderr = tempfile.TemporaryFile()
 
     def start(self) -> "Job":
-        env = dict(os.environ)
-        env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.process = subprocess.Popen([sys.executable, "-m", "rackcast.tui.jobs"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=self._stderr, env=env,
+                                        stdout=subprocess.PIPE, stderr=self._stderr,
                                         start_new_session=True)
         self.process.stdin.write(pickle.dumps((self.target, self.args)))
         self.process.stdin.close()
@@ -173,7 +171,7 @@ def _call(fn, progress, *args):
 
 
 def run_search(request, progress) -> SearchOutcome:
-    from planner.search import search
+    from rackcast.planner.search import search
 
     result = _call(search, progress, request)
     ranked = result.ranked[:TABLE_ROWS]
@@ -191,7 +189,7 @@ def run_search(request, progress) -> SearchOutcome:
 
 def run_size(kwargs: dict, progress) -> "SizeOutcome":
     """planner.size.size_search(**kwargs), each shape's result trimmed to its best layout."""
-    from planner import size
+    from rackcast.planner import size
 
     result = _call(lambda: size.size_search(**kwargs), progress)
     out = SizeOutcome(result=result)

@@ -55,7 +55,7 @@ class PlanScreen(Screen):
 
     def compose(self) -> ComposeResult:
         from rackcast.presets import list_models
-        from topologies import list_topologies
+        from rackcast.topologies import list_topologies
 
         yield Header()
         with Grid(id="form"):

@@ -60,7 +60,7 @@ def _parse_budget(v: dict, errors: dict) -> dict:
 
 def _check_dates(v: dict, errors: dict) -> None:
     """Start and deadline must be ISO dates, the deadline after the start."""
-    from planner.search import available_days
+    from rackcast.planner.search import available_days
 
     for name in ("start", "deadline"):
         if v[name]:
@@ -105,9 +105,9 @@ def shaped_model(model: str, shape: dict[str, int]):
 
 def build_request(values: dict[str, str], **request_options):
     """Form values (strings) -> planner.search.Request; raises InputErrors naming every bad field."""
-    from planner.search import Request
+    from rackcast.planner.search import Request
     from rackcast.presets import list_models
-    from topologies import list_topologies
+    from rackcast.topologies import list_topologies
 
     errors: dict[str, str] = {}
     v = {k: (values.get(k) or "").strip() for k in FIELDS}
@@ -174,7 +174,7 @@ def cli_command(request, tokens_text: str = "") -> str:
 def plan_with_prediction(result, row):
     """The plan `rackcast plan --out` writes for this candidate (planner.report.best_plan does this for the
     winner): the search's plan with its predicted block and provenance."""
-    from planner.search import predicted_for
+    from rackcast.planner.search import predicted_for
     from rackcast.plan import with_prediction
 
     return with_prediction(result.plan_for(row), predicted_for(result, row), command=result.request.command)
@@ -186,12 +186,12 @@ def detail(result, row) -> Detail:
     pipeline = None
     p = plan.parallel
     if p.pipeline > 1:
-        from simulator.pipeline_exec import ChunkDurations, run_pipeline
+        from rackcast.simulator.pipeline_exec import ChunkDurations, run_pipeline
 
-        # Schedule units, as `python -m simulator.pipeline_exec` draws them: forward of one model = 1.
+        # Schedule units, as `python -m rackcast.simulator.pipeline_exec` draws them: forward of one model = 1.
         pipeline = run_pipeline(plan.schedule, p.pipeline, plan.microbatches, p.virtual,
                                 ChunkDurations.uniform(1.0 / (p.pipeline * p.virtual)))
-    from simulator.step import simulate
+    from rackcast.simulator.step import simulate
 
     sim = simulate(plan, seed=plan.seed)
     days = result.days_for(row)
@@ -207,8 +207,8 @@ def detail(result, row) -> Detail:
 # ---------------------------------------------------------------- size search
 def build_size_request(values: dict[str, str], **options) -> dict:
     """Form values -> keyword arguments of planner.size.size_search; raises InputErrors naming every bad field."""
-    from planner.size import FAMILIES
-    from topologies import list_topologies
+    from rackcast.planner.size import FAMILIES
+    from rackcast.topologies import list_topologies
 
     v = {k: (values.get(k) or "").strip() for k in ("family", "topology", "racks", "tokens", "start", "deadline")}
     errors: dict[str, str] = {}

@@ -3,7 +3,7 @@
 Every figure lives in the YAML files here (default.yaml), each with its source in a comment; this module only
 defines the types, validates them and loads them strictly (unknown keys and wrong types are refused).
 
-    from topologies.reliability import load_reliability
+    from rackcast.topologies.reliability import load_reliability
     spec = load_reliability()                      # default.yaml
     spec = load_reliability("my-cluster.yaml")     # a user's own figures
 

@@ -14,7 +14,7 @@ Conventions (they are the simulator's, topologies/spec.py):
   largest group measured; without a fabric (one machine) scale_out repeats scale_up, as the presets do.
 This module does not import torch.
 
-    python -m planner.calibration measurements.json out.yaml      # build a topology from saved measurements
+    python -m rackcast.validation.calibration measurements.json out.yaml      # build a topology from saved measurements
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from rackcast.strict import dump_yaml, to_data, write_text_atomic
-from topologies import load_topology
-from topologies.spec import COLLECTIVE_KINDS, CollectiveCurves, CurvePoint, EfficiencyProfile, HostOpTimes, Topology
+from rackcast.topologies import load_topology
+from rackcast.topologies.spec import COLLECTIVE_KINDS, CollectiveCurves, CurvePoint, EfficiencyProfile, HostOpTimes, Topology
 
 MERGE_RATIO = 1.6
 MIN_EFF = 1e-4
@@ -191,5 +191,5 @@ if __name__ == "__main__":
     data = json.loads(Path(sys.argv[1]).read_text())
     base = load_topology("h200-hgx" if data["device"] == "cuda" else "local-cpu")
     t, n = build_topology(data, base, Path(sys.argv[2]).stem)
-    write_topology(sys.argv[2], t, header_for(data, n, "python -m planner.calibration"))
+    write_topology(sys.argv[2], t, header_for(data, n, "python -m rackcast.validation.calibration"))
     print(Path(sys.argv[2]).read_text())

@@ -23,7 +23,7 @@ Method: residuals log(predicted / measured step time) and (predicted - measured 
 all measurements, evaluated with the vectorised simulator.estimate.step_time (features computed once per plan);
 Levenberg-Marquardt on log-factors with numeric derivatives and a weak prior pulling unidentified factors to 1.
 
-    python -m planner.fit            # recovers known factors from a synthetic measurement (a self-check)
+    python -m rackcast.validation.fit            # recovers known factors from a synthetic measurement (a self-check)
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rackcast.plan import Plan
-from simulator.estimate import plan_features, step_time
-from topologies.spec import CollectiveCurves, CurvePoint, Topology
+from rackcast.simulator.estimate import plan_features, step_time
+from rackcast.topologies.spec import CollectiveCurves, CurvePoint, Topology
 
 FACTORS = ("gemm", "attention", "memory_bound", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
            "send_recv", "comm_compute_slowdown", "op_overhead")

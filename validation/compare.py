@@ -17,7 +17,7 @@ Metric conventions (both sides use them, so the comparison is a join on names):
 - drop_fraction: assignments dropped by capacity transport (0 when dropless).
 Error = (predicted - measured) / measured.
 
-    python -m planner.compare examples/plans/tiny-2proc-ep.yaml runs/tiny-2proc-ep
+    python -m rackcast.validation.compare examples/plans/tiny-2proc-ep.yaml runs/tiny-2proc-ep
 """
 
 from __future__ import annotations
@@ -56,15 +56,15 @@ def predict(plan: Plan, topo=None, record: bool = False, prefer: str = "simulate
     source, result = None, None
     if prefer == "simulate":
         try:
-            from simulator.step import simulate
+            from rackcast.simulator.step import simulate
         except ModuleNotFoundError as exc:  # no simulator in this checkout; any other error is a real one
-            if exc.name not in ("simulator.step", "simpy"):
+            if exc.name not in ("rackcast.simulator.step", "simpy"):
                 raise
             simulate = None
         if simulate is not None:
             source, result = "simulate", simulate(plan, topo=topo, record=record)
     if result is None:
-        from simulator.estimate import estimate
+        from rackcast.simulator.estimate import estimate
 
         source, result = "estimate", estimate(plan, topo=topo)
     return source, result
@@ -81,7 +81,7 @@ def predicted_run_memory(plan: Plan | None, rec: dict, result) -> float:
     dtype = rec.get("param_dtype")
     if plan is None or not dtype:
         return _peak_memory(result)
-    from simulator.memory import memory_breakdown
+    from rackcast.simulator.memory import memory_breakdown
 
     spec = plan.model_spec()
     return max(memory_breakdown(spec, plan, dtype=dtype, activations="eager", rank=r).total
@@ -159,7 +159,7 @@ def measured_events(run_dir: Path, rec: dict) -> tuple[list[dict], str]:
 def combined_trace(result, source: str, run_dir: Path, rec: dict) -> dict:
     """Simulated (or estimated) and measured timelines in one trace-event file, as separate processes."""
     if source == "simulate":
-        from simulator.trace import trace_events
+        from rackcast.simulator.trace import trace_events
 
         sim = trace_events(result)
         for e in sim:

@@ -24,20 +24,19 @@ step, warm-up, skipped).
 Predictions: the simulator (simulator.step.simulate) with the calibrated topology less its host per-op overhead
 ("microbenchmarks"); with the calibrated topology as it is, which includes the overhead (simulator.host_overhead:
 op counts of the backend model x the calibrated host times per forward, backward and optimizer op; "+ op
-overhead"); and that after fitting the topology's factors, op overhead included (planner.fit), to the measured phase
+overhead"); and that after fitting the topology's factors, op overhead included (validation.fit), to the measured phase
 times of the first `fit_on` plans ("fitted"; its held-out error counts only the other plans). Figures: step-time
 MAPE and max |error|, Kendall's tau-b between predicted and measured step times, and peak-memory error: the
 trainer's peak live tensor bytes (backend.memprof) against the memory model for what it keeps (fp32, the activations
-eager PyTorch saves; planner.compare.predicted_run_memory).
+eager PyTorch saves; validation.compare.predicted_run_memory).
 
-    python -m planner.validate --quick       # same as `rackcast validate --quick`, minus the CLI's table
+    python -m rackcast.validation.validate --quick       # same as `rackcast validate --quick`, minus the CLI's table
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import statistics
 import subprocess
@@ -49,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from rackcast.backend.launch import torchrun_command, worker_env
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
 
@@ -95,12 +95,9 @@ def write_suite(folder: Path, topology: str, quick: bool) -> list[Path]:
 
 def train(plan_path: Path, out: Path, steps: int, data_dir: str, timeout_s: float = 600) -> dict:
     """One training run (torchrun, gloo on loopback, one thread per process); its record.json."""
-    from rackcast.cli.train import torchrun_command
-
     plan = load_plan(str(plan_path))
     args = ["--steps", str(steps), "--out", str(out), "--quiet", "--threads", "1", "--data-dir", data_dir]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    env = worker_env(override=True)
     for attempt in range(2):  # one retry: a crashed run is started again
         if out.exists():
             shutil.rmtree(out)
@@ -169,8 +166,8 @@ def summarise(results: list[PlanResult], label: str, held_out: set[str] | None =
 
 def predict_all(results: list[PlanResult], topo_path: str, label: str, overhead: bool = True) -> None:
     """Predict every plan with topology `topo_path`; overhead=False leaves its host per-op times out."""
-    from planner.compare import predict, predicted_run_memory
-    from topologies import load_topology
+    from rackcast.validation.compare import predict, predicted_run_memory
+    from rackcast.topologies import load_topology
 
     for r in results:
         plan = load_plan(r.plan_path)
@@ -188,9 +185,9 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
     """Train, predict, fit, summarise; writes plans/, runs/, results.parquet, fitted topology and summary.json.
     reuse: take the measurements of an earlier run of the suite in `out_dir` (its runs/*/record.json) instead of
     training again, to predict them with another topology or a changed model."""
-    from planner.calibration import write_topology
-    from planner.fit import Measurement, fit
-    from topologies import load_topology
+    from rackcast.validation.calibration import write_topology
+    from rackcast.validation.fit import Measurement, fit
+    from rackcast.topologies import load_topology
 
     load_topology(topology)  # a missing or malformed topology fails here, before any training
     steps = steps or (8 if quick else 20)
@@ -222,7 +219,7 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
     counts = None
     if load_topology(topology).efficiency.host_op_s.measured:
         from rackcast.presets import load_model
-        from simulator.op_counts import op_counts
+        from rackcast.simulator.op_counts import op_counts
 
         counts = op_counts(load_model("tiny-moe"), "muonh")  # for the summary; the predictions count their own
         predict_all(results, topology, "microbenchmarks + op overhead")
