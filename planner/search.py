@@ -10,7 +10,6 @@ Stages:
 4. The best K are run through the discrete-event simulator (simulator.step.simulate, 2 processes) when it is
    importable, and re-ranked by its figures; otherwise the result says that they were not simulated.
 
-    python -m rackcast.planner.search marin-535b-a23b gb200-nvl72 11 18e12
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import datetime as dt
 import math
 import multiprocessing
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -191,10 +189,11 @@ def _memory_choices(layout: Layout, spec, topos, r: Request) -> list[tuple[Layou
 def _selective_saves(spec, layout: Layout, r: Request) -> bool:
     """Selective recomputation drops only the materialised attention core (none with flash attention)."""
     memo = _STATE.setdefault("selective", {})
-    if layout.tensor not in memo:
+    tensor = layout.parallel.tensor
+    if tensor not in memo:
         plan = make_plan(layout, spec.name, r.topology, r.racks, spec)
-        memo[layout.tensor] = any(attention_core_bytes_per_token(spec, i, plan) > 0 for i in range(spec.layers))
-    return memo[layout.tensor]
+        memo[tensor] = any(attention_core_bytes_per_token(spec, i, plan) > 0 for i in range(spec.layers))
+    return memo[tensor]
 
 
 def _evaluate_chunk(layouts: list[Layout]) -> list[tuple]:
@@ -312,7 +311,7 @@ def _refine_capacity(ranked: list[Row], rows: list[Row], spec: ModelSpec, base: 
     """Capacity transport changes only the expert all-to-all and the load imbalance (not memory or validity), so it
     is tried on the best dropless layouts with experts split over several GPUs rather than on all of them."""
     _sort(ranked, r.objective, simulated=False)
-    best = [x for x in ranked if x.layout.expert > 1][:REFINE]
+    best = [x for x in ranked if x.layout.parallel.expert > 1][:REFINE]
     layouts = [replace(x.layout, transport="capacity") for x in best]
     _STATE["memo"] = {lay: [(lay, True, x.memory, x.host_per_host)] for lay, x in zip(layouts, best)}
     try:
@@ -455,12 +454,3 @@ def tightest_constraint(result: Result) -> str:
                 f"({gpus_needed} GPUs) to shard model state, have {result.request.racks}")
     return (f"nothing fits: the smallest memory per GPU any layout reaches is {m['total'] / gib:.1f} GiB "
             f"({lay.label}) against {hbm / gib:.1f} GiB HBM; {need}")
-
-
-if __name__ == "__main__":
-    model, topo_name, racks, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-    res = search(Request(model=model, topology=topo_name, racks=racks, tokens=tokens, simulate=False))
-    print(res.counts, {k: round(v, 2) for k, v in res.timings.items()})
-    for row in res.ranked[:10]:
-        print(f"{row.rank:3d} {row.layout.label:70s} {row.tokens_per_s / 1e6:8.3f} Mtok/s "
-              f"MFU {100 * row.mfu:5.1f}% {row.days:7.1f} d")

@@ -16,14 +16,11 @@ Host per-op overhead (only where the topology's efficiency.host_op_s is measured
 counts of the backend model (simulator.op_counts) per step, as simulator.host_overhead models them (rank 0's own
 forward and backward ops, the extra ones on the pipeline's critical path, the optimizer's), each x its host time per
 op, added to compute, pipeline_bubble and optimizer.
-
-    python -m rackcast.simulator.estimate examples/plans/marin-535b-hero.yaml
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -34,7 +31,7 @@ from rackcast.plan import Plan
 from rackcast.simulator import collective_formulas as formulas
 from rackcast.simulator.collective_formulas import efficiency_at
 from rackcast.simulator.host_overhead import host_ops
-from rackcast.simulator.memory import BYTES, MemoryBreakdown, expert_fsdp, memory_breakdown, rank_layers, rank_params
+from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
@@ -87,12 +84,12 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
 
 def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
     """The scalars the step-time formulas need, for pipeline rank 0 (the heaviest)."""
-    par, b = plan.parallel, plan.batch
+    par = plan.parallel
     pl = place(plan, topo.scale_up.usable_gpus)
     t, cp = par.tensor, par.context
-    tokens_mb = b.micro_batch * spec.seq_len / cp
+    tokens_mb = plan.tokens_per_microbatch(spec)
     hw = FlopsConvention(attention="causal", window="window", head=True)  # the work kernels really do
-    layers = rank_layers(spec, plan, 0)
+    layers = plan.rank_layers(spec, 0)
     gemm = attn = experts = shared = elementwise = 0.0
     moe_layers = 0
     for i in layers:
@@ -121,7 +118,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
     x = spec.expert_input_dim if spec.moe else 0
     a2a_bytes = tokens_mb * (spec.moe.top_k if spec.moe else 0) * x * w_bytes * par.expert_tensor  # per direction
     recompute_fwd = {"none": 0.0, "selective": attn, "full": gemm + attn + experts}[plan.recompute]
-    efsdp = expert_fsdp(plan)
+    efsdp = par.expert_fsdp
     ns = newton_schulz_flops(spec, plan, layers)
     opt_bytes, host_bytes = optimizer_traffic_bytes(rp, plan)
     bal_count, bal_hist, bal_max = balancing_reductions(spec, layers)
@@ -146,7 +143,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         "cp_n": cp, "cp_out": pl.context.span == "scale_out",
         "cp_bytes": tokens_mb * 2 * spec.attention.kv_heads_local * spec.attention.head_dim * w_bytes / t,
         "cp_count": 3 * len(layers),
-        "ep_n": par.expert * par.expert_tensor, "ep_out": pl.expert.span == "scale_out",
+        "ep_n": par.expert_group, "ep_out": pl.expert.span == "scale_out",
         "a2a_bytes": a2a_bytes * m_imbalance, "a2a_count": 4 * moe_layers,
         "pp_n": par.pipeline, "pp_out": pl.pipeline.span == "scale_out",
         "pp_bytes": tokens_mb * spec.d_model * w_bytes,
@@ -155,7 +152,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         "expert_grad_bytes": rp.expert * g_bytes,
         "efsdp_n": efsdp, "efsdp_out": pl.expert_fsdp.span == "scale_out",
         "expert_fsdp_bytes": rp.expert * w_bytes if efsdp > 1 else 0.0,
-        "erep_n": pl.expert_replicas.size, "erep_out": pl.expert_replicas.span == "scale_out",
+        "erep_n": par.expert_replicas, "erep_out": pl.expert_replicas.span == "scale_out",
         "fsdp_n": par.fsdp, "fsdp_out": pl.fsdp.span == "scale_out",
         "fsdp_bytes": rp.dense * w_bytes,
         "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": 2 * spec.d_model ** 3,
@@ -183,8 +180,8 @@ def reduction_groups(plan: Plan, pl) -> dict:
     """The two levels a reduction over the token-sharding ranks runs on: inside the fsdp x context group, then across
     data replicas (sizes and whether each crosses domains); pl: simulator.placement.place(plan, ...)."""
     par = plan.parallel
-    return {"inner_n": par.fsdp * par.context, "inner_out": make_inner_span(pl),
-            "outer_n": par.data, "outer_out": pl.data.span == "scale_out"}
+    return {"inner_n": par.reduction_inner, "inner_out": make_inner_span(pl),
+            "outer_n": par.reduction_outer, "outer_out": pl.data.span == "scale_out"}
 
 
 def make_inner_span(pl) -> bool:
@@ -315,11 +312,3 @@ def estimate(plan: Plan, convention: FlopsConvention = FlopsConvention(), spec: 
         days_to_budget=(plan.tokens / tokens_per_s / SECONDS_PER_DAY) if plan.tokens else math.nan,
         drop_fraction=feats["drop_fraction"], flops_convention=convention.label, gpus=topo.gpus,
     )
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    result = estimate(load_plan(sys.argv[1]))
-    for key, value in result.as_dict().items():
-        print(f"{key}: {value}")

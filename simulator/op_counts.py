@@ -22,8 +22,6 @@ input width against their hidden width); no width becomes 1 (a size-1 dimension 
 reshape's ops). Head and KV-head counts are kept, not shrunk. Routing is made to reach every expert
 (backend.opcount), so the routed weights' values do not matter either. tests/test_op_counts.py checks the twin's
 counts against full counts.
-
-    python -m rackcast.simulator.op_counts tiny-moe muonh        # prints the counts (from the cache when there)
 """
 
 from __future__ import annotations
@@ -236,9 +234,3 @@ def op_counts(spec: ModelSpec, optimizer: str) -> dict:
             pass
     _MEMORY[key] = counts
     return {**counts, "model": spec.name}  # a count shared by models of one structure names the one asked for
-
-
-if __name__ == "__main__":
-    from rackcast.presets import load_model
-
-    print(json.dumps(op_counts(load_model(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "muonh")))

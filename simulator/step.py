@@ -20,14 +20,11 @@ Phases (estimate.PHASES names) are rank 0's timeline split by what it was doing:
 communication, for another stage (pipeline_bubble) or for a transfer from it (pipeline_p2p); they sum to the step
 time. Memory: allocation and release events give each rank's peak (static state, saved activations per layer and
 micro-batch, FSDP gather and gradient buffers, the recomputed layer).
-
-    python -m rackcast.simulator.step examples/plans/marin-535b-hero.yaml
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -333,7 +330,7 @@ class _StepSim:
     # ------------------------------------------------------------------------------------------------- run
     def run(self) -> tuple[list[_Rank], int]:
         par = self.plan.parallel
-        orders = pipeline_orders(self.plan.schedule, par.pipeline, self.plan.microbatches, self.work.v_chunks)
+        orders = pipeline_orders(self.plan.schedule, par.pipeline, self.plan.microbatches, par.chunks_per_rank)
         ranks = [_Rank(self, s) for s in range(par.pipeline)]
         for r, order in zip(ranks, orders):
             self.env.process(r.process(order))
@@ -371,7 +368,7 @@ def simulate(plan: Plan, seed: int = 0, spec: ModelSpec | None = None, topo: Top
         tl = sim.timeline
         for r in ranks:
             tl.process_names[r.stage] = (f"stage {r.stage} (GPU {sim.net.name(sim.net.rep(r.stage))}; stands for "
-                                         f"{par_ranks(plan)} GPUs)")
+                                         f"{plan.parallel.stage_ranks} GPUs)")
             tl.memory[r.stage] = r.mem_points
         tl.links = [f"{u}->{v}" for u, v in sim.net.net.links]
         tl.link_capacity_Bps = [float(c) for c in sim.net.net.capacity]
@@ -386,17 +383,3 @@ def simulate(plan: Plan, seed: int = 0, spec: ModelSpec | None = None, topo: Top
         days_to_budget=(plan.tokens / tokens_per_s / SECONDS_PER_DAY) if plan.tokens else math.nan,
         flops_convention=convention.label, gpus=topo.gpus, simulated_ranks=len(ranks), fits=fits, seed=seed,
         reduced=reduce, timeline=sim.timeline)
-
-
-def par_ranks(plan: Plan) -> int:
-    """GPUs one pipeline stage's representative stands for."""
-    p = plan.parallel
-    return p.data * p.fsdp * p.context * p.tensor
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    res = simulate(load_plan(sys.argv[1]))
-    for key, value in res.as_dict().items():
-        print(f"{key}: {value}")

@@ -24,13 +24,10 @@ Ops are plain tuples, interpreted by simulator.step:
     ("w", key, phase)                 wait for it; time waited counts as `phase` (an estimate.PHASES name)
     ("m", bytes)                      allocate (+) or release (-) memory on this GPU
 Expert all-to-all token counts come from simulator.routing (see ExpertLoads).
-
-    python -m rackcast.simulator.workload examples/plans/marin-535b-hero.yaml     # per-stage op counts and seconds
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,11 +35,10 @@ import numpy as np
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator.host_overhead import layer_forward_ops, optimizer_ops
-from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, expert_fsdp,
-                              layer_activation_bytes_per_token, rank_params, static_bytes)
+from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, layer_activation_bytes_per_token,
+                                       rank_params, static_bytes)
 from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
 from rackcast.simulator.routing import expert_probabilities
-from rackcast.simulator.schedules import stage_to_rank
 from rackcast.topologies.spec import Topology
 
 HW = FlopsConvention(attention="causal", window="window", head=True)  # the work kernels really do
@@ -93,16 +89,12 @@ class StageWork:
     head_ops: float = 0.0  # the head and loss ops (forward) on the stage holding the last chunk
 
 
-def _mlp_matrices(spec: ModelSpec) -> int:
-    return 3 if spec.activation == "swiglu" else 2
-
-
 class Workload:
     """Per-stage costs of a plan on a topology (see the module docstring)."""
 
     def __init__(self, spec: ModelSpec, plan: Plan, topo: Topology, seed: int = 0):
         self.spec, self.plan, self.topo = spec, plan, topo
-        par, b = plan.parallel, plan.batch
+        par = plan.parallel
         eff = topo.efficiency
         self.peak = topo.peak_flops("bf16")
         self.host = eff.host_op_s
@@ -111,12 +103,11 @@ class Workload:
             from rackcast.simulator.op_counts import op_counts
 
             self.counts = op_counts(spec, plan.optimizer.name)
-        self.tokens_mb = b.micro_batch * spec.seq_len / par.context
+        self.tokens_mb = plan.tokens_per_microbatch(spec)
         t = par.tensor
         self.gemm_eff = eff.gemm_efficiency(2 * self.tokens_mb * spec.d_model * spec.d_model / t)
-        self.v_chunks = 2 if plan.schedule == "dualpipev" else par.virtual
-        self.n_chunks = par.pipeline * self.v_chunks
-        owner = stage_to_rank(plan.schedule, par.pipeline, self.v_chunks)
+        self.n_chunks = par.chunks
+        owner = par.chunk_ranks(plan.schedule)
         self.chunk_rank = owner
         per_chunk = spec.layers // self.n_chunks
         moe = spec.moe
@@ -157,7 +148,7 @@ class Workload:
             shared_s=self._gemm_s(parts.get("shared_experts", 0.0)), expert_s_per_row=per_row,
             elem_s=2 * act / (self.topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound),
             dense_params=(spec.layer_params(i) - pb.get("experts", 0)) / par.tensor,
-            expert_params=pb.get("experts", 0) / (par.expert * par.expert_tensor),
+            expert_params=pb.get("experts", 0) / par.expert_group,
             act_bytes=act, core_bytes=attention_core_bytes_per_token(spec, i, plan) * self.tokens_mb,
             kept_bytes=BYTES["bf16"] * spec.d_model / sp * self.tokens_mb,
             host_ops=layer_forward_ops(self.counts, plan, i) if self.counts else 0.0)
@@ -288,7 +279,7 @@ class Workload:
         if par.fsdp > 1:
             out.append((Comm("all_gather", "fsdp", lw.dense_params * W_BYTES, "fsdp", "fsdp all-gather"),
                         W_BYTES * lw.dense_params))
-        if lw.moe and expert_fsdp(self.plan) > 1:
+        if lw.moe and self.plan.parallel.expert_fsdp > 1:
             out.append((Comm("all_gather", "expert_fsdp", lw.expert_params * W_BYTES, "fsdp",
                              "expert fsdp all-gather"), W_BYTES * lw.expert_params))
         return out
@@ -297,7 +288,7 @@ class Workload:
         """Unsharded gradient buffer of one layer during its backward (FSDP only; memory.py counts one layer)."""
         par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
         out = g * lw.dense_params if par.fsdp > 1 else 0.0
-        if lw.moe and expert_fsdp(self.plan) > 1:
+        if lw.moe and self.plan.parallel.expert_fsdp > 1:
             out += g * lw.expert_params
         return out
 
@@ -306,8 +297,7 @@ class Workload:
         fsdp x context group and all-reduce of the shard across data replicas; for experts, reduce-scatter
         inside the expert-FSDP group and all-reduce of the shard across the remaining expert copies."""
         par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
-        inner = par.fsdp * par.context
-        efsdp = expert_fsdp(self.plan)
+        inner, efsdp = par.reduction_inner, par.expert_fsdp
         out = []
         if dense_params > 0:
             out.append(Comm("reduce_scatter", "inner", dense_params * g, "dp", "grad reduce-scatter"))
@@ -374,15 +364,3 @@ class ExpertLoads:
         send = np.einsum("sd,csd->sc", b, masks)
         recv = np.einsum("sd,csd->dc", b, masks)
         return send, recv
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    loaded = load_plan(sys.argv[1])
-    wl = Workload(loaded.model_spec(), loaded, loaded.topology_spec(), loaded.seed)
-    for st in wl.stages:
-        n = sum(len(c) for c in st.chunks.values())
-        fwd = sum(lw.attn_s + lw.router_s + lw.shared_s for c in st.chunks.values() for lw in c)
-        print(f"stage {st.stage}: {n} layers, forward GEMM+attention {fwd:.4f} s/micro-batch (experts apart), "
-              f"optimizer {st.optimizer_s:.4f} s, host bytes each way {st.host_bytes / 2**30:.2f} GiB")
