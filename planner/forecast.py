@@ -27,7 +27,8 @@ from rackcast.planner.forecast_sim import CAUSES, CLASSES, SHRINK, WAIT_POLICY, 
 from rackcast.errors import RackcastError
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import ParallelSpec, Plan, validate
-from rackcast.simulator.estimate import SECONDS_PER_DAY, Estimate, estimate
+from rackcast.simulator.estimate import Estimate, estimate
+from rackcast.simulator.metrics import SECONDS_PER_DAY
 from rackcast.simulator.memory import BYTES, FP32, rank_params
 from rackcast.topologies.reliability import SPARES_POLICIES, ReliabilitySpec, load_reliability
 from rackcast.topologies.spec import Topology

@@ -27,7 +27,8 @@ from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan, Predicted, validate
 from rackcast.presets import load_model
-from rackcast.simulator.estimate import PHASES, SECONDS_PER_DAY, plan_features, step_time
+from rackcast.simulator import metrics
+from rackcast.simulator.estimate import PHASES, plan_features, step_time
 from rackcast.simulator.memory import MemoryBreakdown, attention_core_bytes_per_token, memory_breakdown
 from rackcast.topologies import load_topology
 from rackcast.topologies.spec import Topology
@@ -150,8 +151,7 @@ _STATE: dict = {}
 
 
 def _fits(mem: MemoryBreakdown, topo: Topology) -> tuple[bool, float]:
-    host_per_host = mem.host * topo.host.gpus_per_host
-    return mem.total <= topo.accelerator.hbm_bytes and host_per_host <= topo.host.memory_bytes, host_per_host
+    return bool(metrics.fits_memory(mem.total, mem.host, topo)), metrics.host_bytes_per_host(mem.host, topo)
 
 
 def offloaded(mem: MemoryBreakdown) -> MemoryBreakdown:
@@ -336,16 +336,15 @@ def _apply_closed_form(ranked: list[Row], feats: list[dict], spec: ModelSpec, to
     keys = list(feats[0])
     arrays = {k: np.array([f[k] for f in feats], dtype=float) for k in keys}
     times = step_time(arrays, topo)
-    flops_token = spec.flops_per_token_train(FlopsConvention())
-    peak = topo.peak_flops("bf16")
+    tokens = np.array([row.layout.global_batch * spec.seq_len for row in ranked], dtype=float)
+    gpus = np.array([row.layout.usable * r.racks for row in ranked], dtype=float)
+    rate = metrics.step_metrics(tokens, times["step_time_s"], metrics.model_flops_per_step(spec, tokens), gpus, topo,
+                                r.tokens)
     for i, row in enumerate(ranked):
-        lay = row.layout
-        step = float(times["step_time_s"][i])
-        tokens = lay.global_batch * spec.seq_len
-        row.step_time_s = step
-        row.tokens_per_s = tokens / step
-        row.mfu = flops_token * tokens / (step * lay.usable * r.racks * peak)
-        row.days = r.tokens / row.tokens_per_s / SECONDS_PER_DAY
+        row.step_time_s = float(times["step_time_s"][i])
+        row.tokens_per_s = float(rate.tokens_per_s[i])
+        row.mfu = float(rate.mfu[i])
+        row.days = float(rate.days_to_budget[i])
         row.phases = {k: float(times[k][i]) for k in PHASES}
 
 
@@ -383,8 +382,8 @@ def simulate_plans(plans: list[Plan], workers: int) -> list[dict]:
 
 
 def attach_simulation(result: Result, row: Row, sim: dict) -> None:
-    sim["days"] = result.request.tokens / sim["tokens_per_s"] / SECONDS_PER_DAY
-    sim["fits"] = sim["peak_memory_bytes"] <= result.hbm_bytes
+    sim["days"] = metrics.days_to_budget(result.request.tokens, sim["tokens_per_s"])
+    sim["fits"] = bool(metrics.fits_memory(sim["peak_memory_bytes"], row.memory.get("host", 0.0), result.topo))
     row.sim = sim
 
 

@@ -15,7 +15,7 @@ import simpy
 
 from rackcast.simulator import collective_formulas as cf
 from rackcast.simulator import collectives as coll
-from rackcast.simulator.estimate import collective_time as topology_collective_time
+from rackcast.simulator.costs import collective_time as topology_collective_time
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
 from rackcast.simulator.network import Network
 
