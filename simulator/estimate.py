@@ -87,7 +87,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
     m_imbalance = 1.0
     drop = 0.0
     if spec.moe is not None:
-        tokens_group = tokens_mb * par.expert  # tokens routed inside one expert group per micro-batch
+        tokens_group = tokens_mb * par.expert_group  # tokens routed inside one expert group per micro-batch
         m_imbalance, drop = _load_factor(plan.expert_transport, spec.moe.experts, spec.moe.top_k,
                                                      par.expert, tokens_group, seed=plan.seed)
     recompute_fwd = {"none": 0.0, "selective": attn, "full": gemm + attn + experts}[plan.recompute]

@@ -50,7 +50,7 @@ def axis_groups(plan: Plan, usable: int) -> dict[str, Group]:
     par = plan.parallel
     pl = place(plan, usable)
     return {"tensor": pl.tensor, "context": pl.context, "fsdp": pl.fsdp, "data": pl.data,
-            "pipeline": pl.pipeline, "expert": make_group(par.expert, 1, usable),
+            "pipeline": pl.pipeline, "expert": pl.expert,
             "expert_data": pl.expert_data, "inner": make_group(par.reduction_inner, par.tensor, usable),
             "expert_fsdp": pl.expert_fsdp, "expert_replicas": pl.expert_replicas}
 

@@ -115,7 +115,9 @@ class Workload:
                         if k not in mlp_keys + ("attn_scores_values", "experts", "shared_experts"))
         per_row = 0.0
         if spec.is_moe(i):
-            per_row = float(costs.grouped_gemm_time(parts["experts"] / spec.moe.top_k, self.expert_size, self.topo))
+            # A rank computes its 1/expert_tensor slice of every row routed to its block.
+            per_row = float(costs.grouped_gemm_time(parts["experts"] / spec.moe.top_k / par.expert_tensor,
+                                                    self.expert_size, self.topo))
         act = layer_activation_bytes_per_token(spec, i, plan) * self.tokens_mb
         pb = spec.layer_param_breakdown(i)
         sp = par.tensor if par.sequence_parallel else 1
@@ -277,26 +279,29 @@ class Workload:
 class ExpertLoads:
     """Routed rows per (micro-batch, layer, source rank, expert), drawn from the plan's routing distribution.
 
-    Each source rank of an expert group routes its micro-batch's tokens top_k ways (multinomial over the expert
-    probabilities of simulator.routing). Capacity mode keeps at most floor(c x tokens x top_k / experts) rows per
-    expert, dropping the excess of every source in proportion; dropless keeps all. Experts lie contiguously on the
-    expert ranks. All data-parallel replicas replay the same draw (the symmetry the reduction relies on).
+    Each of the expert_group = expert x expert_tensor ranks of an expert group (rackcast.layout) routes its
+    micro-batch's tokens top_k ways (multinomial over the expert probabilities of simulator.routing). Experts lie
+    contiguously on `expert` blocks of expert_tensor consecutive ranks, each rank of a block holding a 1/expert_tensor
+    slice of the block's experts, so every row routed to a block goes to each of its ranks. Capacity mode keeps at
+    most floor(c x group tokens x top_k / experts) rows per expert, dropping the excess of every source in
+    proportion; dropless keeps all. All data-parallel replicas replay the same draw (the symmetry the reduction
+    relies on).
     """
 
     def __init__(self, spec: ModelSpec, plan: Plan, work: Workload, seed: int):
         moe, par = spec.moe, plan.parallel
-        ep = par.expert
+        ep, group = par.expert, par.expert_group
         self.layers = sorted({lw.index for st in work.stages for c in st.chunks.values() for lw in c if lw.moe})
         self.slot = {layer: k for k, layer in enumerate(self.layers)}
         m = plan.microbatches
         tokens = max(int(round(work.tokens_mb)), 1)
         rng = np.random.default_rng(seed)
         probs = expert_probabilities(plan.expert_transport, moe.experts, seed)
-        size = (m, len(self.layers), ep)
+        size = (m, len(self.layers), group)
         if plan.expert_transport.mode == "capacity":
             counts = rng.multinomial(tokens * moe.top_k, probs, size=size).astype(np.float64)
             total = counts.sum()
-            cap = np.floor(plan.expert_transport.capacity_factor * tokens * ep * moe.top_k / moe.experts)
+            cap = np.floor(plan.expert_transport.capacity_factor * tokens * group * moe.top_k / moe.experts)
             per_expert = counts.sum(axis=2, keepdims=True)
             counts = np.floor(counts * np.minimum(1.0, cap / np.maximum(per_expert, 1.0)))
             self.drop_fraction = float(1.0 - counts.sum() / total) if total else 0.0
@@ -305,10 +310,11 @@ class ExpertLoads:
             rank_probs = probs.reshape(ep, moe.experts // ep).sum(axis=1)
             rows = rng.multinomial(tokens * moe.top_k, rank_probs / rank_probs.sum(), size=size).astype(np.float64)
             self.drop_fraction = 0.0
-        # rows[mb, layer, src, dst]: rows source rank src sends to expert rank dst
-        self.rows = rows
+        # rows[mb, layer, src, dst]: rows source rank src sends to rank dst of the group (each of a block's
+        # expert_tensor ranks receives the block's rows)
+        self.rows = np.repeat(rows, par.expert_tensor, axis=3)
         self._max_rows = self.rows.sum(axis=2).max(axis=2)  # most loaded expert rank
-        self.row_bytes = work.x * W_BYTES * plan.parallel.expert_tensor  # each row goes to every expert-tensor rank
+        self.row_bytes = work.x * W_BYTES
         self._masks: dict[int, tuple] = {}
 
     def max_rows(self, layer: int, mb: int) -> float:
