@@ -49,6 +49,18 @@ def latest_complete(run_dir: str | Path) -> Path | None:
     return steps[-1] if steps else None
 
 
+def resume_problem(folder: Path, plan) -> str | None:
+    """Why `plan` cannot continue the checkpoint in `folder` (None when it can): a different plan or world size."""
+    from rackcast.plan import inputs_hash
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if manifest.get("plan_hash") != inputs_hash(plan):
+        return "was written by a different plan"
+    if manifest.get("world") != plan.parallel.gpus:
+        return f"was written by {manifest.get('world')} processes, the plan runs {plan.parallel.gpus}"
+    return None
+
+
 def save(run_dir: str | Path, step: int, layout: Layout, model_state: dict, optimizer, extra: dict,
          plan_hash: str, fail_hook=None) -> Path:
     """Collective: every rank writes its shard, then rank 0 writes the manifest after a barrier."""

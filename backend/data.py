@@ -58,7 +58,7 @@ def text_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, Path]]:
 
 
 def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp-{os.uname().nodename}-{os.getpid()}")  # machines sharing one cache
     with open(tmp, "wb") as fh:
         np.save(fh, arr)
     os.replace(tmp, path)
@@ -86,7 +86,7 @@ def prepare(data_dir: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
             _save_npy_atomic(folder / name, tokens[start:start + SHARD_TOKENS].copy())
             names.append(name)
         manifest["shards"][split] = {"files": names, "tokens": int(len(tokens))}
-    tmp = folder / "manifest.json.tmp"
+    tmp = folder / f"manifest.json.tmp-{os.uname().nodename}-{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, folder / "manifest.json")  # written last: its presence means the cache is complete
     return folder

@@ -17,7 +17,9 @@ covers the two steps after the measured one (two profilers cannot run at once).
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 -m backend.train \
         --plan examples/plans/tiny-2proc-ep.yaml --steps 20 --out runs/tiny-2proc-ep
-RACKCAST_FAIL="RANK:STEP:WHERE" (WHERE: step or checkpoint) makes that rank exit abruptly, for failure tests.
+RACKCAST_FAIL="RANK:STEP:WHERE" makes that rank exit abruptly at the start of step STEP (0-based; WHERE: step) or
+right after writing its checkpoint shard (WHERE: checkpoint), or hang there until killed (WHERE: stall), for
+failure tests.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import gc
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +41,7 @@ from rackcast.backend import checkpoint, memprof, record
 from rackcast.backend.balancing import DEFAULT_BINS, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
+from rackcast.backend.launch import exit_with_parent
 from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, reduce_grads,
@@ -50,6 +54,7 @@ from rackcast.plan import inputs_hash, load_plan
 EVAL_SEQUENCES = 16
 MEMORY_STEP = 2  # index, among this process's steps, of the step whose peak live tensor bytes are measured on CPU
 TRACE_STEPS = 2  # steps the --profile Chrome trace covers
+STALL_POLL_S = 1.0  # RACKCAST_FAIL=...:stall sleeps in steps this long until killed
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -80,7 +85,13 @@ def _fail_hook(rank: int):
     def hook(where: str, step: int | None = None):
         if step is not None:
             state["step"] = step
-        if rank == int(f_rank) and state["step"] == int(f_step) and where == f_where:
+        if rank != int(f_rank) or state["step"] != int(f_step):
+            return
+        if f_where == "stall" and where == "step":
+            print(f"rank {rank}: stalling on purpose at step {state['step']}", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(STALL_POLL_S)
+        if where == f_where:
             print(f"rank {rank}: failing on purpose at step {state['step']} ({where})", file=sys.stderr, flush=True)
             os._exit(17)
 
@@ -96,11 +107,13 @@ def _targets(tokens: torch.Tensor) -> torch.Tensor:
 class Trainer:
     def __init__(self, args):
         self.args = args
-        self.rank, self.world, self.device = init_distributed()
         self.plan = load_plan(args.plan)
         validate_trainable(self.plan, where=args.plan)
-        if self.world != self.plan.parallel.gpus:
-            raise RackcastError(f"parallel: the plan needs {self.plan.parallel.gpus} processes, got {self.world}")
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != self.plan.parallel.gpus:  # before joining: a mismatched job would wait for ranks forever
+            raise RackcastError(f"parallel: the plan needs {self.plan.parallel.gpus} processes, the launcher "
+                                f"started {launched}", where=args.plan)
+        self.rank, self.world, self.device = init_distributed()
         if self.device.type == "cpu":
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local))
@@ -162,7 +175,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ data
     def _data(self):
-        if self.rank == 0:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one builder per machine (the cache may be node-local)
             prepare(self.args.data_dir)
         if self.world > 1:
             dist.barrier()
@@ -266,12 +279,10 @@ class Trainer:
     def resume(self) -> None:
         folder = checkpoint.latest_complete(self.out)
         if folder is None:
-            return
-        import json
-
-        manifest = json.loads((folder / "manifest.json").read_text())
-        if manifest["world"] != self.world or manifest["plan_hash"] != self.plan_hash:
-            raise RackcastError(f"{folder}: checkpoint was written by a different plan or world size")
+            raise RackcastError(f"--resume: {self.out} holds no complete checkpoint to continue from")
+        problem = checkpoint.resume_problem(folder, self.plan)
+        if problem:
+            raise RackcastError(f"--resume: {folder} {problem}", where=self.args.plan)
         shard = checkpoint.load(folder, self.rank)
         for chunk in self.chunks:
             own = chunk.state_dict().keys()
@@ -291,12 +302,17 @@ class Trainer:
     def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time) -> dict:
         dropped, assigned = pop_drop_counts(self.moes)
         names = list(record.PHASES)
-        vec = torch.tensor([loss_sum, ce_sum, z_sum, count, dropped, assigned, step_time]
-                           + [phases.get(n, 0.0) for n in names], dtype=torch.float64)
+        # Every rank's figures, one row per rank (a sum of rows that are zero elsewhere), so the record keeps the
+        # slowest rank's step and phases (the critical path) beside the means.
+        per_rank = torch.zeros(self.world, 7 + len(names), dtype=torch.float64)
+        per_rank[self.rank] = torch.tensor([loss_sum, ce_sum, z_sum, count, dropped, assigned, step_time]
+                                           + [phases.get(n, 0.0) for n in names], dtype=torch.float64)
         mem = torch.tensor([self._peak_memory(), record.peak_rss_bytes()], dtype=torch.float64)
         if self.world > 1:
-            dist.all_reduce(vec)
+            dist.all_reduce(per_rank)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        vec = per_rank.sum(0)
+        slowest = int(per_rank[:, 6].argmax())
         n = max(vec[3].item(), 1.0)
         step_time = vec[6].item() / self.world
         out = {"loss": vec[0].item() / n, "ce": vec[1].item() / n if self.pipe is None else math.nan,
@@ -305,6 +321,10 @@ class Trainer:
                "mfu": self.model_flops / (step_time * self.world * self.peak)}
         for i, name in enumerate(names):
             out[f"phase_{name}_s"] = vec[7 + i].item() / self.world
+        out["slowest_rank"] = slowest
+        out["step_time_slowest_s"] = per_rank[slowest, 6].item()
+        for i, name in enumerate(names):
+            out[f"phase_{name}_slowest_s"] = per_rank[slowest, 7 + i].item()
         out["peak_memory_bytes"] = int(mem[0].item()) if mem[0].item() >= 0 else math.nan
         out["peak_rss_bytes"] = int(mem[1].item())
         out["drop_fraction"] = vec[4].item() / vec[5].item() if vec[5].item() else 0.0
@@ -397,6 +417,7 @@ class Trainer:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    exit_with_parent()  # a worker whose launcher was killed stops too (backend.launch)
     if os.environ.get("RACKCAST_HANG_DUMP"):  # debugging aid: print every thread's stack after N seconds and exit
         import faulthandler
 
