@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import math
 import os
 import sys
@@ -44,8 +45,8 @@ from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
 from rackcast.backend.launch import exit_with_parent
 from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
-from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, reduce_grads,
-                              validate_trainable, wrap_data_parallel)
+from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
+                                      validate_trainable, wrap_data_parallel)
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
@@ -141,6 +142,7 @@ class Trainer:
         held = {id(m) for m in self.local.modules()}
         self.moes = [m for m in self.moes if id(m) in held]
         del model
+        self.view = checkpoint.global_view(self.chunks)  # this rank's parameters under the full model's names
         self.wrapped = self.chunks if lay.pp > 1 else [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
         o = self.plan.optimizer
         self.optimizer = build_optimizer(self.local, o.name, lr=o.lr, adam_lr=o.adam_lr if o.name == "muonh" else None)
@@ -263,15 +265,30 @@ class Trainer:
         return float(out[0])
 
     # ------------------------------------------------------------------------------------------------ state
-    def _model_state(self) -> dict:
-        state = {}
-        for chunk in self.chunks:
-            state.update({k: v.detach().cpu() for k, v in chunk.state_dict().items()})
-        return state
+    def _shard_of(self):
+        """Where this rank's plain expert slices sit in the full expert stacks (backend.checkpoint.ShardOf)."""
+        if self.layout.ep == 1:
+            return None
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh = self.groups.mesh["edp", "ep"]  # this stage's data-parallel ranks; experts split over "ep"
+        placements = [Replicate(), Shard(0)]
+        return lambda fqn: (mesh, placements) if is_expert_param(fqn) else None
+
+    def _checkpoint_info(self) -> dict:
+        p = self.plan.parallel
+        return {"identity": checkpoint.identity(self.plan), "plan_hash": self.plan_hash, "world": self.world,
+                "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
+                           "virtual": p.virtual, "schedule": self.plan.schedule}}
 
     def save(self, step: int) -> None:
-        extra = {"routing": self.routing.clone(), "rows": list(self.rows) if self.rank == 0 else []}
-        checkpoint.save(self.out, step, self.layout, self._model_state(), self.optimizer, extra, self.plan_hash,
+        routing = self.routing.clone()
+        if self.world > 1:
+            dist.all_reduce(routing)  # the run's total so far: any layout can continue it
+        extra = {"step": step, "routing": routing, f"rng.{self.rank}": torch.get_rng_state()}
+        if self.rank == 0:
+            extra["rows"] = json.dumps(self.rows)  # one string: exact floats, NaN kept
+        checkpoint.save(self.out, step, self.view, self.optimizer, extra, self._checkpoint_info(), self._shard_of(),
                         fail_hook=lambda where: self.fail(where))
         if self.rank == 0:
             record.write_metrics(self.out, self.rows)
@@ -283,15 +300,16 @@ class Trainer:
         problem = checkpoint.resume_problem(folder, self.plan)
         if problem:
             raise RackcastError(f"--resume: {folder} {problem}", where=self.args.plan)
-        shard = checkpoint.load(folder, self.rank)
-        for chunk in self.chunks:
-            own = chunk.state_dict().keys()
-            chunk.load_state_dict({k: shard["model"][k] for k in own})
-        self.optimizer.load_state_dict(shard["optimizer"])
-        torch.set_rng_state(shard["rng"])
-        self.routing = shard["routing"]
-        self.rows = shard["rows"]
-        self.start_step = shard["step"]
+        own_rng = f"rng.{self.rank}"
+        wanted = {"step": 0, "routing": torch.zeros_like(self.routing), own_rng: torch.get_rng_state(),
+                  "rng.0": torch.get_rng_state()}
+        if self.rank == 0:
+            wanted["rows"] = ""
+        got = checkpoint.load(folder, self.view, self.optimizer, wanted, self._shard_of())
+        torch.set_rng_state(got.get(own_rng, got["rng.0"]))  # a rank the saving run did not have takes rank 0's
+        self.routing = got["routing"] if self.rank == 0 else torch.zeros_like(self.routing)
+        self.rows = json.loads(got["rows"]) if self.rank == 0 else []
+        self.start_step = int(got["step"])
         if self.rank == 0 and not self.args.quiet:
             print(f"resumed from {folder} (step {self.start_step})", flush=True)
 

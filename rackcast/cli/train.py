@@ -1,7 +1,8 @@
 """`rackcast train PLAN`: run the plan on real processes with the PyTorch backend and write its RunRecord.
 
 Validates the plan for training (backend.parallel.validate_trainable), checks that the launch provides the plan's
-world size (parallel.gpus) and, with --resume, that the run folder holds a complete checkpoint this plan can continue;
+world size (parallel.gpus) and, with --resume, that the run folder holds a complete checkpoint this plan can continue
+(the same model, optimizer, global batch and seed; the layout and the number of processes may differ);
 builds the text cache (backend.data), then starts the worker `backend.train` (backend.launch):
 - one node (default): torchrun with the plan's world size, rendezvous on loopback;
 - several nodes: the same command on every node with --nnodes N --rdzv-endpoint HOST:PORT (torchrun's c10d
@@ -74,9 +75,12 @@ def register(sub) -> None:
 
 def _check_resume(out: str, plan, plan_path: str) -> None:
     """--resume needs a complete checkpoint this plan can continue; refuse in one line otherwise."""
-    from rackcast.backend.checkpoint import latest_complete, resume_problem
+    from rackcast.backend.checkpoint import latest_complete, resume_problem, written_by_old_version
 
     folder = latest_complete(out)
+    if folder is None and written_by_old_version(out):
+        raise RackcastError(f"--resume: {out} holds only checkpoints in the per-rank format of earlier rackcast "
+                            f"versions, which this version does not read; train into another --out")
     if folder is None:
         raise RackcastError(f"--resume: {out} holds no complete checkpoint to continue from; run without --resume")
     problem = resume_problem(folder, plan)
