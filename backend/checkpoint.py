@@ -14,13 +14,15 @@ a pipeline, or one process; `resume_problem` only refuses another model, optimiz
   trainer.rng.<rank> (each rank's torch RNG state; a rank the saving run did not have takes rank 0's).
 Parameters that are already DTensors (FSDP2, tensor parallelism) are saved as they are: DCP reshards them itself.
 
-Completion: every rank writes its DCP files into checkpoints/.tmp-step-NNNNNNNN/, then (after a barrier) rank 0
-writes complete.json there and renames the folder to step-NNNNNNNN. A folder without complete.json (a rank died
-while saving, or the launcher was killed) is never resumed from and is removed by the next save. Rank 0 keeps the
-KEEP newest complete checkpoints. The folder must be on storage every node sees.
+Completion: every rank writes its DCP files into checkpoints/.tmp-step-NNNNNNNN/, then (after a barrier, or for an
+asynchronous save once DCP reports the write done) rank 0 writes complete.json there and renames the folder to
+step-NNNNNNNN. A folder without complete.json (a rank died while saving, or the launcher was killed) is never
+resumed from and is removed by the next save. Rank 0 keeps the KEEP newest complete checkpoints. The folder must be
+on storage every node sees.
 
-    save(run_dir, step, model, optimizer, extra, info, shard_of)   # collective
-    load(folder, model, optimizer, shard_of, rank)                  # collective; returns the trainer.* values
+    saver = Saver(run_dir, asynchronous=False)
+    saver.save(step, model, optimizer, extra, info, shard_of)      # collective
+    load(folder, model, optimizer, extra, shard_of)                # collective; returns the trainer.* values
     latest_complete(run_dir), resume_problem(folder, plan), full_model_state(folder)
 """
 
@@ -150,43 +152,89 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-def save(run_dir: str | Path, step: int, model: nn.Module, optimizer, extra: dict, info: dict,
-         shard_of: ShardOf | None = None, fail_hook=None) -> Path:
-    """Collective: every rank writes its shards of `model`, `optimizer` and `extra` (trainer.* values: step, rows,
-    routing, rng.<rank>, as the trainer passes them) into a temporary folder; rank 0 then marks it complete with
-    `info` (plan identity, layout) and renames it.
+class Saver:
+    """Writes a run's checkpoints (collective: every rank calls `save` at the same steps).
 
-    model: a module whose parameter names are the full model's (`global_view` of the pipeline chunks); optimizer:
-    the optimizer over its parameters. Wrapped or sharded models (DDP, FSDP2, DTensor parameters) work as
-    torch.distributed.checkpoint.state_dict.get_state_dict handles them; shard_of says where a plain tensor that
-    holds only part of a parameter (an expert-parallel slice) sits in the global one."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    tmp, final = _temp_dir(run_dir, step), step_dir(run_dir, step)
-    if rank == 0:
-        for stale in tmp.parent.glob(".tmp-step-*"):  # saves that a killed run left half-written
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    Synchronous (default): `save` returns once the checkpoint is complete. Asynchronous: `save` copies the state
+    into host memory and returns; a background thread writes it (dcp.async_save, over a gloo group of its own so
+    its collectives never interleave with training's), and rank 0 marks it complete when DCP reports it written
+    (its coordinator writes the metadata only after every rank's files are written): `poll` after each step,
+    `wait` before the next save and at the end. benchmarks/bench_checkpoint.py measures the difference."""
+
+    def __init__(self, run_dir: str | Path, asynchronous: bool = False):
+        self.run_dir = Path(run_dir)
+        self.asynchronous = asynchronous
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+        self.pending = None  # (future, temporary folder, final folder, marker content)
+
+    def save(self, step: int, model: nn.Module, optimizer, extra: dict, info: dict,
+             shard_of: ShardOf | None = None, fail_hook=None) -> Path:
+        """Write `model`, `optimizer` and `extra` (trainer.* values: step, rows, routing, rng.<rank>, as the trainer
+        passes them) into a temporary folder; rank 0 then marks it complete with `info` (plan identity, layout) and
+        renames it to step-NNNNNNNN.
+
+        model: a module whose parameter names are the full model's (`global_view` of the pipeline chunks);
+        optimizer: the optimizer over its parameters. Wrapped or sharded models (DDP, FSDP2, DTensor parameters)
+        work as torch.distributed.checkpoint.state_dict.get_state_dict handles them; shard_of says where a plain
+        tensor holding only part of a parameter (an expert-parallel slice) sits in the global one."""
+        self.wait()
+        tmp, final = _temp_dir(self.run_dir, step), step_dir(self.run_dir, step)
+        if self.rank == 0:
+            for stale in tmp.parent.glob(".tmp-step-*"):  # saves that a killed run left half-written
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        state = _state(model, optimizer, shard_of)
+        state["trainer"] = extra
+        marker = {"step": step, **info}
+        with _quiet():
+            if self.asynchronous:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                        no_dist=not dist.is_initialized())
+            else:
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        if fail_hook is not None:
+            fail_hook("checkpoint")
+        if self.asynchronous:
+            self.pending = (future, tmp, final, marker)
+            return final
+        _barrier()  # every rank has written and is alive
+        if self.rank == 0:
+            _complete(tmp, final, marker, self.run_dir)
+        _barrier()
+        return final
+
+    def poll(self) -> None:
+        """Mark a finished asynchronous save complete (rank 0); nothing when none is pending or it still runs."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the pending asynchronous save is written, then mark it complete (rank 0)."""
+        if self.pending is None:
+            return
+        future, tmp, final, marker = self.pending
+        self.pending = None
+        future.result()
+        if self.rank == 0:
+            _complete(tmp, final, marker, self.run_dir)
+
+
+def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-    state = _state(model, optimizer, shard_of)
-    state["trainer"] = extra
-    with _quiet():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    if fail_hook is not None:
-        fail_hook("checkpoint")
-    if dist.is_initialized():
-        dist.barrier()  # every rank has written and is alive
-    if rank == 0:
-        marker = tmp / f".{MARKER}.tmp"
-        marker.write_text(json.dumps({"step": step, **info}, indent=1))
-        os.replace(marker, tmp / MARKER)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in complete_steps(run_dir)[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
-    return final
+
+
+def _complete(tmp: Path, final: Path, marker: dict, run_dir: Path) -> None:
+    """Rank 0: write the completion marker into the written folder, rename it into place, keep the KEEP newest."""
+    staged = tmp / f".{MARKER}.tmp"
+    staged.write_text(json.dumps(marker, indent=1))
+    os.replace(staged, tmp / MARKER)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in complete_steps(run_dir)[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def load(folder: Path, model: nn.Module, optimizer, extra: dict, shard_of: ShardOf | None = None) -> dict:

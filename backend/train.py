@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", required=True)
     ap.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--async-checkpoint", action="store_true",
+                    help="write checkpoints in the background (dcp.async_save) after a copy of the state")
     ap.add_argument("--profile", action="store_true",
                     help="write a torch.profiler Chrome trace of two steps (2-3 on CUDA, 4-5 on CPU)")
     ap.add_argument("--data-dir", default="runs/.data")
@@ -143,6 +145,7 @@ class Trainer:
         self.moes = [m for m in self.moes if id(m) in held]
         del model
         self.view = checkpoint.global_view(self.chunks)  # this rank's parameters under the full model's names
+        self.saver = checkpoint.Saver(self.out, asynchronous=args.async_checkpoint)
         self.wrapped = self.chunks if lay.pp > 1 else [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
         o = self.plan.optimizer
         self.optimizer = build_optimizer(self.local, o.name, lr=o.lr, adam_lr=o.adam_lr if o.name == "muonh" else None)
@@ -288,7 +291,7 @@ class Trainer:
         extra = {"step": step, "routing": routing, f"rng.{self.rank}": torch.get_rng_state()}
         if self.rank == 0:
             extra["rows"] = json.dumps(self.rows)  # one string: exact floats, NaN kept
-        checkpoint.save(self.out, step, self.view, self.optimizer, extra, self._checkpoint_info(), self._shard_of(),
+        self.saver.save(step, self.view, self.optimizer, extra, self._checkpoint_info(), self._shard_of(),
                         fail_hook=lambda where: self.fail(where))
         if self.rank == 0:
             record.write_metrics(self.out, self.rows)
@@ -366,6 +369,7 @@ class Trainer:
         memory_step = self.start_step + min(MEMORY_STEP, args.steps - self.start_step - 1)
         for step in range(self.start_step, args.steps):
             self.fail("step", step)
+            self.saver.poll()
             self.timer.pop()
             profiled = not self.cuda and step == memory_step
             t0 = self.timer.now()
@@ -401,6 +405,7 @@ class Trainer:
                 self.save(step + 1)
         if profiler is not None:
             profiler.stop()
+        self.saver.wait()
         self.finish()
 
     def finish(self) -> None:

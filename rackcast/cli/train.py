@@ -50,6 +50,8 @@ def register(sub) -> None:
                                                                         "(default: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the run folder's latest complete "
                                                               "checkpoint")
+    parser.add_argument("--async-checkpoint", action="store_true",
+                        help="write checkpoints in the background after a copy of the state (dcp.async_save)")
     parser.add_argument("--profile", action="store_true", help="write a torch.profiler Chrome trace (trace.json)")
     parser.add_argument("--data-dir", default="runs/.data", help="token cache folder (default runs/.data)")
     parser.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (default: at the end)")
@@ -94,6 +96,7 @@ def _worker_args(args, out: str) -> list[str]:
               "--threads", str(args.threads)]
     worker += ["--resume"] if args.resume else []
     worker += ["--profile"] if args.profile else []
+    worker += ["--async-checkpoint"] if args.async_checkpoint else []
     return worker
 
 
