@@ -146,3 +146,17 @@ def test_resume_with_another_plan_is_one_line_and_exit_2(tmp_path):
     other = write_plan(tmp_path / "b.yaml", {}, seed=7)
     _one_line_exit_2(_train(str(other), "--out", str(tmp_path / "run"), "--resume", "--steps", "2"),
                      "b.yaml", "step-00000001", "train into another --out")
+
+
+def test_the_two_node_recipe_plan_is_trainable_on_two_nodes_of_8():
+    from rackcast.backend.parallel import validate_trainable
+    from rackcast.plan import load_plan
+
+    path = ROOT / "examples" / "multinode" / "ladder-d768-2node-h100.yaml"
+    plan = load_plan(str(path))
+    validate_trainable(plan, where=str(path))
+    cmd = torchrun_command(str(path), plan.parallel.gpus, [], Nodes(nnodes=2, nproc_per_node=8,
+                                                                    rdzv_endpoint="node0:29500"))
+    assert _flag(cmd, "--nproc-per-node") == "8"
+    for recipe in ("train-2node.sbatch", "torchrun-2node.sh"):
+        assert "ladder-d768-2node-h100.yaml" in (ROOT / "examples" / "multinode" / recipe).read_text()

@@ -7,7 +7,7 @@ set -euo pipefail
 
 HEAD=${1:?first argument: the first node address (the rendezvous host)}
 IFNAME=${2:?second argument: the network interface the nodes reach each other on}
-PLAN=${PLAN:-examples/plans/ladder-d768-2node-h100.yaml}
+PLAN=${PLAN:-examples/multinode/ladder-d768-2node-h100.yaml}
 
 # rackcast starts torchrun itself (c10d rendezvous at HEAD:29500, 8 processes on this node, NCCL on IFNAME) ...
 exec .venv/bin/rackcast train "$PLAN" --steps 200 --checkpoint-every 50 --out runs/ladder-2node \
