@@ -26,6 +26,9 @@ def unbuilt_features(spec: ModelSpec) -> list[tuple[str, str]]:
         missing.append(("mtp", "multi-token prediction is not built by the trainer yet"))
     if m is not None and m.node_limit:
         missing.append(("moe.node_limit", "node-limited routing is not built by the trainer yet"))
-    if m is not None and m.balancing != "quantile":
-        missing.append(("moe.balancing", f"the trainer balances by quantile balancing only, not {m.balancing}"))
+    # The trainer balances a router with a bias by quantile balancing, and a router without one not at all.
+    if m is not None and m.balance_method != ("quantile" if m.router_bias else "none"):
+        missing.append(("moe.balancing", f"the trainer balances a {'biased' if m.router_bias else 'bias-free'} "
+                                         f"router by {'quantile balancing' if m.router_bias else 'nothing'}, "
+                                         f"not {m.balance_method}"))
     return missing

@@ -143,7 +143,9 @@ class MoESpec:
     # Quantile balancing sets that bias every step from a histogram of router margins, this many bins per expert,
     # pooled over the ranks that see different tokens (Marin's qb_hist_bins; 1,000 by default).
     balance_bins: int = 1000
-    balancing: Balancing = "quantile"  # quantile and aux_free_bias set router_bias (no gradient); see Balancing
+    # How the router is balanced (see Balancing); quantile and aux_free_bias set router_bias (no gradient). Unset:
+    # quantile balancing when the router has a bias (Marin), else none, as before the field existed.
+    balancing: Balancing | None = None
     first_k_dense: int = 0  # the first k layers have a dense MLP (width ModelSpec.ffn) before the MoE layers
     # Node-limited routing (DeepSeek-V3): the experts form `expert_groups` equal groups (one per node when expert
     # parallelism spans that many nodes) and each token picks its top_k experts inside at most `node_limit` groups.
@@ -162,7 +164,7 @@ class MoESpec:
             raise ValueError(f"moe.balance_bins must be positive, got {self.balance_bins}")
         if self.shared_experts and not self.shared_ffn:
             raise ValueError("moe.shared_ffn must be positive when shared_experts > 0")
-        if self.balancing in ("quantile", "aux_free_bias") and not self.router_bias:
+        if self.balance_method in ("quantile", "aux_free_bias") and not self.router_bias:
             raise ValueError(f"moe.balancing={self.balancing} sets a router bias, so moe.router_bias must be true")
         if self.first_k_dense < 0:
             raise ValueError(f"moe.first_k_dense must be >= 0, got {self.first_k_dense}")
@@ -177,9 +179,16 @@ class MoESpec:
                 raise ValueError(f"moe.top_k={self.top_k} experts do not fit in node_limit={self.node_limit} groups")
 
     @property
+    def balance_method(self) -> str:
+        """The balancing method in force (the field, or what an unset field means)."""
+        if self.balancing is not None:
+            return self.balancing
+        return "quantile" if self.router_bias else "none"
+
+    @property
     def sets_router_bias(self) -> bool:
         """The router bias is set by the balancing rule (no gradient, no optimizer state), not learned."""
-        return self.balancing in ("quantile", "aux_free_bias")
+        return self.balance_method in ("quantile", "aux_free_bias")
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,13 @@ def test_qwen3_has_qk_norm_and_no_router_bias():
     assert spec.moe.balancing == "aux_loss" and not spec.moe.sets_router_bias
 
 
+def test_unset_balancing_keeps_the_old_meaning_of_router_bias():
+    moe = load_model("tiny-moe").moe
+    assert moe.balancing is None and moe.balance_method == "quantile" and moe.sets_router_bias
+    bias_free = dataclasses.replace(moe, router_bias=False)
+    assert bias_free.balance_method == "none" and not bias_free.sets_router_bias
+
+
 @pytest.mark.parametrize("change, message", [
     ({"attention": {"pattern": ["window", "full"], "window": 0}}, "window must be positive"),
     ({"attention": {"pattern": ["full"], "global_every": 2}}, "give one"),
