@@ -92,7 +92,9 @@ class QuantileBalancer:
         reduce_max: Reduce | None = None,
     ):
         self.bins, self.reduce_counts, self.reduce_max = bins, reduce_counts, reduce_max
-        self.layers: list[MoE] = [m for m in model.modules() if isinstance(m, MoE) and m.router.bias is not None]
+        # A learned router bias (GPT-OSS) is trained by gradient, not set here.
+        self.layers: list[MoE] = [m for m in model.modules()
+                                  if isinstance(m, MoE) and m.router.bias is not None and not m.router.learned_bias]
         for moe in self.layers:
             moe.collect_margins = True
             moe.margins.clear()

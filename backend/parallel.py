@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rackcast.backend.model_features import unbuilt_features
 from rackcast.errors import RackcastError
 from rackcast.plan import Plan
 
@@ -56,8 +55,9 @@ def validate_trainable(plan: Plan, where: str = "") -> None:
     if p.fsdp > 1:
         fail("parallel.fsdp", "fully sharded data parallelism is not implemented by the trainer yet; "
                               "use data parallelism (parallel.data) instead")
-    for model_field, message in unbuilt_features(spec):
-        fail(f"model ({spec.name}) {model_field}", message)
+    if p.pipeline > 1 and spec.mtp is not None:
+        fail("parallel.pipeline", "the trainer runs multi-token prediction (model mtp) after the head of an "
+                                  "unsplit model; use pipeline 1")
     if p.expert > 1 and spec.moe is None:
         fail("parallel.expert", f"model {spec.name} has no experts")
     if p.pipeline > 1 and spec.tied_embeddings:

@@ -39,9 +39,11 @@ import torch.distributed as dist
 from torch import nn
 
 from rackcast.backend import checkpoint, memprof, record
+from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.balancing import DEFAULT_BINS, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
+from rackcast.backend.frontier_routing import AuxFreeBiasBalancer
 from rackcast.backend.launch import exit_with_parent
 from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
@@ -155,9 +157,13 @@ class Trainer:
         dp_group = self.groups.dp if self.groups else None
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
         reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)) if dp_group else None
-        self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else DEFAULT_BINS,
-                                         reduce_counts=reduce_sum, reduce_max=reduce_max)
+        if spec.moe is not None and spec.moe.balance_method == "aux_free_bias":
+            self.balancer = AuxFreeBiasBalancer(self.local, spec.moe.bias_update_rate, reduce_counts=reduce_sum)
+        else:
+            self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else DEFAULT_BINS,
+                                             reduce_counts=reduce_sum, reduce_max=reduce_max)
         self.microbatches = self.plan.microbatches
+        AttachedLoss.backward_scale = 1.0 / self.microbatches  # MTP and auxiliary losses, as the main loss is scaled
         self.pipe = None
         if lay.pp > 1:
             self.pipe = Pipeline(self.wrapped, self.chunk_index, lay, self.plan.schedule, self.microbatches,

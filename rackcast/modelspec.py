@@ -146,6 +146,8 @@ class MoESpec:
     # How the router is balanced (see Balancing); quantile and aux_free_bias set router_bias (no gradient). Unset:
     # quantile balancing when the router has a bias (Marin), else none, as before the field existed.
     balancing: Balancing | None = None
+    aux_loss_weight: float = 0.0  # balancing: aux_loss, the loss's weight (Switch: alpha E sum_e f_e P_e)
+    bias_update_rate: float = 0.001  # balancing: aux_free_bias, the bias step per update (DeepSeek-V3's gamma)
     first_k_dense: int = 0  # the first k layers have a dense MLP (width ModelSpec.ffn) before the MoE layers
     # Node-limited routing (DeepSeek-V3): the experts form `expert_groups` equal groups (one per node when expert
     # parallelism spans that many nodes) and each token picks its top_k experts inside at most `node_limit` groups.
@@ -166,6 +168,10 @@ class MoESpec:
             raise ValueError("moe.shared_ffn must be positive when shared_experts > 0")
         if self.balance_method in ("quantile", "aux_free_bias") and not self.router_bias:
             raise ValueError(f"moe.balancing={self.balancing} sets a router bias, so moe.router_bias must be true")
+        if self.aux_loss_weight < 0 or self.bias_update_rate <= 0:
+            raise ValueError("moe.aux_loss_weight must be >= 0 and moe.bias_update_rate positive")
+        if self.balance_method == "aux_loss" and not self.aux_loss_weight:
+            raise ValueError("moe.balancing=aux_loss needs a positive moe.aux_loss_weight")
         if self.first_k_dense < 0:
             raise ValueError(f"moe.first_k_dense must be >= 0, got {self.first_k_dense}")
         if self.expert_groups < 0 or self.node_limit < 0:

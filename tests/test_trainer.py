@@ -21,7 +21,7 @@ from rackcast.backend.model import build_model
 from rackcast.backend.parallel import validate_trainable
 from rackcast.backend.record import write_routing
 from rackcast.errors import RackcastError
-from rackcast.modelspec import LatentAttentionSpec, MTPSpec
+from rackcast.modelspec import MTPSpec
 from rackcast.plan import ExpertTransport, load_plan
 from rackcast.presets import load_model
 from conftest import PLANS
@@ -51,20 +51,12 @@ def test_validate_trainable_refuses_split_backward_schedules_with_experts_and_ac
         validate_trainable(load_plan(PLANS / f"{name}.yaml"))
 
 
-@pytest.mark.parametrize("field, change", [
-    ("attention.mla", lambda s: replace(s, attention=replace(s.attention, head_dim=16, kv_heads_local=4,
-                                                             kv_heads_global=4, kv_heads_stored=0, output_gate=False,
-                                                             exclusive=False, mla=LatentAttentionSpec(8, 4, 12, 16)),
-                                        conv=None)),
-    ("attention.sinks", lambda s: replace(s, attention=replace(s.attention, sinks=True))),
-    ("mtp", lambda s: replace(s, mtp=MTPSpec(depth=1))),
-    ("moe.balancing", lambda s: replace(s, moe=replace(s.moe, balancing="aux_loss"))),
-])
-def test_validate_trainable_refuses_model_features_it_does_not_build(field, change):
-    plan = load_plan(PLANS / "tiny-1proc.yaml")
-    spec = change(plan.model_spec())
-    with pytest.raises(RackcastError, match=rf"model \(tiny-moe\) {field.replace('.', '[.]')}: .*not"):
+def test_validate_trainable_refuses_multi_token_prediction_under_a_pipeline():
+    plan = load_plan(PLANS / "tiny-2proc-pp.yaml")
+    spec = replace(plan.model_spec(), mtp=MTPSpec(depth=1))
+    with pytest.raises(RackcastError, match=r"parallel\.pipeline: .*multi-token prediction"):
         validate_trainable(replace(plan, model=spec))
+    validate_trainable(replace(load_plan(PLANS / "tiny-1proc.yaml"), model=spec))
 
 
 def test_data_ranks_never_overlap_and_together_equal_one_process(data_folder):
