@@ -19,13 +19,17 @@ NEWTON_SCHULZ_STEPS = 5
 
 
 def balancing_reductions(spec: ModelSpec, layers: list[int]) -> tuple[int, float, float]:
-    """Quantile expert balancing (backend.balancing) on a rank holding `layers`, per step: every MoE layer with a
-    router bias all-reduces its margin extremes (2 fp32, max) and its margin histogram (experts x bins + 1 int64
-    counts, sum) over the ranks that see different tokens. Returns (such layers, histogram bytes, extremes bytes)."""
+    """The balancing rule's reductions on a rank holding `layers`, per step, over the ranks that see different
+    tokens. Quantile balancing (backend.balancing): every MoE layer all-reduces its margin extremes (2 fp32, max)
+    and its margin histogram (experts x bins + 1 int64 counts, sum). The auxiliary-loss-free bias
+    (backend.frontier_routing): every MoE layer all-reduces its expert loads (experts int64 counts), no extremes.
+    An auxiliary loss or no balancing reduces nothing. Returns (such layers, histogram bytes, extremes bytes)."""
     moe = spec.moe
-    if moe is None or not moe.router_bias:
+    if moe is None or moe.balance_method not in ("quantile", "aux_free_bias"):
         return 0, 0.0, 0.0
     count = sum(1 for i in layers if spec.is_moe(i))
+    if moe.balance_method == "aux_free_bias":
+        return count, float(moe.experts * INDEX_BYTES), 0.0
     return count, float((moe.experts * moe.balance_bins + 1) * INDEX_BYTES), float(2 * BYTES["fp32"])
 
 
