@@ -18,7 +18,6 @@ from rackcast.backend.attention import window_mask
 from rackcast.backend.frontier_routing import AuxFreeBiasBalancer, group_limited, switch_aux_loss
 from rackcast.backend.latent_attention import LatentAttention
 from rackcast.backend.model import build_model, count_parameters, next_token_loss
-from rackcast.backend.optim import build_optimizer
 from rackcast.backend.sinks import attention_with_sinks
 from rackcast.presets import load_model
 from test_backend_model import skewed_moe, tokens_for
@@ -32,13 +31,13 @@ def test_twin_parameter_count_equals_spec_params_total(name):
     assert count_parameters(build_model(spec)) == spec.params_total
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-120b", "qwen3-235b-a22b"])
+@pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-120b"])
 def test_full_size_frontier_preset_on_meta_device_counts_exactly(name):
     spec = load_model(name)
     assert count_parameters(build_model(spec, device="meta")) == spec.params_total
 
 
-@pytest.mark.parametrize("name", TWINS)
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-gpt-oss"])  # latent attention + MTP; sinks + windows
 def test_twin_changing_future_tokens_leaves_earlier_logits_unchanged(name):
     spec = load_model(name)
     model = build_model(spec).eval()
@@ -62,22 +61,6 @@ def test_twin_forward_backward_reaches_every_trained_parameter(name):
     for pname, p in model.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, pname
-
-
-@pytest.mark.parametrize("name", TWINS)
-def test_twin_loss_falls_over_a_few_steps_on_one_batch(name):
-    spec = load_model(name)
-    model = build_model(spec, seed=1).train()
-    optimizer = build_optimizer(model, "adamw", lr=3e-3)
-    tokens = tokens_for(spec, batch=4, seed=1)
-    losses = []
-    for _ in range(8):
-        loss, _ = next_token_loss(model(tokens), tokens)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    assert losses[-1] < losses[0] - 0.1
 
 
 def test_latent_attention_layer_has_the_config_shapes():
