@@ -4,19 +4,16 @@
   (one per node); a group scores the sum of its two highest biased affinities, each token keeps its best
   `node_limit` groups and picks its top-k experts inside them;
 - the auxiliary load-balancing loss (Switch Transformer, arXiv 2101.03961 eq. 4): alpha x E x sum_e f_e P_e, f_e the
-  fraction of assignments to expert e, P_e the mean router probability of e;
-- the auxiliary-loss-free bias (DeepSeek-V3 sec. 2.1.2): after each step, b_e += gamma x sign(mean load - load_e),
-  from the step's routed counts pooled over the ranks that route different tokens.
+  fraction of assignments to expert e, P_e the mean router probability of e.
+The auxiliary-loss-free bias update (DeepSeek-V3 sec. 2.1.2) lives with the other balancer: backend.balancing.
 
     .venv/bin/pytest -q tests/test_backend_frontier.py -k routing
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 GROUP_SCORE_TOP = 2  # DeepSeek-V3 scores a group by the sum of its 2 highest affinities
 
@@ -37,29 +34,3 @@ def switch_aux_loss(logits: Tensor, expert_ids: Tensor, weight: float) -> Tensor
     probs = torch.softmax(logits.float(), dim=-1).mean(0)
     fraction = torch.bincount(expert_ids.reshape(-1), minlength=experts).float() / expert_ids.numel()
     return weight * experts * (fraction * probs).sum()
-
-
-class AuxFreeBiasBalancer:
-    """Steps each MoE layer's router bias by gamma x sign(mean load - load) from the counts routed since the last
-    step (MoE.step_counts), pooled by `reduce_counts` (an in-place sum across ranks, e.g. dist.all_reduce)."""
-
-    def __init__(self, model: nn.Module, rate: float, reduce_counts: Callable[[Tensor], object] | None = None):
-        from rackcast.backend.moe import MoE
-
-        self.moes = [m for m in model.modules() if isinstance(m, MoE)]
-        self.rate = rate
-        self.reduce_counts = reduce_counts
-        for moe in self.moes:
-            moe.count_steps = True
-
-    def step(self) -> None:
-        for moe in self.moes:
-            counts = moe.step_counts
-            if counts is None:
-                continue
-            counts = counts.float()
-            if self.reduce_counts is not None:
-                self.reduce_counts(counts)
-            with torch.no_grad():
-                moe.router.bias.add_(self.rate * torch.sign(counts.mean() - counts))
-            moe.step_counts = None

@@ -40,10 +40,9 @@ from torch import nn
 
 from rackcast.backend import checkpoint, memprof, record
 from rackcast.backend.attached_loss import AttachedLoss
-from rackcast.backend.balancing import DEFAULT_BINS, QuantileBalancer
+from rackcast.backend.balancing import DEFAULT_BINS, AuxFreeBiasBalancer, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
-from rackcast.backend.frontier_routing import AuxFreeBiasBalancer
 from rackcast.backend.launch import exit_with_parent
 from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda

@@ -155,6 +155,11 @@ def structural_twin(spec: ModelSpec, seq: int = COUNT_SEQ) -> ModelSpec:
     seq_len to the counted tokens and the window to at most that (a local layer masks exactly when the full spec's
     does on those tokens). Idempotent, and the same for two specs whose widths differ but keep those orders."""
     a = spec.attention
+    if a.mla is not None:
+        # The twin shrinks head_dim and the widths it pairs; latent attention's ranks and head split are not among
+        # them yet, so its op count (the host per-op overhead term) is refused rather than guessed.
+        raise RackcastError(f"op counts of model {spec.name!r}: the host per-op overhead does not model latent "
+                            "attention (attention.mla) yet; set efficiency.host_op_s to zeros to leave the term out")
     kind = _rope_kind(a.head_dim, a.rope_fraction)
     head_dim, w = a.head_dim, widths(spec)  # the spec's own widths, where no smaller ones keep the orders
     for candidate in range(min(a.head_dim, MIN_WIDTH), a.head_dim):

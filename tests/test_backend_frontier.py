@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.attention import window_mask
-from rackcast.backend.frontier_routing import AuxFreeBiasBalancer, group_limited, switch_aux_loss
+from rackcast.backend.balancing import AuxFreeBiasBalancer
+from rackcast.backend.frontier_routing import group_limited, switch_aux_loss
 from rackcast.backend.latent_attention import LatentAttention
 from rackcast.backend.model import build_model, count_parameters, next_token_loss
 from rackcast.backend.sinks import attention_with_sinks
