@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rackcast.capabilities import refusals
 from rackcast.errors import RackcastError
 from rackcast.plan import Plan
 
@@ -37,41 +38,11 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 
 
 def validate_trainable(plan: Plan, where: str = "") -> None:
-    """Refuse, in one line naming the field, what the plan asks for that this trainer does not implement."""
-    p = plan.parallel
-    spec = plan.model_spec()
-
-    def fail(field_name: str, message: str):
-        raise RackcastError(f"{field_name}: {message}", where=where)
-
-    if p.tensor > 1:
-        fail("parallel.tensor", "tensor parallelism is not supported by the trainer")
-    if p.sequence_parallel:
-        fail("parallel.sequence_parallel", "sequence parallelism is not supported by the trainer")
-    if p.context > 1:
-        fail("parallel.context", "context parallelism is not supported by the trainer")
-    if p.expert_tensor > 1:
-        fail("parallel.expert_tensor", "expert tensor parallelism is not supported by the trainer")
-    if p.fsdp > 1:
-        fail("parallel.fsdp", "fully sharded data parallelism is not implemented by the trainer yet; "
-                              "use data parallelism (parallel.data) instead")
-    if p.expert > 1 and spec.moe is None:
-        fail("parallel.expert", f"model {spec.name} has no experts")
-    if p.pipeline > 1 and spec.tied_embeddings:
-        fail("parallel.pipeline", "tied embeddings across pipeline stages are not supported by the trainer")
-    if p.pipeline == 1 and p.virtual > 1:
-        fail("parallel.virtual", "virtual stages need pipeline > 1")
-    if plan.optimizer.state_location == "host":
-        fail("optimizer.state_location", "host-resident optimizer state is not supported by the trainer")
-    if plan.precision == "fp8":
-        fail("precision", "fp8 training is not supported by the trainer (bf16 autocast on GPU, fp32 on CPU)")
-    if plan.recompute != "none":
-        fail("recompute", "activation recomputation is not supported by the trainer")
-    if p.pipeline > 1 and plan.schedule in ("zb_h1", "dualpipev") and p.expert > 1:
-        fail("schedule", f"{plan.schedule} splits backward into input and weight parts, which the expert "
-                         "all-to-all does not support; use 1f1b, gpipe or interleaved_1f1b with expert > 1")
-    if p.pipeline > 1 and plan.schedule == "zb_h1" and p.virtual == 1:
-        fail("parallel.virtual", "zb_h1 runs as torch's ScheduleInterleavedZeroBubble, which needs virtual >= 2")
+    """Refuse, in one line naming the field, what the plan asks for that this trainer does not implement (the
+    first of rackcast.capabilities.refusals; `rackcast train PLAN --check` prints them all)."""
+    reasons = refusals(plan, plan.model_spec())
+    if reasons:
+        raise RackcastError(reasons[0], where=where)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,9 @@ from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
+from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
+from rackcast.backend.recompute import apply_recompute
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import inputs_hash, load_plan
@@ -129,7 +131,11 @@ class Trainer:
         self.plan_hash = inputs_hash(self.plan)
         torch.manual_seed(self.plan.seed)
 
-        model = build_model(spec, seed=self.plan.seed, device=self.device)
+        if self.plan.attention_kernel == "materialized":  # SDPA's math backend only: the score matrix is held
+            for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp,
+                           torch.backends.cuda.enable_cudnn_sdp):
+                enable(False)  # these flags pick the SDPA kernel on CPU too (what nn.attention.sdpa_kernel sets)
+        model = build_model(spec, seed=self.plan.seed, device=self.device, combine_sum=self.plan.combine_sum)
         et = self.plan.expert_transport
         capacity = et.capacity_factor if et.mode == "capacity" else None
         self.moes = []
@@ -137,6 +143,7 @@ class Trainer:
             self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
                                       self.timer)
         self.chunks = build_chunks(model, lay, self.plan.schedule)
+        apply_recompute(self.chunks, self.plan.recompute)
         self.chunk_index = chunk_ids(lay, self.plan.schedule)
         self.local = nn.ModuleList(self.chunks)
         # Keep only the MoE layers this rank's stages hold: a reference to the others would keep the whole model's
@@ -148,10 +155,14 @@ class Trainer:
         self.saver = checkpoint.Saver(self.out, asynchronous=args.async_checkpoint)
         self.wrapped = self.chunks if lay.pp > 1 else [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
         o = self.plan.optimizer
-        self.optimizer = build_optimizer(self.local, o.name, lr=o.lr, adam_lr=o.adam_lr if o.name == "muonh" else None)
+        self.optimizer = build_optimizer(self.local, o.name, lr=o.lr, adam_lr=o.adam_lr if o.name == "muonh" else None,
+                                         betas=tuple(o.betas), eps=o.eps, momentum=o.momentum,
+                                         weight_decay=o.weight_decay)
+        if o.state_location == "host":
+            self.optimizer = HostOptimizer(self.optimizer)
         for g in self.optimizer.param_groups:
             g["initial_lr"] = g["lr"]
-        self.lr_factor = marin_lr_lambda(args.steps)
+        self.lr_factor = marin_lr_lambda(args.steps, o.warmup_fraction, o.lr_floor)
         dp_group = self.groups.dp if self.groups else None
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
         reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)) if dp_group else None
@@ -161,14 +172,14 @@ class Trainer:
         self.pipe = None
         if lay.pp > 1:
             self.pipe = Pipeline(self.wrapped, self.chunk_index, lay, self.plan.schedule, self.microbatches,
-                                 lambda out, tgt: next_token_loss(out, None, targets=tgt)[0], self.groups.pp,
+                                 lambda out, tgt: self._loss(out, None, tgt)[0], self.groups.pp,
                                  self.device, self.timer)
         self.has_last = lay.pp * lay.virtual - 1 in self.chunk_index
         self.routing = torch.zeros(spec.layers, spec.moe.experts if spec.moe else 1, dtype=torch.int64)
         self.rows: list[dict] = []
         self.start_step = 0
         topo = self.plan.topology_spec()
-        self.peak_dtype = "bf16" if self.cuda else "fp32"  # the dtype matmuls run in (CUDA: bf16 autocast)
+        self.peak_dtype = "bf16" if self.plan.precision == "bf16" else "fp32"  # the dtype matmuls run in
         self.param_dtype = DTYPE_NAMES.get(next(self.local.parameters()).dtype, "other")
         self.memory_measure = "cuda max_memory_allocated" if self.cuda else "torch profiler live tensor bytes"
         self.memory_peak = -1.0  # CPU: the measured peak live tensor bytes of this rank (-1: not measured yet)
@@ -189,8 +200,14 @@ class Trainer:
         self.eval_data = TokenData(folder, "eval", self.spec.seq_len, seed=self.plan.seed)
 
     # ------------------------------------------------------------------------------------------------ step
+    def _loss(self, logits, tokens, targets):
+        return next_token_loss(logits, tokens, targets=targets, z_loss_weight=self.plan.z_loss_weight)
+
     def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
+        """The plan's precision: bf16 autocast on CUDA or CPU, none for fp32."""
+        if self.plan.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def _cpp_storages(self) -> list[tuple[int, int]]:
         """(address, bytes) of storages only C++ holds between steps: DDP's gradient buckets (backend.parallel)."""
@@ -220,7 +237,7 @@ class Trainer:
             for i, (x, y) in enumerate(zip(tokens.chunk(self.microbatches), targets.chunk(self.microbatches))):
                 sync = i == self.microbatches - 1 or not hasattr(module, "no_sync")
                 with (contextlib.nullcontext() if sync else module.no_sync()), self._autocast():
-                    loss, parts = next_token_loss(module(x), x, targets=y)
+                    loss, parts = self._loss(module(x), x, y)
                 (loss / self.microbatches).backward()
                 loss_sum, ce_sum, z_sum = loss_sum + loss.item(), ce_sum + parts["ce"].item(), \
                     z_sum + parts["z_loss"].item()
@@ -254,7 +271,7 @@ class Trainer:
         tokens = torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)).to(self.device)
         self.local.eval()
         with self._autocast():
-            loss, _ = next_token_loss(self.chunks[0](tokens), tokens, targets=_targets(tokens))
+            loss, _ = self._loss(self.chunks[0](tokens), tokens, _targets(tokens))
         self.local.train()
         for chunk in self.chunks:
             for layer in chunk.layers.values():

@@ -165,12 +165,12 @@ def _memory_choices(layout: Layout, spec, topos, r: Request) -> list[tuple[Layou
     opts = r.options
     topo = topos[layout.usable]
     out, host_kept, leanest = [], False, None
-    levels = [x for x in ("none", "selective", "full") if x in opts.recompute]
+    levels = [x for x in ("none", "selective", "full") if x in opts.recompute and x in opts.capabilities.recompute]
     if "none" in levels and "selective" in levels and not _selective_saves(spec, layout, r):
         levels.remove("selective")  # it would hold the same memory as no recomputation and only cost time
     for rc in levels:
         mem = memory_breakdown(spec, make_plan(replace(layout, recompute=rc), spec.name, r.topology, r.racks, spec))
-        for loc in [x for x in ("hbm", "host") if x in opts.opt_locations]:
+        for loc in [x for x in ("hbm", "host") if x in opts.opt_locations and x in opts.capabilities.optimizer_state]:
             if loc == "host" and host_kept:
                 continue  # a lighter recomputation with host state already fits: this one is slower
             m = offloaded(mem) if loc == "host" else mem

@@ -102,6 +102,34 @@ class ConvSpec:
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """A model's training recipe: `rackcast plan` copies it into the plan it writes (the optimizer block, plus
+    z_loss_weight and combine_sum) and the trainer runs it. The learning-rate schedule is a linear warmup over
+    warmup_fraction of the steps, then a linear decay to lr_floor x lr (backend.optim.marin_lr_lambda)."""
+
+    optimizer: Literal["adamw", "muonh"] = "adamw"
+    lr: float = 3e-4  # AdamW's rate; MuonH: the MuonH and AdamH groups' rate
+    adam_lr: float = 3e-4  # MuonH: the Adam groups' rate
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8  # Adam epsilon
+    momentum: float = 0.95  # MuonH Nesterov momentum
+    weight_decay: float = 0.1  # AdamW only (MuonH has none)
+    warmup_fraction: float = 0.01
+    lr_floor: float = 0.05
+    z_loss_weight: float = 1e-4  # logit z-loss weight
+    combine_sum: float = 1.0  # per-token sum of the MoE combine weights
+
+    def __post_init__(self):
+        for name in ("lr", "adam_lr", "eps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"recipe.{name} must be positive, got {getattr(self, name)}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"recipe.betas must lie in [0, 1), got {self.betas}")
+        if not 0.0 <= self.warmup_fraction < 1.0 or not 0.0 <= self.lr_floor <= 1.0:
+            raise ValueError("recipe.warmup_fraction must lie in [0, 1) and recipe.lr_floor in [0, 1]")
+
+
+@dataclass(frozen=True)
 class FlopsConvention:
     """How model FLOPs (the MFU numerator) count attention and the output head.
 
@@ -176,6 +204,7 @@ class ModelSpec:
     rope_theta: float = 10000.0
     family: str = ""
     description: str = ""
+    recipe: Recipe | None = None  # the training recipe plans of this model carry (None: the optimizer defaults)
 
     def __post_init__(self):
         for name in ("layers", "d_model", "vocab", "seq_len"):

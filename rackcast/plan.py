@@ -19,7 +19,7 @@ from typing import Literal
 from rackcast import __version__
 from rackcast.errors import RackcastError
 from rackcast.layout import ParallelSpec
-from rackcast.modelspec import ModelSpec
+from rackcast.modelspec import ModelSpec, Recipe
 from rackcast.presets import load_model
 from rackcast.strict import dump_yaml, from_data, load_yaml, to_data, write_text_atomic
 
@@ -41,11 +41,27 @@ class BatchSpec:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
+    """The optimizer and its recipe (rackcast.modelspec.Recipe documents the fields; `rackcast plan` copies the
+    model preset's recipe here)."""
+
     name: Literal["adamw", "muonh"] = "adamw"
     state_location: Literal["hbm", "host"] = "hbm"  # optimizer state and fp32 master weights
     master_weights: bool = True  # keep an fp32 master copy
     lr: float = 3e-4
     adam_lr: float = 3e-4  # MuonH: the Adam groups' learning rate
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    momentum: float = 0.95
+    weight_decay: float = 0.1
+    warmup_fraction: float = 0.01
+    lr_floor: float = 0.05
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, **overrides) -> "OptimizerSpec":
+        fields = dict(name=recipe.optimizer, lr=recipe.lr, adam_lr=recipe.adam_lr, betas=recipe.betas,
+                      eps=recipe.eps, momentum=recipe.momentum, weight_decay=recipe.weight_decay,
+                      warmup_fraction=recipe.warmup_fraction, lr_floor=recipe.lr_floor)
+        return cls(**{**fields, **overrides})
 
 
 @dataclass(frozen=True)
@@ -95,10 +111,12 @@ class Plan:
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     expert_transport: ExpertTransport = field(default_factory=ExpertTransport)
-    precision: Literal["bf16", "fp8"] = "bf16"
+    precision: Literal["bf16", "fp8", "fp32"] = "bf16"  # fp32: no autocast (exact CPU references)
     grad_dtype: Literal["bf16", "fp32"] = "fp32"  # gradient accumulation and reduction dtype
     attention_kernel: Literal["flash", "materialized"] = "flash"
     dropout: bool = False
+    z_loss_weight: float = 1e-4  # logit z-loss weight (Recipe)
+    combine_sum: float = 1.0  # per-token sum of the MoE combine weights (Recipe)
     tokens: float = 0.0  # token budget for days-to-budget (0: not set)
     start: str = ""  # ISO date
     deadline: str = ""  # ISO date

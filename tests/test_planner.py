@@ -21,8 +21,11 @@ def small_result():
     from rackcast.planner.search import Request, search
     from rackcast.planner.space import SpaceOptions
 
+    from rackcast.capabilities import EVERYTHING
+
+    # Everything the estimate prices (not only what the trainer runs): these tests check the estimate and memory.
     return search(Request(model="marin-535b-a23b", topology="gb200-nvl72", racks=2, tokens=1e12, top=0,
-                          simulate=False, options=SpaceOptions.coarse()))
+                          simulate=False, options=SpaceOptions.coarse(capabilities=EVERYTHING)))
 
 
 def test_vectorised_ranking_equals_scalar_estimate(small_result):
@@ -95,7 +98,7 @@ def test_plan_marin_end_to_end(tmp_path, cli):
     assert plan.batch.global_batch == 11264 and plan.optimizer.name == "muonh"
     table = pq.read_table(parquet)
     counts = data["counts"]
-    assert table.num_rows == counts["enumerated"] >= counts["ranked"] >= 1000
+    assert table.num_rows == counts["enumerated"] >= counts["ranked"] >= 100
     status = table.column("status").to_pylist()
     assert status.count("ranked") == counts["ranked"] and status.count("no_fit") == counts["no_fit"]
     assert any(line.startswith("Rejected by memory") for line in data["explain"])
