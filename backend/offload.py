@@ -1,8 +1,8 @@
 """Optimizer state in host memory (`optimizer.state_location: host`): the step runs on host copies of the weights.
 
 `HostOptimizer(optimizer)` keeps an fp32 host copy of every parameter of a freshly built optimizer (pinned memory
-on CUDA, so the copies are asynchronous DMA) and points the optimizer's groups at those copies before it has any
-state (so its state, momentum and Adam moments, is allocated in host memory next to them), and per step: copies each gradient to the host, steps there, and copies the
+on CUDA, so the copies are asynchronous DMA) and runs the optimizer's step with each parameter's data pointed at
+its host copy (so its state, momentum and Adam moments, is allocated in host memory next to them), and per step: copies each gradient to the host, steps there, and copies the
 updated weights back to the device. The host copy is the fp32 master; the device keeps only weights and gradients.
 Traffic per step: one device->host copy of the gradients and one host->device copy of the weights.
 On a CPU-only machine "host" and "device" are the same memory, but the same code path runs (separate host copies,
@@ -33,19 +33,19 @@ def _host_copy(p: torch.Tensor, pin: bool) -> torch.Tensor:
     return host.pin_memory() if pin else host
 
 
+
 class HostOptimizer:
-    """An optimizer whose state and step live in host memory; the torch.optim.Optimizer surface the trainer uses."""
+    """An optimizer whose state and step live in host memory; the torch.optim.Optimizer surface the trainer uses.
+    The wrapped optimizer keeps the model's own parameters in its groups (so checkpoints name them as usual); for
+    the step each parameter's data is pointed at its host copy, so the state the optimizer allocates is on the host."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         if optimizer.state:
             raise ValueError("HostOptimizer needs an optimizer that has not stepped yet")
-        self.device_params = [p for g in optimizer.param_groups for p in g["params"]]
-        pin = any(p.is_cuda for p in self.device_params)
-        host = {id(p): nn.Parameter(_host_copy(p, pin), requires_grad=p.requires_grad) for p in self.device_params}
-        for group in optimizer.param_groups:
-            group["params"] = [host[id(p)] for p in group["params"]]
-        self.host_params = [host[id(p)] for p in self.device_params]
         self.inner = optimizer
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        pin = any(p.is_cuda for p in self.params)
+        self.host = [_host_copy(p, pin) for p in self.params]
 
     @property
     def param_groups(self):
@@ -57,24 +57,38 @@ class HostOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        for dev, host in zip(self.device_params, self.host_params):
-            host.grad = None if dev.grad is None else dev.grad.to(host.device, non_blocking=True)
-        if any(p.is_cuda for p in self.device_params):
+        device_data, stepped = [], []
+        for p, host in zip(self.params, self.host):
+            grad = p.grad
+            stepped.append(grad is not None)
+            device_data.append(p.data)
+            p.grad = None
+            p.data = host
+            if grad is not None:
+                p.grad = grad.to(host.device, non_blocking=True)
+        if any(d.is_cuda for d in device_data):
             torch.cuda.synchronize()  # the gradients have landed in host memory
-        self.inner.step()
-        for dev, host in zip(self.device_params, self.host_params):
-            if dev.grad is not None:
-                dev.copy_(host, non_blocking=True)
+        try:
+            self.inner.step()
+        finally:
+            for p, data, host, was in zip(self.params, device_data, self.host, stepped):
+                p.grad = None
+                p.data = data
+                if was:
+                    data.copy_(host, non_blocking=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for dev, host in zip(self.device_params, self.host_params):
-            dev.grad = None
-            host.grad = None
+        for p in self.params:
+            p.grad = None
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
-        for dev, host in zip(self.device_params, self.host_params):
-            host.detach().copy_(dev.detach())
+        self.sync_from_device()
+
+    def sync_from_device(self) -> None:
+        """Refresh the host copies from the device weights (after the weights were loaded from a checkpoint)."""
+        for p, host in zip(self.params, self.host):
+            host.copy_(p.detach())

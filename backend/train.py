@@ -308,7 +308,7 @@ class Trainer:
         extra = {"step": step, "routing": routing, f"rng.{self.rank}": torch.get_rng_state()}
         if self.rank == 0:
             extra["rows"] = json.dumps(self.rows)  # one string: exact floats, NaN kept
-        self.saver.save(step, self.view, self.optimizer, extra, self._checkpoint_info(), self._shard_of(),
+        self.saver.save(step, self.view, getattr(self.optimizer, "inner", self.optimizer), extra, self._checkpoint_info(), self._shard_of(),
                         fail_hook=lambda where: self.fail(where))
         if self.rank == 0:
             record.write_metrics(self.out, self.rows)
@@ -325,7 +325,10 @@ class Trainer:
                   "rng.0": torch.get_rng_state()}
         if self.rank == 0:
             wanted["rows"] = ""
-        got = checkpoint.load(folder, self.view, self.optimizer, wanted, self._shard_of())
+        got = checkpoint.load(folder, self.view, getattr(self.optimizer, "inner", self.optimizer), wanted,
+                              self._shard_of())
+        if hasattr(self.optimizer, "sync_from_device"):
+            self.optimizer.sync_from_device()  # host copies of the loaded weights
         torch.set_rng_state(got.get(own_rng, got["rng.0"]))  # a rank the saving run did not have takes rank 0's
         self.routing = got["routing"] if self.rank == 0 else torch.zeros_like(self.routing)
         self.rows = json.loads(got["rows"]) if self.rank == 0 else []

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from rackcast.backend.checkpoint import latest_complete, merge_full_state
+from rackcast.backend.checkpoint import full_model_state, latest_complete
 from trainer_helpers import losses, routing, run_worker, write_plan
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def test_variant_trains_what_the_plain_run_trains(variant, reference, tmp_path_f
     optimizer, ref = reference
     run = _run(tmp_path_factory, variant, optimizer, **VARIANTS[variant])
     assert losses(run) == pytest.approx(losses(ref), rel=1e-5)
-    params, ref_params = merge_full_state(latest_complete(run)), merge_full_state(latest_complete(ref))
+    params, ref_params = full_model_state(latest_complete(run)), full_model_state(latest_complete(ref))
     assert params.keys() == ref_params.keys()
     for key, value in ref_params.items():
         torch.testing.assert_close(params[key], value, atol=1e-5, rtol=0, msg=key)
