@@ -30,10 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from rackcast.backend.moe import MoE
+from rackcast.vocab import BALANCE_BINS
 
 Reduce = Callable[[Tensor], object]  # reduces its argument in place (a return value, if a tensor, is used instead)
 
-DEFAULT_BINS = 1000  # Marin's qb_hist_bins default (the 535B run used 10,000)
 RANGE_EPS = 1e-6  # Marin: hi = max(hi, lo + 1e-6) guards an all-equal range
 
 
@@ -48,7 +48,7 @@ def histogram_upper_quantile(
     margins: Tensor,
     top_k: int,
     *,
-    bins: int = DEFAULT_BINS,
+    bins: int = BALANCE_BINS,
     reduce_counts: Reduce | None = None,
     reduce_max: Reduce | None = None,
 ) -> Tensor:
@@ -87,7 +87,7 @@ class QuantileBalancer:
         self,
         model: nn.Module,
         *,
-        bins: int = DEFAULT_BINS,
+        bins: int = BALANCE_BINS,
         reduce_counts: Reduce | None = None,
         reduce_max: Reduce | None = None,
     ):

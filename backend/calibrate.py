@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rackcast.backend.calibrate_compute import run_compute, task_count
+from rackcast.units import KIB, MIB
 
 # torch 2.13 renamed the tensor forms; older versions only have the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -71,7 +72,7 @@ def _machine(device: torch.device) -> dict:
         try:
             for line in open("/proc/meminfo"):
                 if line.startswith("MemTotal:"):
-                    info["host_memory_bytes"] = int(line.split()[1]) * 1024
+                    info["host_memory_bytes"] = int(line.split()[1]) * KIB  # /proc/meminfo counts kB
         except OSError:
             pass
     return info
@@ -134,7 +135,7 @@ class _CommBench:
                     fn = self._op(kind, n, nbytes, group) if member else None
                     t = self._time(fn, member)
                     results.append({"kind": kind, "group": n, "bytes": nbytes, "seconds": t})
-                    self.tick(f"{kind} n={n} {nbytes / 2**20:.3g} MiB")
+                    self.tick(f"{kind} n={n} {nbytes / MIB:.3g} MiB")
         return results
 
     def _op(self, kind: str, n: int, nbytes: int, group):

@@ -1,8 +1,8 @@
 """Checkpoints: every rank saves its own shard atomically; a manifest written last by rank 0 makes one complete.
 
 Layout: <run>/checkpoints/step-00000040/rank-00003.pt (model chunks' parameters under the full model's names, this
-rank's expert slice, optimizer state, RNG state, the layout) and manifest.json. Each file is written to a temporary
-name and os.replace'd; after all ranks have saved, a barrier, then rank 0 writes manifest.json the same way. A step
+rank's expert slice, optimizer state, RNG state, the layout) and manifest.json. Each file is written atomically
+(rackcast.atomic); after all ranks have saved, a barrier, then rank 0 writes manifest.json the same way. A step
 folder without a manifest (a rank died while saving) is never resumed from. Rank 0's shard also carries the metric
 rows so far, so a resumed run's metrics.parquet continues the same curve.
 
@@ -13,7 +13,6 @@ rows so far, so a resumed run's metrics.parquet continues the same curve.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -21,15 +20,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rackcast.atomic import atomic_path, write_json_atomic
 from rackcast.backend.parallel import Layout, is_expert_param
 
 KEEP = 3  # complete checkpoints kept; older ones are removed by rank 0
-
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -56,7 +50,8 @@ def save(run_dir: str | Path, step: int, layout: Layout, model_state: dict, opti
     folder.mkdir(parents=True, exist_ok=True)
     shard = {"step": step, "layout": layout.__dict__, "model": model_state, "optimizer": optimizer.state_dict(),
              "rng": torch.get_rng_state(), **extra}
-    _atomic_save(shard, folder / f"rank-{layout.rank:05d}.pt")
+    with atomic_path(folder / f"rank-{layout.rank:05d}.pt") as tmp:
+        torch.save(shard, tmp)
     if fail_hook is not None:
         fail_hook("checkpoint")
     if dist.is_initialized():
@@ -64,9 +59,7 @@ def save(run_dir: str | Path, step: int, layout: Layout, model_state: dict, opti
     if layout.rank == 0:
         manifest = {"step": step, "world": layout.world, "plan_hash": plan_hash,
                     "files": sorted(p.name for p in folder.glob("rank-*.pt"))}
-        tmp = folder / ".manifest.json.tmp"
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, folder / "manifest.json")
+        write_json_atomic(folder / "manifest.json", manifest, indent=1)
         for old in complete_steps(run_dir)[:-KEEP]:
             shutil.rmtree(old, ignore_errors=True)
     if dist.is_initialized():

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rackcast.atomic import atomic_path, write_json_atomic
+
 EVAL_EVERY = 50  # about 2% of files are held out
 SHARD_TOKENS = 1 << 22
 DEFAULT_MAX_BYTES = 24 << 20
@@ -57,13 +59,6 @@ def text_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, Path]]:
     return out
 
 
-def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        np.save(fh, arr)
-    os.replace(tmp, path)
-
-
 def prepare(data_dir: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
     """Build the token shards if they are not cached yet; return the cache folder (holding manifest.json)."""
     files = text_files(max_bytes)
@@ -83,12 +78,12 @@ def prepare(data_dir: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
         names = []
         for i, start in enumerate(range(0, max(len(tokens), 1), SHARD_TOKENS)):
             name = f"{split}-{i:05d}.npy"
-            _save_npy_atomic(folder / name, tokens[start:start + SHARD_TOKENS].copy())
+            with atomic_path(folder / name) as tmp, open(tmp, "wb") as fh:
+                np.save(fh, tokens[start:start + SHARD_TOKENS].copy())
             names.append(name)
         manifest["shards"][split] = {"files": names, "tokens": int(len(tokens))}
-    tmp = folder / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, folder / "manifest.json")  # written last: its presence means the cache is complete
+    # written last: its presence means the cache is complete
+    write_json_atomic(folder / "manifest.json", manifest, indent=1)
     return folder
 
 

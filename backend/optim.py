@@ -11,8 +11,9 @@ Groups, assigned by `param_groups(model)`; the first rule that matches wins:
 Tied weights appear once (the tied head is the embedding: adam).
 
 Rules (shared/reference/marin-535b.md, marin experiments/grug/moe_hero_ep/optimizer.py):
-- muonh: Nesterov momentum (buf = mu*buf + g; u = g + mu*buf), then 5 quintic Newton-Schulz steps with the
-  coefficients (3.4445, -4.7750, 2.0315) (Jordan et al., Muon), then the hyperball step.
+- muonh: Nesterov momentum (buf = mu*buf + g; u = g + mu*buf), then NEWTON_SCHULZ_STEPS (rackcast.vocab)
+  quintic Newton-Schulz steps with the coefficients (3.4445, -4.7750, 2.0315) (Jordan et al., Muon), then the
+  hyperball step.
 - adamh: the Adam direction m_hat / (sqrt(v_hat) + eps), then the hyperball step, at the MuonH learning rate.
 - adam: plain Adam at adam_lr.
 - hyperball: W' = W - lr * U * |W|_F / max(|U|_F, 1e-10); W_new = W' * |W|_F / max(|W'|_F, 1e-10), per matrix,
@@ -31,6 +32,8 @@ from typing import Callable, Literal
 
 import torch
 from torch import Tensor, nn
+
+from rackcast.vocab import NEWTON_SCHULZ_STEPS
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan's Muon)
 NORM_FLOOR = 1e-10  # Marin: max(|U|_F, 1e-10)
@@ -79,7 +82,7 @@ def param_groups(model: nn.Module) -> dict[GroupName, list[nn.Parameter]]:
 
 
 # -------------------------------------------------------------------------------------------------- MuonH
-def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+def newton_schulz(g: Tensor, steps: int = NEWTON_SCHULZ_STEPS, eps: float = 1e-7) -> Tensor:
     """Approximately orthogonalise each matrix of g [..., m, n] (singular values pushed into about [0.7, 1.2]).
 
     The quintic iteration X <- aX + (b A + c A^2) X with A = X X^T, after scaling X to unit Frobenius norm; run on
@@ -126,7 +129,7 @@ class MuonH(torch.optim.Optimizer):
         eps: float = 1e-8,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_steps: int = 5,
+        ns_steps: int = NEWTON_SCHULZ_STEPS,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
         super().__init__(groups, defaults)
@@ -190,7 +193,7 @@ def build_optimizer(
     eps: float = 1e-8,
     momentum: float = 0.95,
     nesterov: bool = True,
-    ns_steps: int = 5,
+    ns_steps: int = NEWTON_SCHULZ_STEPS,
     weight_decay: float = ADAMW_WEIGHT_DECAY,
 ) -> torch.optim.Optimizer:
     """MuonH (lr: MuonH/AdamH rate, adam_lr: the Adam group's; Marin's run values by default) or AdamW (lr only).

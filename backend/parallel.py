@@ -31,10 +31,7 @@ from torch import nn
 
 from rackcast.errors import RackcastError
 from rackcast.plan import Plan
-
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "zb_h1": "ScheduleInterleavedZeroBubble", "dualpipev": "ScheduleDualPipeV"}
-
+from rackcast.vocab import SPLIT_BACKWARD_SCHEDULES
 
 def validate_trainable(plan: Plan, where: str = "") -> None:
     """Refuse, in one line naming the field, what the plan asks for that this trainer does not implement."""
@@ -67,7 +64,7 @@ def validate_trainable(plan: Plan, where: str = "") -> None:
         fail("precision", "fp8 training is not supported by the trainer (bf16 autocast on GPU, fp32 on CPU)")
     if plan.recompute != "none":
         fail("recompute", "activation recomputation is not supported by the trainer")
-    if p.pipeline > 1 and plan.schedule in ("zb_h1", "dualpipev") and p.expert > 1:
+    if p.pipeline > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES and p.expert > 1:
         fail("schedule", f"{plan.schedule} splits backward into input and weight parts, which the expert "
                          "all-to-all does not support; use 1f1b, gpipe or interleaved_1f1b with expert > 1")
     if p.pipeline > 1 and plan.schedule == "zb_h1" and p.virtual == 1:

@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rackcast.atomic import write_json_atomic
 from rackcast.backend import checkpoint, memprof, record
-from rackcast.backend.balancing import DEFAULT_BINS, QuantileBalancer
+from rackcast.backend.balancing import QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
 from rackcast.backend.model import build_model, next_token_loss
@@ -46,6 +47,7 @@ from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import inputs_hash, load_plan
+from rackcast.vocab import BALANCE_BINS, MEASURED_PHASES
 
 EVAL_SEQUENCES = 16
 MEMORY_STEP = 2  # index, among this process's steps, of the step whose peak live tensor bytes are measured on CPU
@@ -137,7 +139,7 @@ class Trainer:
         dp_group = self.groups.dp if self.groups else None
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
         reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)) if dp_group else None
-        self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else DEFAULT_BINS,
+        self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else BALANCE_BINS,
                                          reduce_counts=reduce_sum, reduce_max=reduce_max)
         self.microbatches = self.plan.microbatches
         self.pipe = None
@@ -290,7 +292,7 @@ class Trainer:
 
     def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time) -> dict:
         dropped, assigned = pop_drop_counts(self.moes)
-        names = list(record.PHASES)
+        names = list(MEASURED_PHASES)
         vec = torch.tensor([loss_sum, ce_sum, z_sum, count, dropped, assigned, step_time]
                            + [phases.get(n, 0.0) for n in names], dtype=torch.float64)
         mem = torch.tensor([self._peak_memory(), record.peak_rss_bytes()], dtype=torch.float64)
@@ -392,7 +394,7 @@ class Trainer:
                 "peak_memory_per_rank_bytes": [int(v) if v >= 0 else math.nan for v in per_rank.tolist()],
                 "activation_dtype": self.peak_dtype,
                 "routing_histogram": "routing.parquet" if self.spec.moe is not None else ""}
-        record.write_json_atomic(self.out / "record.json", record.summary(self.rows, **info))
+        write_json_atomic(self.out / "record.json", record.summary(self.rows, **info))
 
 
 def main(argv=None) -> int:

@@ -13,8 +13,7 @@ from collections import defaultdict
 
 from rackcast.planner.search import Result, Row
 from rackcast.simulator.placement import place
-
-GIB = 2 ** 30
+from rackcast.units import GIB
 PHASE_WORDS = {
     "compute": "compute",
     "exposed_expert_a2a": "exposed expert all-to-all",

@@ -29,10 +29,11 @@ from rackcast.planner.forecast_sim import CAUSES, CLASSES, SHRINK, WAIT_POLICY, 
 from rackcast.errors import RackcastError
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import ParallelSpec, Plan, validate
-from rackcast.simulator.estimate import SECONDS_PER_DAY, Estimate, estimate
+from rackcast.simulator.estimate import Estimate, estimate
 from rackcast.simulator.memory import BYTES, FP32, rank_params
 from rackcast.topologies.reliability import SPARES_POLICIES, ReliabilitySpec, load_reliability
 from rackcast.topologies.spec import Topology
+from rackcast.units import SECONDS_PER_DAY, SECONDS_PER_HOUR
 
 CHUNK_RUNS = 1000  # runs per numba call, so progress shows and Ctrl-C is seen between calls
 SEARCH_RUNS = 2000  # runs per interval in the checkpoint-interval search
@@ -272,7 +273,7 @@ class Forecast:
             "gpus": s.gpus, "domains": s.domains, "spares_per_domain": s.spares_per_domain,
             "spares_policy": s.policy, "checkpoint_interval_s": s.interval_s,
             "checkpoint_bytes": s.checkpoint_bytes, "checkpoint_write_s": s.checkpoint_write_s,
-            "restart_s": s.restart_s, "reload_s": s.reload_s, "job_mtbf_hours": s.mtbf_s / 3600.0,
+            "restart_s": s.restart_s, "reload_s": s.reload_s, "job_mtbf_hours": s.mtbf_s / SECONDS_PER_HOUR,
             "job_failures_per_day": s.job_failures_per_day, "speed_with_n_domains": s.rate_factor,
             "runs": self.runs, "seed": self.seed,
             "start": self.start.isoformat() if self.start else None,

@@ -6,18 +6,17 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 
-from rackcast.plan import Plan, save_plan, with_prediction
 from rich.table import Table
 
+from rackcast.atomic import atomic_path
+from rackcast.plan import Plan, save_plan, with_prediction
 from rackcast.planner.search import Result, Row, predicted_for
 from rackcast.planner.space import Layout
-from rackcast.simulator.estimate import PHASES
+from rackcast.units import GIB
+from rackcast.vocab import PHASES
 
-GIB = 2 ** 30
 LAYOUT_FIELDS = [f for f in Layout.__dataclass_fields__]
 MEMORY_PARTS = ("weights", "gradients", "master", "optimizer", "activations", "buffers", "total", "host")
 
@@ -203,14 +202,8 @@ def write_parquet(result: Result, path: str | Path) -> int:
         cols["meets_deadline"].append(result.meets_deadline(row) if row.status == "ranked" else None)
     table = pa.table(cols)
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return table.num_rows
 
 

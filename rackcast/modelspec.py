@@ -26,6 +26,7 @@ from functools import cached_property
 from typing import Literal
 
 from rackcast.errors import RackcastError
+from rackcast.vocab import BALANCE_BINS
 
 ConvSite = Literal["k", "v", "attn", "mlp"]
 
@@ -72,8 +73,8 @@ class MoESpec:
     dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP (width ModelSpec.ffn) instead
     router_bias: bool = True  # a per-expert balancing bias (no gradient in Marin, but a stored parameter)
     # Quantile balancing sets that bias every step from a histogram of router margins, this many bins per expert,
-    # pooled over the ranks that see different tokens (Marin's qb_hist_bins; 1,000 by default).
-    balance_bins: int = 1000
+    # pooled over the ranks that see different tokens (rackcast.vocab.BALANCE_BINS by default).
+    balance_bins: int = BALANCE_BINS
 
     def __post_init__(self):
         for name in ("experts", "top_k", "expert_ffn"):

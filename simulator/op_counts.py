@@ -39,7 +39,8 @@ from pathlib import Path
 
 from rackcast.errors import RackcastError
 from rackcast.modelspec import ModelSpec
-from rackcast.strict import to_data, write_text_atomic
+from rackcast.atomic import write_text_atomic
+from rackcast.strict import to_data
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE_ENV = "RACKCAST_CACHE"

@@ -36,9 +36,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
+from rackcast.vocab import SCHEDULES as SCHEDULE_NAMES
+from rackcast.vocab import SINGLE_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES
+
 ACTION_KINDS = ("F", "B", "W", "BW")
-V_SHAPED = frozenset({"zbv", "dualpipev"})
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def num_chunks(name: str, stages: int, virtual: int) -> int:
 def stage_to_rank(name: str, stages: int, virtual: int) -> list[int]:
     """Rank that holds each global model chunk (index = chunk)."""
     n = stages * virtual
-    if name in V_SHAPED:
+    if name in V_SHAPED_SCHEDULES:
         return [c if c < stages else 2 * stages - 1 - c for c in range(n)]
     return [c % stages for c in range(n)]
 
@@ -75,9 +76,9 @@ def validate(name: str, stages: int, microbatches: int, virtual: int) -> None:
     for label, value in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {label} must be a positive integer, got {value!r}")
-    if name in ("gpipe", "1f1b") and virtual != 1:
+    if name in SINGLE_CHUNK_SCHEDULES and virtual != 1:
         raise ValueError(f"{name}: runs one model chunk per rank, so virtual must be 1, got {virtual}")
-    if name in V_SHAPED and virtual != 2:
+    if name in V_SHAPED_SCHEDULES and virtual != 2:
         raise ValueError(f"{name}: runs exactly 2 model chunks per rank (V shape), so virtual must be 2, got {virtual}")
     if name == "1f1b" and microbatches < stages:
         raise ValueError(f"1f1b: needs microbatches >= stages, got {microbatches} microbatches for {stages} stages")

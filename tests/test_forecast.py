@@ -18,7 +18,8 @@ from rackcast.planner.forecast_formulas import daly_expected_wall_s, daly_interv
 from rackcast.planner.forecast_sim import SHRINK, WAIT_POLICY, SimInputs, simulate, simulate_reference
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
-from rackcast.simulator.estimate import SECONDS_PER_DAY, estimate
+from rackcast.simulator.estimate import estimate
+from rackcast.units import SECONDS_PER_DAY
 from rackcast.topologies.reliability import FailureRates, load_reliability
 
 from conftest import PLANS

@@ -105,7 +105,7 @@ def test_routing_histogram_is_replayed_by_the_simulator(tmp_path):
 
 
 def _row(step: int, time_s: float, peak: float, profiled: bool = False) -> dict:
-    from rackcast.backend.record import PHASES
+    from rackcast.vocab import MEASURED_PHASES as PHASES
 
     return {"step": step, "loss": 1.0, "eval_loss": math.nan, "step_time_s": time_s, "tokens_per_s": 1 / time_s,
             "mfu": 0.1, **{f"phase_{p}_s": 0.0 for p in PHASES}, "peak_memory_bytes": peak,

@@ -25,7 +25,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from rackcast.strict import dump_yaml, to_data, write_text_atomic
+from rackcast.atomic import write_text_atomic
+from rackcast.strict import dump_yaml, to_data
 from rackcast.topologies import load_topology
 from rackcast.topologies.spec import COLLECTIVE_KINDS, CollectiveCurves, CurvePoint, EfficiencyProfile, HostOpTimes, Topology
 

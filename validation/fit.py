@@ -53,7 +53,7 @@ SE_IDENTIFIED = 0.1  # a factor counts as identified when its standard error (lo
 class Measurement:
     plan: Plan
     step_time_s: float
-    phases_s: dict[str, float] = field(default_factory=dict)  # trainer phase names (backend.record.PHASES)
+    phases_s: dict[str, float] = field(default_factory=dict)  # trainer phase names (rackcast.vocab.MEASURED_PHASES)
     label: str = ""
 
 

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from rackcast.atomic import atomic_path, write_text_atomic
 from rackcast.backend.launch import torchrun_command, worker_env
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
@@ -88,7 +89,7 @@ def write_suite(folder: Path, topology: str, quick: bool) -> list[Path]:
                 "optimizer": {"name": "muonh", "lr": 0.01, "adam_lr": 0.003},
                 "expert_transport": {"mode": transport, "capacity_factor": 1.0}}
         path = folder / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(plan, sort_keys=False))
+        write_text_atomic(path, yaml.safe_dump(plan, sort_keys=False))
         out.append(path)
     return out
 
@@ -108,7 +109,7 @@ def train(plan_path: Path, out: Path, steps: int, data_dir: str, timeout_s: floa
         if proc.returncode == 0:
             return done
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"train-stderr-{attempt}.txt").write_text(proc.stderr)
+        write_text_atomic(out / f"train-stderr-{attempt}.txt", proc.stderr)
         if done.get("steps") == steps:  # every step measured and recorded; the crash came at process teardown
             return dict(done, teardown_exit=proc.returncode)
     raise RackcastError(f"training failed twice (exit {proc.returncode}); its output is in "
@@ -247,7 +248,6 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
                    summarise(results, "fitted"), dict(summarise(results, "fitted", held),
                                                       profile="fitted (held-out plans)")]}
     _write_results(out_dir, results)
-    from rackcast.strict import write_text_atomic
 
     write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     summary["results"] = results
@@ -275,9 +275,8 @@ def _write_results(out_dir: Path, results: list[PlanResult]) -> None:
             cols["predicted_peak_memory_bytes"].append(p["peak_memory_bytes"])
             cols["measured_compute_s"].append(r.measured_phases_s.get("compute", 0.0))
             cols["predicted_compute_s"].append(p["phases_s"].get("compute", 0.0))
-    tmp = out_dir / ".results.parquet.tmp"
-    pq.write_table(pa.table(cols), tmp)
-    tmp.replace(out_dir / "results.parquet")
+    with atomic_path(out_dir / "results.parquet") as tmp:
+        pq.write_table(pa.table(cols), tmp)
 
 
 if __name__ == "__main__":

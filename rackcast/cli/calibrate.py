@@ -75,7 +75,7 @@ def _measure(args) -> int:
     from rackcast.backend.calibrate import default_device, measure
     from rackcast.validation.calibration import build_topology, header_for, write_topology
     from rackcast.topologies import load_topology
-    from rackcast.strict import write_text_atomic
+    from rackcast.atomic import write_text_atomic
 
     device = default_device()
     base = load_topology(args.base or ("h200-hgx" if device.type == "cuda" else "local-cpu"))

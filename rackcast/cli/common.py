@@ -9,6 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from rackcast.units import GIB
+
 
 def print_json(data: Any) -> None:
     """Deterministic JSON on stdout (sorted keys are not used: field order is meaningful)."""
@@ -37,7 +39,7 @@ def human(n: float, unit: str = "") -> str:
 
 
 def gib(n_bytes: float) -> str:
-    return f"{n_bytes / 2**30:.1f} GiB"
+    return f"{n_bytes / GIB:.1f} GiB"
 
 
 def refuse_unless_fits(plan_path: str, fits: bool, memory_bytes: float, hbm_bytes: float) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rackcast.cli.common import console, print_json, table
 from rackcast.plan import load_plan
+from rackcast.units import MIB
 
 
 def register(sub) -> None:
@@ -33,7 +34,7 @@ def _fmt(v, unit: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if unit == "bytes":
-        return f"{v / 2**20:.1f} MiB"
+        return f"{v / MIB:.1f} MiB"
     if unit == "tokens/s":
         return f"{v:,.0f}"
     if unit.startswith("fraction"):
@@ -43,7 +44,7 @@ def _fmt(v, unit: str) -> str:
 
 def _run(args) -> int:
     from rackcast.validation.compare import combined_trace, compare_rows, load_record, predict
-    from rackcast.strict import write_text_atomic
+    from rackcast.atomic import write_text_atomic
     from rackcast.topologies import load_topology
 
     plan = load_plan(args.plan)

@@ -17,6 +17,7 @@ import sys
 from rackcast.cli.common import console, human, print_json, table
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
+from rackcast.units import GIB, SECONDS_PER_HOUR
 
 
 def register(sub) -> None:
@@ -77,7 +78,7 @@ def _progress():
 
 def _run(args) -> int:
     from rackcast.planner.forecast import forecast
-    from rackcast.strict import write_text_atomic
+    from rackcast.atomic import write_text_atomic
     from rackcast.topologies.reliability import load_reliability
 
     runs = _number(args.runs, "runs", int)
@@ -88,7 +89,7 @@ def _run(args) -> int:
         hours = _number(args.checkpoint_interval, "checkpoint-interval")
         if hours < 0:
             raise RackcastError(f"--checkpoint-interval: hours must be >= 0 (0: no checkpoints), got {hours}")
-        interval_s = hours * 3600.0
+        interval_s = hours * SECONDS_PER_HOUR
     plan = load_plan(args.plan)
     start = args.start or plan.start
     if not start:
@@ -118,9 +119,9 @@ def _print(plan, reliability, r) -> None:
     fails = ", ".join(f"{k} {v:.3f}" for k, v in s.job_failures_per_day.items())
     rows = [
         ["failures per day (whole job)", f"{sum(s.job_failures_per_day.values()):.3f} ({fails})"],
-        ["job MTBF", f"{s.mtbf_s / 3600:.1f} h"],
-        ["checkpoint", f"{s.checkpoint_bytes / 2**30:,.0f} GiB, written in {s.checkpoint_write_s:.1f} s, "
-                       f"every {s.interval_s / 3600:.2f} h of compute" if s.interval_s else "disabled"],
+        ["job MTBF", f"{s.mtbf_s / SECONDS_PER_HOUR:.1f} h"],
+        ["checkpoint", f"{s.checkpoint_bytes / GIB:,.0f} GiB, written in {s.checkpoint_write_s:.1f} s, "
+                       f"every {s.interval_s / SECONDS_PER_HOUR:.2f} h of compute" if s.interval_s else "disabled"],
         ["restart cost", f"{s.restart_s / 60:.1f} min (detection + rescheduling + {s.reload_s:.1f} s reload)"],
         ["spares", f"{s.spares_per_domain} GPUs per domain; policy {s.policy}"],
         ["reliability figures", reliability.name],
