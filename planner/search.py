@@ -29,10 +29,12 @@ from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan, Predicted, validate
 from rackcast.presets import load_model
-from rackcast.simulator.estimate import PHASES, SECONDS_PER_DAY, plan_features, step_time
+from rackcast.simulator.estimate import plan_features, step_time
 from rackcast.simulator.memory import MemoryBreakdown, attention_core_bytes_per_token, memory_breakdown
 from rackcast.topologies import load_topology
 from rackcast.topologies.spec import Topology
+from rackcast.units import GIB, SECONDS_PER_DAY
+from rackcast.vocab import PHASES
 
 from rackcast.planner.space import (Enumeration, Layout, SpaceOptions, enumerate_space, fast_spec, make_plan,
                            optimizer_for)
@@ -322,10 +324,9 @@ def _refine_capacity(ranked: list[Row], rows: list[Row], spec: ModelSpec, base: 
 
 
 def _no_fit_reason(mem: dict, host_per_host: float, topo: Topology) -> str:
-    gib = 2 ** 30
     if mem["total"] > topo.accelerator.hbm_bytes:
-        return f"memory per GPU {mem['total'] / gib:.1f} GiB > HBM {topo.accelerator.hbm_bytes / gib:.1f} GiB"
-    return (f"host memory {host_per_host / gib:.1f} GiB per host > {topo.host.memory_bytes / gib:.1f} GiB "
+        return f"memory per GPU {mem['total'] / GIB:.1f} GiB > HBM {topo.accelerator.hbm_bytes / GIB:.1f} GiB"
+    return (f"host memory {host_per_host / GIB:.1f} GiB per host > {topo.host.memory_bytes / GIB:.1f} GiB "
             f"(offloaded optimizer state)")
 
 
@@ -428,7 +429,7 @@ def predicted_for(result: Result, row: Row) -> Predicted:
 # ---------------------------------------------------------------- infeasible requests
 def tightest_constraint(result: Result) -> str:
     """One line: why nothing fits, with numbers."""
-    rows, gib = result.rows, 2 ** 30
+    rows = result.rows
     mem_rows = [x for x in rows if x.memory]
     if not mem_rows:
         reasons = sorted({x.reason.partition(":")[0] for x in rows})
@@ -445,16 +446,16 @@ def tightest_constraint(result: Result) -> str:
     rest = m["total"] - state
     per_domain = lay.usable
     if m["total"] <= hbm:  # HBM fits, host memory does not
-        return (f"nothing fits: host memory {best.host_per_host / gib:.1f} GiB per host exceeds "
-                f"{result.host_bytes / gib:.1f} GiB for the leanest layout ({lay.label})")
+        return (f"nothing fits: host memory {best.host_per_host / GIB:.1f} GiB per host exceeds "
+                f"{result.host_bytes / GIB:.1f} GiB for the leanest layout ({lay.label})")
     if rest >= hbm:
         need = "no sharding helps: activations and buffers alone exceed HBM"
     else:
         gpus_needed = math.ceil(state * gpus_now / (hbm - rest))
         need = (f"a replica would need about {math.ceil(gpus_needed / per_domain)} {result.topo.domain_label}s "
                 f"({gpus_needed} GPUs) to shard model state, have {result.request.racks}")
-    return (f"nothing fits: the smallest memory per GPU any layout reaches is {m['total'] / gib:.1f} GiB "
-            f"({lay.label}) against {hbm / gib:.1f} GiB HBM; {need}")
+    return (f"nothing fits: the smallest memory per GPU any layout reaches is {m['total'] / GIB:.1f} GiB "
+            f"({lay.label}) against {hbm / GIB:.1f} GiB HBM; {need}")
 
 
 if __name__ == "__main__":

@@ -27,13 +27,13 @@ from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.simulator.schedule_formulas import peak_in_flight
 from rackcast.plan import (BatchSpec, ExpertTransport, OptimizerSpec, ParallelSpec, Plan, TopologyRef,
                            validate)
+from rackcast.vocab import PLAN_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES
 
 # Marin's fixed-capacity transport ran at capacity factor 1.15 (shared/reference/marin-535b.md).
 CAPACITY_FACTOR = 1.15
 # Default tokens per GPU per step: Marin's 11,264 sequences x 4,096 tokens on 11 racks x 64 GPUs = 65,536.
 DEFAULT_TOKENS_PER_GPU = 65536
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 OPT_LOCATIONS = ("hbm", "host")
 TRANSPORTS = ("dropless", "capacity")
@@ -106,7 +106,7 @@ class SpaceOptions:
     expert_tensors: tuple[int, ...] = (1, 2)
     max_micro_batch: int = 16
     micro_batches: tuple[int, ...] = ()  # empty: every power of two up to max_micro_batch
-    schedules: tuple[str, ...] = PIPELINE_SCHEDULES
+    schedules: tuple[str, ...] = PLAN_SCHEDULES
     recompute: tuple[str, ...] = RECOMPUTE
     opt_locations: tuple[str, ...] = OPT_LOCATIONS
     transports: tuple[str, ...] = TRANSPORTS
@@ -153,13 +153,13 @@ def _schedules(options: SpaceOptions, pipeline: int, layers: int) -> list[tuple[
         return [("1f1b", 1)]
     out = []
     for name in options.schedules:
-        if name in ("1f1b", "gpipe"):
+        if name in SINGLE_CHUNK_SCHEDULES:
             out.append((name, 1))
         elif name == "zb_h1":
             out.append((name, 1))
         elif name == "interleaved_1f1b":
             out += [(name, v) for v in options.virtuals]
-        elif name == "dualpipev":
+        elif name in V_SHAPED_SCHEDULES:
             out.append((name, 2))
     return out
 

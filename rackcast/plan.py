@@ -26,9 +26,10 @@ from rackcast import __version__
 from rackcast.errors import RackcastError
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import load_model
-from rackcast.strict import dump_yaml, from_data, load_yaml, to_data, write_text_atomic
+from rackcast.atomic import write_text_atomic
+from rackcast.strict import dump_yaml, from_data, load_yaml, to_data
+from rackcast.vocab import STAGE_BOUND_SCHEDULES, VIRTUAL_SCHEDULES, PlanSchedule
 
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "dualpipev"]
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ class Plan:
     topology: TopologyRef
     parallel: ParallelSpec
     batch: BatchSpec
-    schedule: Schedule = "1f1b"
+    schedule: PlanSchedule = "1f1b"
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     expert_transport: ExpertTransport = field(default_factory=ExpertTransport)
@@ -177,7 +178,7 @@ def validate(plan: Plan, spec: ModelSpec, gpus_available: int, where: str = "") 
     if spec.layers % (p.pipeline * p.virtual):
         fail("parallel.pipeline", f"{spec.layers} layers are not divisible by pipeline x virtual = "
                                   f"{p.pipeline} x {p.virtual}")
-    if p.virtual > 1 and plan.schedule not in ("interleaved_1f1b", "dualpipev", "zb_h1"):
+    if p.virtual > 1 and plan.schedule not in VIRTUAL_SCHEDULES:
         fail("parallel.virtual", f"virtual={p.virtual} needs an interleaved or V schedule, not {plan.schedule}")
     if plan.schedule == "dualpipev" and p.virtual != 2:
         fail("parallel.virtual", "the dualpipev schedule places exactly 2 chunks per rank (virtual: 2)")
@@ -205,7 +206,7 @@ def validate(plan: Plan, spec: ModelSpec, gpus_available: int, where: str = "") 
         fail("batch.global_batch", f"{b.global_batch} sequences are not divisible by data x fsdp x micro_batch "
                                    f"= {per_step}")
     m = plan.microbatches
-    if p.pipeline > 1 and plan.schedule in ("1f1b", "interleaved_1f1b", "zb_h1", "dualpipev") and m < p.pipeline:
+    if p.pipeline > 1 and plan.schedule in STAGE_BOUND_SCHEDULES and m < p.pipeline:
         fail("batch", f"{m} micro-batches per step are fewer than the {p.pipeline} pipeline stages that "
                       f"{plan.schedule} needs")
     if plan.schedule == "interleaved_1f1b" and p.pipeline > 1 and m % p.pipeline:

@@ -184,14 +184,6 @@ def dump_yaml(data: Any) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write a file through a temporary sibling and a rename, so an interrupted write leaves no half file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def preset_names(directory: Path) -> list[str]:
     """Names of the YAML presets in `directory` (file stems), sorted."""
     return sorted(p.stem for p in Path(directory).glob("*.yaml"))

@@ -35,11 +35,12 @@ import simpy
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan, Predicted
-from rackcast.simulator.estimate import PHASES, SECONDS_PER_DAY
 from rackcast.simulator.schedules import pipeline_orders
 from rackcast.simulator.stepnet import StepNetwork
 from rackcast.simulator.workload import Comm, StageWork, Workload
 from rackcast.topologies.spec import Topology
+from rackcast.units import SECONDS_PER_DAY
+from rackcast.vocab import PHASES
 
 
 @dataclass
