@@ -28,8 +28,10 @@ SCHEDULES: tuple[str, ...] = tuple(TORCH_SCHEDULE_CLASSES)
 
 SINGLE_CHUNK_SCHEDULES = frozenset({"gpipe", "1f1b"})  # one model chunk per pipeline rank (virtual = 1)
 V_SHAPED_SCHEDULES = frozenset({"zbv", "dualpipev"})  # exactly two chunks per rank, placed in a V (r and 2p-1-r)
+# Looped schedules: rank r holds chunks r, r + p, r + 2p, ... (any virtual >= 1).
+INTERLEAVED_SCHEDULES = frozenset({"interleaved_1f1b", "zb_h1"})
 # Schedules that accept more than one chunk per rank (parallel.virtual > 1): the interleaved ones and the V ones.
-VIRTUAL_SCHEDULES = frozenset({"interleaved_1f1b", "zb_h1"}) | V_SHAPED_SCHEDULES
+VIRTUAL_SCHEDULES = INTERLEAVED_SCHEDULES | V_SHAPED_SCHEDULES
 # Schedules whose pipelined steady state needs at least as many micro-batches as pipeline stages (all but GPipe).
 STAGE_BOUND_SCHEDULES = frozenset(SCHEDULES) - {"gpipe"}
 # Schedules that split the backward into input- and weight-gradient parts (zero-bubble and DualPipe).

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rackcast.vocab import SCHEDULES as SCHEDULE_NAMES
-from rackcast.vocab import SINGLE_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES
+from rackcast.vocab import INTERLEAVED_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES
 
 ACTION_KINDS = ("F", "B", "W", "BW")
 
@@ -86,7 +86,7 @@ def validate(name: str, stages: int, microbatches: int, virtual: int) -> None:
         raise ValueError(
             f"dualpipev: needs microbatches >= model chunks (2 x stages = {2 * stages}), got {microbatches}"
         )
-    if name in ("interleaved_1f1b", "zb_h1"):
+    if name in INTERLEAVED_SCHEDULES:
         rounds = max(1, microbatches // stages)
         if microbatches % rounds != 0:
             raise ValueError(

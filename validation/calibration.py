@@ -29,6 +29,7 @@ from rackcast.atomic import write_text_atomic
 from rackcast.strict import dump_yaml, to_data
 from rackcast.topologies import load_topology
 from rackcast.topologies.spec import COLLECTIVE_KINDS, CollectiveCurves, CurvePoint, EfficiencyProfile, HostOpTimes, Topology
+from rackcast.units import KIB, MIB
 
 MERGE_RATIO = 1.6
 MIN_EFF = 1e-4
@@ -104,8 +105,8 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
     mix = statistics.median(e["mix_Bps"] for e in comp["memory"])
     memory_bound = _clamp(mix / hbm_bw)
     notes.append(f"memory: copy {stream['copy_Bps'] / 1e9:.3g} / add {stream['add_Bps'] / 1e9:.3g} GB/s on "
-                 f"{stream['bytes'] / 2**20:.0f} MiB; elementwise mix " + ", ".join(
-                     f"{e['bytes'] / 2**20:.3g} MiB: {e['mix_Bps'] / 1e9:.3g} GB/s" for e in comp["memory"]))
+                 f"{stream['bytes'] / MIB:.0f} MiB; elementwise mix " + ", ".join(
+                     f"{e['bytes'] / MIB:.3g} MiB: {e['mix_Bps'] / 1e9:.3g} GB/s" for e in comp["memory"]))
     op = comp.get("op_overhead", {})
     if op:
         notes.append(f"per-op host time (a training step of {op['model']} on {op['tokens']} tokens, kernels "
@@ -147,7 +148,7 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
                 pts = [e for e in coll if e["kind"] == kind and e["group"] == g]
                 factor = bus_factor(kind.replace("_uneven", ""), g)
                 notes.append(f"  {kind} n={g}: " + ", ".join(
-                    f"{e['bytes'] / 2**10:.0f}K {factor * e['bytes'] / one_way_seconds(e) / 1e9:.3g}" for e in pts))
+                    f"{e['bytes'] / KIB:.0f}K {factor * e['bytes'] / one_way_seconds(e) / 1e9:.3g}" for e in pts))
     else:
         notes.append("collectives: not measured (one process); the base preset's curves and link figures are kept")
     m = meas["machine"]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from rackcast.strict import load_preset, preset_names
+from rackcast.units import SECONDS_PER_HOUR
 
 RELIABILITY_DIR = Path(__file__).parent
 SparesPolicy = Literal["shrink", "wait"]
@@ -49,7 +50,7 @@ class ReliabilitySpec:
     rates: FailureRates
     detection_s: float  # from the fault to the job noticing it (watchdog timeouts, silent stalls)
     reschedule_s: float  # gang rescheduling and start-up (the checkpoint reload is added from its size)
-    checkpoint_interval_s: float = 3600.0  # compute time between checkpoints; 0 disables checkpointing
+    checkpoint_interval_s: float = SECONDS_PER_HOUR  # compute time between checkpoints; 0 disables checkpointing
     fallback_storage_Bps_per_gpu: float = 0.0  # checkpoint bandwidth when the topology's is unknown (0)
     repair_s: float = 0.0  # time until a failed GPU or tray is back as a spare
     spares_policy: SparesPolicy = "shrink"
