@@ -1,4 +1,5 @@
-"""Quantile balancing (QB) of MoE router biases, Marin 535B-A23B's balancer (shared/reference/marin-535b.md).
+"""Quantile balancing (QB) of MoE router biases, Marin 535B-A23B's balancer
+(https://github.com/marin-community/marin/issues/8435; marin experiments/grug/moe_hero_ep/model.py).
 
 Per token t and expert e, with router logit s_te and bias b_e (no gradient):
 1. the top K+1 of s_te + b_e: the first K are the chosen experts, the (K+1)-th biased value is the threshold a_t;

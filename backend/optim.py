@@ -10,7 +10,8 @@ Groups, assigned by `param_groups(model)`; the first rule that matches wins:
    dense MLPs, latent down/up projections, gated-norm matrices) -> muonh.
 Tied weights appear once (the tied head is the embedding: adam).
 
-Rules (shared/reference/marin-535b.md, marin experiments/grug/moe_hero_ep/optimizer.py):
+Rules (Marin 535B-A23B, https://github.com/marin-community/marin/issues/8435 and its
+experiments/grug/moe_hero_ep/optimizer.py):
 - muonh: Nesterov momentum (buf = mu*buf + g; u = g + mu*buf), then NEWTON_SCHULZ_STEPS (rackcast.vocab)
   quintic Newton-Schulz steps with the coefficients (3.4445, -4.7750, 2.0315) (Jordan et al., Muon), then the
   hyperball step.

@@ -139,7 +139,8 @@ def one_domain_replica(spec: ModelSpec, topology: str, racks: int, options: Spac
     """Memory per GPU of Marin's layout style confined to one domain: experts split over the domain (the largest
     expert degree that divides both), non-expert state sharded over it (fsdp = GPUs per domain), data parallel
     across domains, the whole per-GPU batch as one micro-batch, full recomputation, optimizer state in HBM.
-    It is the check behind "~360B trains on one rack, ~707B needs two racks" (shared/reference/marin-535b.md)."""
+    It is the check behind "~360B trains on one rack, ~707B needs two racks" (Marin's sizing of the 535B run,
+    https://github.com/marin-community/marin/issues/7201)."""
     from rackcast.simulator.memory import memory_breakdown
     from rackcast.topologies import load_topology
 

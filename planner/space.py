@@ -29,7 +29,7 @@ from rackcast.plan import (BatchSpec, ExpertTransport, OptimizerSpec, ParallelSp
                            validate)
 from rackcast.vocab import PLAN_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES
 
-# Marin's fixed-capacity transport ran at capacity factor 1.15 (shared/reference/marin-535b.md).
+# Marin's fixed-capacity transport ran at capacity factor 1.15 (https://github.com/marin-community/marin/issues/8435).
 CAPACITY_FACTOR = 1.15
 # Default tokens per GPU per step: Marin's 11,264 sequences x 4,096 tokens on 11 racks x 64 GPUs = 65,536.
 DEFAULT_TOKENS_PER_GPU = 65536
