@@ -131,7 +131,7 @@ def prepare(plan: Plan, tokens: float | None = None, reliability: ReliabilitySpe
         raise RackcastError(f"checkpoint interval must be >= 0 (0: no checkpoints), got {interval_s}")
     tokens = plan.tokens if tokens is None else float(tokens)
     if not math.isfinite(tokens) or tokens <= 0:
-        raise RackcastError("a positive token budget is needed (--tokens, or tokens: in the plan)")
+        raise RackcastError("a positive token budget is needed (or tokens: in the plan)", option="tokens")
     spec, topo = plan.model_spec(), plan.topology_spec()
     est = est or estimate(plan, spec=spec, topo=topo)
     work_s = tokens / est.tokens_per_s

@@ -135,17 +135,18 @@ def parse_date(text: str, what: str) -> dt.date:
     try:
         return dt.date.fromisoformat(text)
     except ValueError:
-        raise RackcastError(f"--{what}: {text!r} is not an ISO date (YYYY-MM-DD)") from None
+        raise RackcastError(f"{what} date {text!r} is not an ISO date (YYYY-MM-DD)", option=what) from None
 
 
 def available_days(start: str, deadline: str) -> float:
     if not deadline:
         return math.nan
     if not start:
-        raise RackcastError("--deadline needs --start (the days available are deadline - start)")
+        raise RackcastError("a deadline needs a start date (the days available are deadline - start)",
+                            option="start")
     days = (parse_date(deadline, "deadline") - parse_date(start, "start")).days
     if days <= 0:
-        raise RackcastError(f"--deadline {deadline} is not after --start {start}")
+        raise RackcastError(f"deadline {deadline} is not after the start {start}", option="deadline")
     return float(days)
 
 
@@ -232,20 +233,22 @@ def resolve_spec(model: str | ModelSpec) -> ModelSpec:
 
 def search(r: Request) -> Result:
     if r.objective not in OBJECTIVES:
-        raise RackcastError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {r.objective!r}")
+        raise RackcastError(f"objective must be one of {', '.join(OBJECTIVES)}, got {r.objective!r}",
+                            option="objective")
     if r.racks <= 0:
-        raise RackcastError(f"--racks must be positive, got {r.racks}")
+        raise RackcastError(f"racks must be positive, got {r.racks}", option="racks")
     if r.tokens <= 0:
-        raise RackcastError(f"--tokens must be positive, got {r.tokens:g}")
+        raise RackcastError(f"token budget must be positive, got {r.tokens:g}", option="tokens")
     if r.top < 0:
-        raise RackcastError(f"--top must be >= 0, got {r.top}")
+        raise RackcastError(f"simulated top count must be >= 0, got {r.top}", option="top")
     avail = available_days(r.start, r.deadline)
     spec = resolve_spec(r.model)
     base = load_topology(r.topology, r.racks)
     su = base.scale_up
     for u in r.options.usable:
         if not 0 < u <= su.domain_size:
-            raise RackcastError(f"--usable-gpus must lie in 1..{su.domain_size} for {base.name}, got {u}")
+            raise RackcastError(f"usable GPUs per domain must lie in 1..{su.domain_size} for {base.name}, got {u}",
+                                option="usable_gpus")
     timings = {}
     t0 = time.perf_counter()
     fspec = fast_spec(spec)
@@ -275,7 +278,7 @@ def search(r: Request) -> Result:
     if r.simulate and r.top:
         result.sim_note = simulate_top(result, r.top, r.workers)
     else:
-        result.sim_note = "not simulated (--top 0)" if not r.top else "not simulated"
+        result.sim_note = "not simulated (top 0)" if not r.top else "not simulated"
     timings["simulate_s"] = time.perf_counter() - t0
     _sort(ranked, r.objective, simulated=True)
     for i, row in enumerate(ranked, 1):

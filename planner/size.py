@@ -99,7 +99,7 @@ def family_shapes(family: str) -> list[ModelSpec]:
         return marin_shapes()
     if family == "dense-gpt":
         return dense_gpt_shapes()
-    raise RackcastError(f"--family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    raise RackcastError(f"model family must be one of {', '.join(FAMILIES)}, got {family!r}", option="family")
 
 
 @dataclass

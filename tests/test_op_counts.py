@@ -1,13 +1,13 @@
 """Op counts on the structural twin (simulator.op_counts.structural_twin, backend.opcount.count_ops): the twin keeps
 the structure and is small, it counts exactly what the full model counts, routing reaches every expert, a 535B
-preset counts in seconds, and the cache key ignores widths that keep the structure.
+preset counts in seconds, the key ignores widths that keep the structure, and the table packaged with the simulator
+(simulator/op_counts.json) holds what the backend counts today for every preset.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -15,10 +15,10 @@ torch = pytest.importorskip("torch")
 
 from rackcast.backend.layers import rotary_dims as backend_rotary_dims  # noqa: E402
 from rackcast.backend.opcount import count_ops  # noqa: E402
-from rackcast.presets import load_model  # noqa: E402
+from rackcast.presets import list_models, load_model  # noqa: E402
 from rackcast.simulator import op_counts as oc  # noqa: E402
 
-PRESETS = sorted(p.stem for p in (Path(oc.ROOT) / "rackcast" / "model_presets").glob("*.yaml"))
+PRESETS = list_models()
 TWIN_WIDTH_MAX = 400  # the widest twin width of any preset (gpt-1t's 160 heads x 2) is 321; far below real widths
 
 
@@ -120,8 +120,7 @@ def test_a_535b_preset_counts_in_seconds():
     assert seconds < 60
 
 
-def test_cache_key_ignores_widths_and_labels_not_structure(monkeypatch):
-    monkeypatch.setattr(oc, "torch_version", lambda: "x")
+def test_cache_key_ignores_widths_and_labels_not_structure():
     spec = load_model("tiny-moe")
     a, m = spec.attention, spec.moe
     wider = replace(spec, name="wide", description="", d_model=128, vocab=512, seq_len=512, gated_norm_rank=16,
@@ -137,9 +136,28 @@ def test_cache_key_ignores_widths_and_labels_not_structure(monkeypatch):
 
 
 def test_the_twin_is_valid_data():
-    """The twin travels to backend.opcount as data: it reads back strictly as the same spec."""
+    """The twin's data (what the key hashes) reads back strictly as the same spec."""
     from rackcast.strict import from_data
 
     for name in ("marin-ladder-d768", "marin-535b-a23b", "gpt-1t"):
         twin = oc.structural_twin(load_model(name))
         assert from_data(type(twin), oc.spec_data(twin)) == twin
+
+
+def test_the_packaged_table_has_its_models_with_both_optimizers():
+    table = oc._table()
+    missing = [f"{name} ({opt})" for name in oc.TABLE_MODELS for opt in ("muonh", "adamw")
+               if oc.cache_key(load_model(name), opt) not in table]
+    assert not missing, f"simulator/op_counts.json lacks {', '.join(missing)}: rackcast calibrate --op-counts-table"
+
+
+@pytest.mark.parametrize("name", oc.TABLE_MODELS)
+@pytest.mark.parametrize("optimizer", ["muonh", "adamw"])
+def test_the_packaged_table_matches_a_fresh_count(name, optimizer):
+    """What the simulator reads is what the installed torch and backend count now (regenerate the table with
+    `rackcast calibrate --op-counts-table` when this fails after a torch or model change)."""
+    spec = load_model(name)
+    fresh = count_ops(spec, optimizer)
+    packed = oc._table()[oc.cache_key(spec, optimizer)]
+    drop = ("model", "torch")
+    assert {k: v for k, v in packed.items() if k not in drop} == {k: v for k, v in fresh.items() if k not in drop}

@@ -30,7 +30,7 @@ MAPE and max |error|, Kendall's tau-b between predicted and measured step times,
 trainer's peak live tensor bytes (backend.memprof) against the memory model for what it keeps (fp32, the activations
 eager PyTorch saves; validation.compare.predicted_run_memory).
 
-    python -m rackcast.validation.validate --quick       # same as `rackcast validate --quick`, minus the CLI's table
+    rackcast validate --quick
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import math
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -120,12 +119,12 @@ def reused(run_dir: Path, steps: int) -> dict:
     """The record of an earlier run of this suite (for `reuse`); one line naming the run when it is missing or short."""
     path = run_dir / "record.json"
     if not path.exists():
-        raise RackcastError("no record.json: run the suite once without --reuse (same --steps and --repeats)",
-                            where=str(run_dir))
+        raise RackcastError("no record.json: run the suite once without reusing runs (same steps and repeats)",
+                            where=str(run_dir), option="reuse")
     rec = json.loads(path.read_text())
     if rec.get("steps") != steps:
-        raise RackcastError(f"recorded {rec.get('steps')} steps, this suite asks for {steps} (pass the same --steps)",
-                            where=str(path))
+        raise RackcastError(f"recorded {rec.get('steps')} steps, this suite asks for {steps} (ask for the same "
+                            "steps)", where=str(path), option="steps")
     return rec
 
 
@@ -277,11 +276,3 @@ def _write_results(out_dir: Path, results: list[PlanResult]) -> None:
             cols["predicted_compute_s"].append(p["phases_s"].get("compute", 0.0))
     with atomic_path(out_dir / "results.parquet") as tmp:
         pq.write_table(pa.table(cols), tmp)
-
-
-if __name__ == "__main__":
-    s = run_suite(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "local-cpu",
-                  ROOT / "runs" / "validate", quick="--quick" in sys.argv,
-                  progress=lambda label, d, t: print(f"[{d}/{t}] {label}", file=sys.stderr))
-    for row in s["summaries"]:
-        print(row)

@@ -2,8 +2,10 @@
 
 Each module in COMMAND_MODULES exposes `register(subparsers)`, which adds its subcommand(s) and sets
 `func(args) -> int` on the parser. Bad input raises RackcastError anywhere below; `main` prints its one line on
-stderr and exits 2. Ctrl-C exits 130 without a traceback. Heavy modules (torch, textual) are imported inside the
-handlers that need them, so `rackcast --help` and planning commands start fast.
+stderr and exits 2, naming the flag that sets the input at fault (library errors name none: `RackcastError.option`
+is the argparse dest) and, for a model without op counts, the command that counts them. Ctrl-C exits 130 without a
+traceback. Heavy modules (torch, textual) are imported inside the handlers that need them, so `rackcast --help` and
+planning commands start fast.
 
     rackcast --help
 """
@@ -50,6 +52,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def flag_for(parser: argparse.ArgumentParser, command: str, dest: str) -> str:
+    """The option string (the longest) that subcommand `command` stores under `dest`, or ""."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    sub = subs[0].choices.get(command) if subs else None
+    for action in sub._actions if sub else ():
+        if action.dest == dest and action.option_strings:
+            return max(action.option_strings, key=len)
+    return ""
+
+
+def describe(exc: RackcastError, parser: argparse.ArgumentParser, command: str) -> str:
+    """The error's line with what the command line adds: the flag of the input at fault, or how to count ops."""
+    from rackcast.simulator.op_counts import OpCountsMissing
+
+    text = str(exc)
+    flag = flag_for(parser, command, exc.option) if exc.option else ""
+    if flag:
+        text = f"{flag}: {text}"
+    if isinstance(exc, OpCountsMissing):
+        text += f"; count them with: rackcast calibrate --op-counts MODEL (the preset or YAML file of {exc.model!r})"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -59,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except RackcastError as exc:
-        print(f"rackcast {args.command}: error: {exc}", file=sys.stderr)
+        print(f"rackcast {args.command}: error: {describe(exc, parser, args.command)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"rackcast {args.command}: interrupted", file=sys.stderr)

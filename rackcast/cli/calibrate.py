@@ -4,6 +4,8 @@ measured runs.
     rackcast calibrate [--out runs/calibrated.yaml] [--quick]        # microbenchmarks (torch; gloo or NCCL)
     rackcast calibrate --from-run RUN_DIR [--from-run ...] [--topology T] --out fitted.yaml
     rackcast calibrate --from-measurement FILE [...] --out fitted.yaml
+    rackcast calibrate --op-counts MODEL [MODEL ...]                # count a model's framework ops (cache)
+    rackcast calibrate --op-counts-table [PATH]                      # regenerate simulator/op_counts.json
 
 A measurement file is YAML: `plan` (path, relative to the file), `step_time_s` or `tokens_per_s`, optionally
 `phases_s` (trainer phase names: compute, exposed_expert_a2a, exposed_dp_comm, pipeline_bubble, optimizer, ...);
@@ -58,14 +60,46 @@ def register(sub) -> None:
     p.add_argument("--no-overhead", action="store_true", help="fit with the topology's host_op_s set to 0 (the "
                                                                "host per-op overhead is otherwise included when the "
                                                                "topology has a measured one)")
+    p.add_argument("--op-counts", nargs="+", metavar="MODEL",
+                   help="count the framework ops of these models (preset names or YAML paths) with both optimizers "
+                        "into the op-count cache, where the host per-op overhead reads them")
+    p.add_argument("--op-counts-table", nargs="?", const="", metavar="PATH",
+                   help="count the tiny presets and write the table packaged with the simulator (default "
+                        "simulator/op_counts.json); run after a torch or model change")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
+    if args.op_counts or args.op_counts_table is not None:
+        return _count_ops(args)
     if args.from_run or args.from_measurement:
         return _fit(args)
     return _measure(args)
+
+
+# --------------------------------------------------------------------------------------------------- op counts
+def _count_ops(args) -> int:
+    """The backend counts (backend.opcount); the simulator reads the files it writes (simulator.op_counts)."""
+    import sys
+
+    from rackcast.backend.opcount import count_into_cache, write_count_table
+    from rackcast.simulator.op_counts import TABLE_MODELS, TABLE_PATH
+
+    written = []
+    for model in args.op_counts or ():
+        written += [str(p) for p in count_into_cache(model)]
+    if args.op_counts_table is not None:
+        path = Path(args.op_counts_table or TABLE_PATH)
+        n = write_count_table(list(TABLE_MODELS), path=path,
+                              progress=lambda label: print(f"counting {label}", file=sys.stderr))
+        written.append(f"{path} ({n} structures)")
+    if args.json:
+        print_json({"written": written})
+    else:
+        for w in written:
+            console().print(f"wrote {w}")
+    return 0
 
 
 # --------------------------------------------------------------------------------------------- microbenchmarks
