@@ -7,20 +7,17 @@ machine; rank 0's figures are kept. Collectives: all_reduce, all_gather (size = 
 way, from a ping-pong) over group sizes 2 and `world` (when larger), at several message sizes; the reported time is
 rank 0's median per call. Results are plain data (JSON-able); validation.calibration turns them into a topology.
 
-    .venv/bin/python -m rackcast.backend.calibrate --quick            # measure and print the JSON
+    rackcast calibrate --quick --save-measurements meas.json      # measure, write the topology and the raw JSON
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import platform
 import queue as queue_mod
 import socket
 import statistics
-import sys
 import time
 import traceback
 
@@ -247,17 +244,3 @@ def measure(world: int, quick: bool = False, on_tick=None, threads: int = 0) -> 
                   threads=threads or max(1, (os.cpu_count() or 1) // world) if device.type == "cpu" else 0,
                   started_utc=started.isoformat(timespec="seconds"), wall_s=time.perf_counter() - t0)
     return result
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="rackcast.backend.calibrate", description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    res = measure(args.world, args.quick, on_tick=lambda label, d, t: print(f"[{d}/{t}] {label}", file=sys.stderr))
-    print(json.dumps(res, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ of a permutation seeded by (seed, e). Optimizer step s takes stream positions [s
 data-parallel rank r of D takes positions r, r+D, r+2D, ... of those, so ranks never overlap and the union of all
 ranks is exactly what one process with the same global batch sees.
 
-    .venv/bin/python -m rackcast.backend.data runs/.data      # build (or find) the cache and print its size
+    folder = prepare("runs/.data")      # build (or find) the cache; `rackcast train` calls it
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import sysconfig
 import zlib
 from pathlib import Path
@@ -122,10 +121,3 @@ class TokenData:
         count = min(count, self.num_sequences)
         rows = [self.tokens[j * self.seq_len:(j + 1) * self.seq_len] for j in range(rank, count, ranks)]
         return np.stack(rows).astype(np.int64)
-
-
-if __name__ == "__main__":
-    where = prepare(sys.argv[1] if len(sys.argv) > 1 else "runs/.data")
-    info = json.loads((where / "manifest.json").read_text())
-    print(f"{where}: {info['files']} files, train {info['shards']['train']['tokens']:,} tokens, "
-          f"eval {info['shards']['eval']['tokens']:,} tokens")

@@ -216,7 +216,3 @@ def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer
         if dense_grads:
             _allreduce_flat(dense_grads, groups.dp, layout.dp)
     timer.add("exposed_dp_comm", timer.now() - t0)
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    return module.module if hasattr(module, "module") and isinstance(module.module, nn.Module) else module

@@ -1,6 +1,6 @@
 """Predicted against measured for one plan and one run folder (`rackcast compare PLAN RUN_DIR`), and the side-by-side
-Chrome trace. The prediction is the discrete-event simulator's (simulator.step.simulate) when it is importable, else
-the closed-form estimate's; the result says which.
+Chrome trace. The prediction is the discrete-event simulator's (simulator.step.simulate), or the closed-form
+estimate's when asked for (prefer="estimate"); the result says which.
 
 Metric conventions (both sides use them, so the comparison is a join on names):
 - step_time_s, tokens_per_s: medians over the run's steps after the first (backend.record);
@@ -17,14 +17,13 @@ Metric conventions (both sides use them, so the comparison is a join on names):
 - drop_fraction: assignments dropped by capacity transport (0 when dropless).
 Error = (predicted - measured) / measured.
 
-    python -m rackcast.validation.compare examples/plans/tiny-2proc-ep.yaml runs/tiny-2proc-ep
+    rackcast compare examples/plans/tiny-2proc-ep.yaml runs/tiny-2proc-ep
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 from rackcast.errors import RackcastError
@@ -50,24 +49,16 @@ def load_record(run_dir: str | Path) -> dict:
 
 
 def predict(plan: Plan, topo=None, record: bool = False, prefer: str = "simulate"):
-    """(source, result): the simulator's SimResult when available (and preferred), else the estimate's Estimate.
+    """(source, result): the simulator's SimResult (prefer="simulate") or the estimate's Estimate ("estimate").
     Both include the host per-op overhead where the topology has measured host_op_s."""
     topo = topo or plan.topology_spec()
-    source, result = None, None
     if prefer == "simulate":
-        try:
-            from rackcast.simulator.step import simulate
-        except ModuleNotFoundError as exc:  # no simulator in this checkout; any other error is a real one
-            if exc.name not in ("rackcast.simulator.step", "simpy"):
-                raise
-            simulate = None
-        if simulate is not None:
-            source, result = "simulate", simulate(plan, topo=topo, record=record)
-    if result is None:
-        from rackcast.simulator.estimate import estimate
+        from rackcast.simulator.step import simulate
 
-        source, result = "estimate", estimate(plan, topo=topo)
-    return source, result
+        return "simulate", simulate(plan, topo=topo, record=record)
+    from rackcast.simulator.estimate import estimate
+
+    return "estimate", estimate(plan, topo=topo)
 
 
 def _peak_memory(result) -> float:
@@ -176,11 +167,3 @@ def combined_trace(result, source: str, run_dir: Path, rec: dict) -> dict:
     meas, how = measured_events(run_dir, rec)
     return {"traceEvents": sim + meas, "displayTimeUnit": "ms",
             "otherData": {"plan": rec.get("plan"), "prediction": source, "measured": how}}
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    src, res = predict(load_plan(sys.argv[1]))
-    for row in compare_rows(res, load_record(sys.argv[2])):
-        print(row)
