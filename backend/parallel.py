@@ -92,11 +92,11 @@ class Layout:
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> "Layout":
-        p = plan.parallel
-        dp = p.data * p.fsdp
+        p = plan.parallel  # rackcast.layout.ParallelSpec: every size comes from it
+        dp = p.batch_shards
         stage, dp_rank = divmod(rank, dp)
         return cls(rank=rank, world=p.gpus, pp=p.pipeline, dp=dp, ep=p.expert, stage=stage, dp_rank=dp_rank,
-                   ep_rank=dp_rank % p.expert, edp_rank=dp_rank // p.expert, virtual=p.virtual)
+                   ep_rank=dp_rank % p.expert, edp_rank=dp_rank // p.expert, virtual=p.chunks_per_rank)
 
 
 class Groups:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from rackcast.backend.parallel import Layout, PhaseTimer
+from rackcast.layout import rank_chunks
 from rackcast.vocab import TORCH_SCHEDULE_CLASSES
 
 
@@ -42,10 +43,8 @@ class StageChunk(nn.Module):
 
 
 def chunk_ids(layout: Layout, schedule: str) -> list[int]:
-    p, v, s = layout.pp, layout.virtual, layout.stage
-    if schedule == "dualpipev":
-        return [s, 2 * p - 1 - s]
-    return [k * p + s for k in range(v)]
+    """The model chunks this process's stage holds (rackcast.layout.rank_chunks)."""
+    return rank_chunks(schedule, layout.pp, layout.virtual, layout.stage)
 
 
 def build_chunks(model: nn.Module, layout: Layout, schedule: str) -> list[StageChunk]:

@@ -41,7 +41,7 @@ def dominating_phase(result: Result, row: Row, simulated: bool = True) -> str:
     words = PHASE_WORDS.get(name, name)
     if name == "exposed_dp_comm" or name == "exposed_expert_a2a":
         pl = place(result.plan_for(row), row.layout.usable)
-        group = pl.data if name == "exposed_dp_comm" and row.layout.data > 1 else \
+        group = pl.data if name == "exposed_dp_comm" and row.layout.parallel.data > 1 else \
             pl.dense_replicas if name == "exposed_dp_comm" else pl.expert
         if group.span == "scale_out":
             words += f" (NIC-bound: the group spans {group.domains} {result.topo.domain_label}s)"

@@ -11,14 +11,12 @@ domains (estimate() of the plan with fewer data-parallel replicas, each keeping 
 `forecast` runs the Monte Carlo and summarises it; `best_interval` searches checkpoint intervals with common random
 numbers; `forecast_days` is the planner's short form.
 
-    python -m rackcast.planner.forecast examples/plans/marin-535b-hero.yaml 18e12 2026-09-01 2026-11-20
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -345,12 +343,3 @@ def forecast_days(plan: Plan, tokens: float | None = None, deadline_days: float 
     days = np.where(unfinished, math.inf, times[:, 0] / SECONDS_PER_DAY)
     prob = float(np.mean(days <= deadline_days)) if deadline_days is not None else math.nan
     return float(np.percentile(days, 50)), prob
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    result = forecast(load_plan(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4] if len(sys.argv) > 4
-                      else None, runs=2000)
-    for key, value in result.as_dict().items():
-        print(f"{key}: {value}")

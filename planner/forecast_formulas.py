@@ -5,13 +5,11 @@ Notation (Daly 2006, "A higher order estimate of the optimum checkpoint interval
 time between failures of the whole job (1 / total failure rate), C the time to write one checkpoint, R the restart
 cost after a failure, tau the compute time between checkpoints, W the total compute time (steady-state seconds).
 
-    python -m rackcast.planner.forecast_formulas 60 86400      # C and M in seconds: Young's and Daly's intervals
 """
 
 from __future__ import annotations
 
 import math
-import sys
 
 
 def young_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
@@ -38,8 +36,3 @@ def daly_expected_wall_s(work_s: float, interval_s: float, checkpoint_s: float, 
     if math.isinf(m):
         return work_s / interval_s * (interval_s + checkpoint_s)
     return m * math.exp(restart_s / m) * math.expm1((interval_s + checkpoint_s) / m) * work_s / interval_s
-
-
-if __name__ == "__main__":
-    c_s, m_s = float(sys.argv[1]), float(sys.argv[2])
-    print(f"Young {young_interval_s(c_s, m_s):.1f} s   Daly {daly_interval_s(c_s, m_s):.1f} s")

@@ -26,8 +26,6 @@ The model. Time is wall-clock seconds; work is steady-state seconds (the run nee
 Outputs per run: wall time and its split into restart, waiting for repair, lost work (compute and checkpoint writes
 rolled back), checkpoint writes, degraded running (the extra time of running at reduced speed) and useful work
 (which sums to `work_s`), and the failure count per class.
-
-    python -m rackcast.planner.forecast_sim      # runs both implementations on a small example and prints them
 """
 
 from __future__ import annotations
@@ -308,9 +306,6 @@ class Outcomes:
     def wall_s(self) -> np.ndarray:
         return self.times[:, 0]
 
-    def cause_s(self, cause: str) -> np.ndarray:
-        return self.times[:, 1 + CAUSES.index(cause)]
-
 
 def _cumulative(probs) -> np.ndarray:
     cum = np.cumsum(np.asarray(probs, dtype=float))
@@ -473,13 +468,3 @@ def simulate_reference(inputs: SimInputs, seed: int, runs: int, first_run: int =
         fails.append(f)
     return Outcomes(times=np.array(times), fails=np.array(fails, dtype=np.int64),
                     unfinished=np.zeros(runs, dtype=bool))
-
-
-if __name__ == "__main__":
-    example = SimInputs(work_s=5 * 86400.0, interval_s=3600.0, restart_s=1200.0, repair_s=2 * 86400.0, domains=4,
-                        spares=4, rate_per_domain_s=1 / 86400.0, class_probs=(0.5, 0.2, 0.2, 0.05, 0.05),
-                        class_units=(1, 4, 0, 0, 0), rate_factor=(0.0, 0.25, 0.5, 0.75, 1.0),
-                        checkpoint_s=(0.0, 120.0, 60.0, 40.0, 30.0))
-    for label, fn in (("numba", simulate), ("simpy", simulate_reference)):
-        res = fn(example, seed=1, runs=5)
-        print(label, np.round(res.wall_s / 86400.0, 6))

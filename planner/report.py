@@ -13,11 +13,9 @@ from rich.table import Table
 from rackcast.atomic import atomic_path
 from rackcast.plan import Plan, save_plan, with_prediction
 from rackcast.planner.search import Result, Row, predicted_for
-from rackcast.planner.space import Layout
+from rackcast.planner.space import LAYOUT_COLUMNS
 from rackcast.units import GIB
 from rackcast.vocab import PHASES
-
-LAYOUT_FIELDS = [f for f in Layout.__dataclass_fields__]
 MEMORY_PARTS = ("weights", "gradients", "master", "optimizer", "activations", "buffers", "total", "host")
 
 
@@ -57,8 +55,9 @@ def ranked_table(result: Result, n: int = 10) -> Table:
     for row in result.ranked[:n]:
         lay = row.layout
         table.add_row(str(row.rank), lay.parallel_label, *([str(lay.global_batch)] if ranges else []),
-                      str(lay.micro_batch), lay.schedule + (f" v{lay.virtual}" if lay.virtual > 1 else "")
-                      if lay.pipeline > 1 else "-", lay.recompute, lay.opt_location, lay.transport,
+                      str(lay.micro_batch), lay.schedule + (f" v{lay.parallel.virtual}" if lay.parallel.virtual > 1
+                                                            else "")
+                      if lay.parallel.pipeline > 1 else "-", lay.recompute, lay.opt_location, lay.transport,
                       f"{lay.usable}/{result.topo.domain_label}", fmt_rate(row.best_tokens_per_s),
                       f"{100 * row.best_mfu:.1f}%", f"{fmt_gib(row.peak_memory)}/{fmt_gib(result.hbm_bytes)} GiB",
                       fmt_days(result.days_for(row)), deadline_cell(result, row), "sim" if row.sim else "est")
@@ -138,7 +137,7 @@ def summary_lines(result: Result) -> list[str]:
 
 def row_data(result: Result, row: Row) -> dict:
     lay = row.layout
-    out = {"rank": row.rank, "layout": lay.label, **{f: getattr(lay, f) for f in LAYOUT_FIELDS},
+    out = {"rank": row.rank, "layout": lay.label, **lay.as_row(),
            "status": row.status, "reason": row.reason,
            "memory_per_gpu_bytes": row.memory.get("total", math.nan), "hbm_bytes": result.hbm_bytes,
            "host_bytes_per_host": row.host_per_host, "step_time_s": row.step_time_s,
@@ -171,7 +170,7 @@ def write_parquet(result: Result, path: str | Path) -> int:
 
     rows = sorted(result.rows, key=lambda x: (x.rank == 0, x.rank, x.status, x.layout.label, x.reason))
     cols: dict[str, list] = {"model": [], "status": [], "reason": [], "rank": [], "layout": []}
-    for f in LAYOUT_FIELDS:
+    for f in LAYOUT_COLUMNS:
         cols[f] = []
     for part in MEMORY_PARTS:
         cols[f"mem_{part}_bytes"] = []
@@ -189,8 +188,8 @@ def write_parquet(result: Result, path: str | Path) -> int:
         cols["reason"].append(row.reason)
         cols["rank"].append(row.rank)
         cols["layout"].append(lay.label)
-        for f in LAYOUT_FIELDS:
-            cols[f].append(getattr(lay, f))
+        for f, value in lay.as_row().items():
+            cols[f].append(value)
         for part in MEMORY_PARTS:
             cols[f"mem_{part}_bytes"].append(float(row.memory.get(part, nan)))
         values = [row.host_per_host, row.step_time_s, row.tokens_per_s, row.mfu, row.days, row.drop_fraction]

@@ -10,7 +10,6 @@ Stages:
 4. The best K are run through the discrete-event simulator (simulator.step.simulate, 2 processes) when it is
    importable, and re-ranked by its figures; otherwise the result says that they were not simulated.
 
-    python -m rackcast.planner.search marin-535b-a23b gb200-nvl72 11 18e12
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import datetime as dt
 import math
 import multiprocessing
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -29,11 +27,12 @@ from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan, Predicted, validate
 from rackcast.presets import load_model
+from rackcast.simulator import metrics
 from rackcast.simulator.estimate import plan_features, step_time
 from rackcast.simulator.memory import MemoryBreakdown, attention_core_bytes_per_token, memory_breakdown
 from rackcast.topologies import load_topology
 from rackcast.topologies.spec import Topology
-from rackcast.units import GIB, SECONDS_PER_DAY
+from rackcast.units import GIB
 from rackcast.vocab import PHASES
 
 from rackcast.planner.space import (Enumeration, Layout, SpaceOptions, enumerate_space, fast_spec, make_plan,
@@ -155,8 +154,7 @@ _STATE: dict = {}
 
 
 def _fits(mem: MemoryBreakdown, topo: Topology) -> tuple[bool, float]:
-    host_per_host = mem.host * topo.host.gpus_per_host
-    return mem.total <= topo.accelerator.hbm_bytes and host_per_host <= topo.host.memory_bytes, host_per_host
+    return bool(metrics.fits_memory(mem.total, mem.host, topo)), metrics.host_bytes_per_host(mem.host, topo)
 
 
 def offloaded(mem: MemoryBreakdown) -> MemoryBreakdown:
@@ -194,10 +192,11 @@ def _memory_choices(layout: Layout, spec, topos, r: Request) -> list[tuple[Layou
 def _selective_saves(spec, layout: Layout, r: Request) -> bool:
     """Selective recomputation drops only the materialised attention core (none with flash attention)."""
     memo = _STATE.setdefault("selective", {})
-    if layout.tensor not in memo:
+    tensor = layout.parallel.tensor
+    if tensor not in memo:
         plan = make_plan(layout, spec.name, r.topology, r.racks, spec)
-        memo[layout.tensor] = any(attention_core_bytes_per_token(spec, i, plan) > 0 for i in range(spec.layers))
-    return memo[layout.tensor]
+        memo[tensor] = any(attention_core_bytes_per_token(spec, i, plan) > 0 for i in range(spec.layers))
+    return memo[tensor]
 
 
 def _evaluate_chunk(layouts: list[Layout]) -> list[tuple]:
@@ -317,7 +316,7 @@ def _refine_capacity(ranked: list[Row], rows: list[Row], spec: ModelSpec, base: 
     """Capacity transport changes only the expert all-to-all and the load imbalance (not memory or validity), so it
     is tried on the best dropless layouts with experts split over several GPUs rather than on all of them."""
     _sort(ranked, r.objective, simulated=False)
-    best = [x for x in ranked if x.layout.expert > 1][:REFINE]
+    best = [x for x in ranked if x.layout.parallel.expert > 1][:REFINE]
     layouts = [replace(x.layout, transport="capacity") for x in best]
     _STATE["memo"] = {lay: [(lay, True, x.memory, x.host_per_host)] for lay, x in zip(layouts, best)}
     try:
@@ -341,16 +340,15 @@ def _apply_closed_form(ranked: list[Row], feats: list[dict], spec: ModelSpec, to
     keys = list(feats[0])
     arrays = {k: np.array([f[k] for f in feats], dtype=float) for k in keys}
     times = step_time(arrays, topo)
-    flops_token = spec.flops_per_token_train(FlopsConvention())
-    peak = topo.peak_flops("bf16")
+    tokens = np.array([row.layout.global_batch * spec.seq_len for row in ranked], dtype=float)
+    gpus = np.array([row.layout.usable * r.racks for row in ranked], dtype=float)
+    rate = metrics.step_metrics(tokens, times["step_time_s"], metrics.model_flops_per_step(spec, tokens), gpus, topo,
+                                r.tokens)
     for i, row in enumerate(ranked):
-        lay = row.layout
-        step = float(times["step_time_s"][i])
-        tokens = lay.global_batch * spec.seq_len
-        row.step_time_s = step
-        row.tokens_per_s = tokens / step
-        row.mfu = flops_token * tokens / (step * lay.usable * r.racks * peak)
-        row.days = r.tokens / row.tokens_per_s / SECONDS_PER_DAY
+        row.step_time_s = float(times["step_time_s"][i])
+        row.tokens_per_s = float(rate.tokens_per_s[i])
+        row.mfu = float(rate.mfu[i])
+        row.days = float(rate.days_to_budget[i])
         row.phases = {k: float(times[k][i]) for k in PHASES}
 
 
@@ -388,8 +386,8 @@ def simulate_plans(plans: list[Plan], workers: int) -> list[dict]:
 
 
 def attach_simulation(result: Result, row: Row, sim: dict) -> None:
-    sim["days"] = result.request.tokens / sim["tokens_per_s"] / SECONDS_PER_DAY
-    sim["fits"] = sim["peak_memory_bytes"] <= result.hbm_bytes
+    sim["days"] = metrics.days_to_budget(result.request.tokens, sim["tokens_per_s"])
+    sim["fits"] = bool(metrics.fits_memory(sim["peak_memory_bytes"], row.memory.get("host", 0.0), result.topo))
     row.sim = sim
 
 
@@ -459,12 +457,3 @@ def tightest_constraint(result: Result) -> str:
                 f"({gpus_needed} GPUs) to shard model state, have {result.request.racks}")
     return (f"nothing fits: the smallest memory per GPU any layout reaches is {m['total'] / GIB:.1f} GiB "
             f"({lay.label}) against {hbm / GIB:.1f} GiB HBM; {need}")
-
-
-if __name__ == "__main__":
-    model, topo_name, racks, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-    res = search(Request(model=model, topology=topo_name, racks=racks, tokens=tokens, simulate=False))
-    print(res.counts, {k: round(v, 2) for k, v in res.timings.items()})
-    for row in res.ranked[:10]:
-        print(f"{row.rank:3d} {row.layout.label:70s} {row.tokens_per_s / 1e6:8.3f} Mtok/s "
-              f"MFU {100 * row.mfu:5.1f}% {row.days:7.1f} d")

@@ -13,19 +13,18 @@ Families (each shape is built in code from the family's rules; the numbers come 
 Per shape: total and active parameters, the best layout, the fewest domains one replica needs, tokens/s, days to the
 token budget, whether it meets the deadline, and whether it is on the Pareto front of size against days.
 
-    python -m rackcast.planner.size marin-moe gb200-nvl72 11 18e12
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from rackcast.errors import RackcastError
+from rackcast.layout import ParallelSpec
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import list_models, load_model
 
@@ -151,7 +150,7 @@ def one_domain_replica(spec: ModelSpec, topology: str, racks: int, options: Spac
     gb = options.global_batch or default_global_batch(spec, load_topology(topology).scale_up.usable_gpus, racks)
     experts = math.gcd(spec.moe.experts, u) if spec.moe else 1
     mb = max(1, gb // (racks * u))
-    lay = Layout(u, racks, u, 1, 1, 1, experts, 1, 1, gb, mb, "1f1b", "full", "hbm", "dropless")
+    lay = Layout(u, ParallelSpec(data=racks, fsdp=u, expert=experts), gb, mb, "1f1b", "full", "hbm", "dropless")
     mem = memory_breakdown(spec, make_plan(lay, spec, topology, racks, spec))
     return mem.total, lay.label
 
@@ -219,14 +218,3 @@ def _mark_pareto(shapes: list[ShapeResult]) -> None:
         size, days = s.spec.params_total, s.days
         s.pareto = not any(o is not s and o.spec.params_total >= size and o.days <= days and
                            (o.spec.params_total > size or o.days < days) for o in feasible)
-
-
-if __name__ == "__main__":
-    fam, topo_name, n_racks, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-    res = size_search(fam, topo_name, n_racks, budget)
-    for sh in res.shapes:
-        best = sh.best
-        print(f"{sh.spec.name:28s} {sh.spec.params_total / 1e9:7.1f}B {sh.spec.params_active / 1e9:6.1f}B "
-              + (f"{best.layout.parallel_label:22s} {sh.min_domains_per_replica:2d} {sh.days:7.1f} d"
-                 f"{' pareto' if sh.pareto else ''}" if best else sh.reason))
-    print(res.candidates, res.enumerated, res.timings)

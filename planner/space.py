@@ -11,13 +11,11 @@ Everything else about divisibility (heads, KV heads, layers, experts, expert wid
 decided by rackcast.plan.validate, the single authority: a layout it refuses is kept as a rejected row with the
 RackcastError text.
 
-    python -m rackcast.planner.space marin-535b-a23b gb200-nvl72 11     # counts the layouts of the default space
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Iterator
@@ -39,19 +37,18 @@ OPT_LOCATIONS = ("hbm", "host")
 TRANSPORTS = ("dropless", "capacity")
 
 
+DEGREES = ("data", "fsdp", "tensor", "pipeline", "virtual", "expert", "expert_tensor", "context")
+LAYOUT_COLUMNS = ("usable", *DEGREES, "global_batch", "micro_batch", "schedule", "recompute", "opt_location",
+                  "transport")  # Layout.as_row's keys
+
+
 @dataclass(frozen=True)
 class Layout:
-    """One point of the search space (everything a Plan needs besides the model and the hardware)."""
+    """One point of the search space (everything a Plan needs besides the model and the hardware): the parallel
+    layout (rackcast.layout.ParallelSpec, the plan's `parallel:` block) and the search knobs around it."""
 
     usable: int  # GPUs used per domain
-    data: int
-    fsdp: int
-    tensor: int
-    pipeline: int
-    virtual: int
-    expert: int
-    expert_tensor: int
-    context: int
+    parallel: ParallelSpec
     global_batch: int
     micro_batch: int
     schedule: str
@@ -59,19 +56,24 @@ class Layout:
     opt_location: str
     transport: str
 
+    def as_row(self) -> dict:
+        """Flat columns (usable, the degrees, then the knobs) for tables, JSON and Parquet."""
+        return {k: getattr(self.parallel, k) if k in DEGREES else getattr(self, k) for k in LAYOUT_COLUMNS}
+
     @property
     def parallel_label(self) -> str:
-        parts = [f"d{self.data}", f"f{self.fsdp}"]
+        par = self.parallel
+        parts = [f"d{par.data}", f"f{par.fsdp}"]
         for name, short in (("tensor", "t"), ("context", "c"), ("expert", "e"), ("expert_tensor", "et")):
-            if getattr(self, name) > 1:
-                parts.append(f"{short}{getattr(self, name)}")
-        if self.pipeline > 1:
-            parts.append(f"p{self.pipeline}" + (f"v{self.virtual}" if self.virtual > 1 else ""))
+            if getattr(par, name) > 1:
+                parts.append(f"{short}{getattr(par, name)}")
+        if par.pipeline > 1:
+            parts.append(f"p{par.pipeline}" + (f"v{par.virtual}" if par.virtual > 1 else ""))
         return " ".join(parts)
 
     @property
     def knobs_label(self) -> str:
-        sched = self.schedule if self.pipeline > 1 else "-"
+        sched = self.schedule if self.parallel.pipeline > 1 else "-"
         return (f"gb{self.global_batch} mb{self.micro_batch} {sched} rc={self.recompute} opt={self.opt_location} "
                 f"{self.transport} {self.usable}/dom")
 
@@ -83,13 +85,14 @@ class Layout:
     def layout_class(self) -> str:
         """The axes in use (degree > 1), e.g. 'data+fsdp+expert': the class explain groups rejections by."""
         axes = [n for n in ("data", "fsdp", "tensor", "context", "pipeline", "expert", "expert_tensor")
-                if getattr(self, n) > 1]
+                if getattr(self.parallel, n) > 1]
         return "+".join(axes) or "single-gpu"
 
     def replica_gpus(self) -> int:
         """GPUs holding one full copy of the model: per pipeline stage, the larger of the dense shard group
         (tensor x context x fsdp) and the expert group (expert x expert_tensor), both innermost ranks."""
-        return max(self.tensor * self.context * self.fsdp, self.expert * self.expert_tensor) * self.pipeline
+        par = self.parallel
+        return max(par.stage_ranks // par.data, par.expert_group) * par.pipeline
 
 
 @dataclass(frozen=True)
@@ -231,9 +234,7 @@ def make_plan(layout: Layout, model: str | ModelSpec, topology: str, domains: in
         name=name or f"{spec.name}-{topology}-{domains}",
         model=model,
         topology=TopologyRef(name=topology, domains=domains, usable_gpus=layout.usable),
-        parallel=ParallelSpec(data=layout.data, fsdp=layout.fsdp, tensor=layout.tensor, pipeline=layout.pipeline,
-                              virtual=layout.virtual, expert=layout.expert, expert_tensor=layout.expert_tensor,
-                              context=layout.context, sequence_parallel=layout.tensor > 1),
+        parallel=layout.parallel,
         batch=BatchSpec(global_batch=layout.global_batch, micro_batch=layout.micro_batch),
         schedule=layout.schedule,
         recompute=layout.recompute,
@@ -250,9 +251,10 @@ def check(layout: Layout, spec: ModelSpec, domains: int) -> str:
         validate(plan, spec, layout.usable * domains)
     except RackcastError as exc:
         return str(exc)
-    if layout.pipeline > 1:
+    par = layout.parallel
+    if par.pipeline > 1:
         try:  # the schedule formulas' own coverage rules (e.g. dualpipev needs 2 x stages micro-batches)
-            peak_in_flight(layout.schedule, layout.pipeline, plan.microbatches, layout.virtual)
+            peak_in_flight(layout.schedule, par.pipeline, plan.microbatches, par.chunks_per_rank)
         except ValueError as exc:
             return f"schedule: {exc}"
     return ""
@@ -273,8 +275,9 @@ def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_s
     fallback = default_global_batch(spec, default_usable, domains)
     for u in usable_options(options, default_usable, domain_size):
         for d, f, t, c, p, e, et in structures(spec, domains, u, options):
-            base = Layout(u, d, f, t, p, 1, e, et, c, options.global_batch or fallback, 1, "1f1b", "none", "hbm",
-                          "dropless")
+            pars = {v: ParallelSpec(data=d, fsdp=f, tensor=t, pipeline=p, virtual=v, expert=e, expert_tensor=et,
+                                    context=c, sequence_parallel=t > 1) for v in {1, *options.virtuals, 2}}
+            base = Layout(u, pars[1], options.global_batch or fallback, 1, "1f1b", "none", "hbm", "dropless")
             reason = check(base, spec, domains)
             if reason and not _knob_dependent(reason):
                 out.rejected.append((base, reason))
@@ -282,7 +285,7 @@ def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_s
             any_knobs = False
             for gb, mb, sched, v, tr in knob_variants(spec, options, d, f, p, fallback):
                 any_knobs = True
-                layout = Layout(u, d, f, t, p, v, e, et, c, gb, mb, sched, "none", "hbm", tr)
+                layout = Layout(u, pars[v], gb, mb, sched, "none", "hbm", tr)
                 reason = check(layout, spec, domains)
                 if reason:
                     out.rejected.append((layout, reason))
@@ -329,14 +332,3 @@ class FastSpec(ModelSpec):
 
 def fast_spec(spec: ModelSpec) -> FastSpec:
     return FastSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(ModelSpec)})
-
-
-if __name__ == "__main__":
-    from rackcast.presets import load_model
-    from rackcast.topologies import load_topology
-
-    model, topo_name, racks = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    topo = load_topology(topo_name)
-    found = enumerate_space(load_model(model), racks, topo.scale_up.usable_gpus, topo.scale_up.domain_size,
-                            SpaceOptions())
-    print(f"{len(found.layouts)} valid layouts, {len(found.rejected)} rejected")

@@ -16,7 +16,7 @@ attention scores and values, and 2 x kernel x channels for each convolution; ele
 softmax) is not counted. Backward is twice forward. The MFU convention (see FlopsConvention) decides the attention
 context: by default a local layer counts its window and a global layer the whole sequence, without causal halving.
 
-    python -m rackcast.modelspec marin-535b-a23b   # prints the accounting of a preset
+    rackcast models show marin-535b-a23b     # prints the accounting of a preset
 """
 
 from __future__ import annotations

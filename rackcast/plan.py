@@ -3,16 +3,10 @@
 A plan file is YAML, loaded strictly (unknown keys, wrong types and layouts that do not divide the hardware or the
 model are refused with one line naming the file and field) and written back byte-identically (round-trip).
 
-Parallel layout convention (Megatron-style "MoE parallel folding"): the GPUs form a grid
-    gpus = data x fsdp x context x tensor x pipeline
-`data` replicas hold full copies of their shard; `fsdp` shards parameters, gradients and optimizer state (ZeRO-3);
-`context` splits the sequence; `tensor` splits matrices (with optional sequence parallelism); `pipeline` splits
-layers into stages of `virtual` chunks each. Expert layers re-fold the same ranks of one pipeline stage:
-`expert x expert_tensor` ranks out of data x fsdp x context x tensor own disjoint slices of the experts; the rest
-replicate them (expert data parallelism). Inner axes are placed first: tensor, then context, then fsdp, then data,
-so a group stays inside one scale-up domain whenever its size allows.
+The `parallel:` block is a rackcast.layout.ParallelSpec: the grid's degrees (gpus = data x fsdp x context x tensor x
+pipeline, experts re-folded over expert x expert_tensor ranks of a stage) and every size derived from them.
 
-    python -m rackcast.plan examples/plans/marin-535b-hero.yaml    # validate a plan file
+    python -m rackcast.plan examples/plans/marin-535b-hero.yaml    # validate a plan file (exit 2 on a refusal)
 """
 
 from __future__ import annotations
@@ -24,11 +18,12 @@ from typing import Literal
 
 from rackcast import __version__
 from rackcast.errors import RackcastError
+from rackcast.layout import ParallelSpec
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import load_model
 from rackcast.atomic import write_text_atomic
 from rackcast.strict import dump_yaml, from_data, load_yaml, to_data
-from rackcast.vocab import STAGE_BOUND_SCHEDULES, VIRTUAL_SCHEDULES, PlanSchedule
+from rackcast.vocab import STAGE_BOUND_SCHEDULES, PlanSchedule
 
 
 
@@ -37,33 +32,6 @@ class TopologyRef:
     name: str  # preset name or YAML path
     domains: int = 1  # racks or nodes
     usable_gpus: int = 0  # GPUs used per domain; 0 keeps the preset's default (64 of 72 on NVL72)
-
-
-@dataclass(frozen=True)
-class ParallelSpec:
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    pipeline: int = 1
-    virtual: int = 1  # model chunks per pipeline rank (interleaved / V schedules)
-    expert: int = 1
-    expert_tensor: int = 1
-    context: int = 1
-    sequence_parallel: bool = False  # with tensor > 1: shard norms and dropout along the sequence
-
-    @property
-    def gpus(self) -> int:
-        return self.data * self.fsdp * self.context * self.tensor * self.pipeline
-
-    @property
-    def dense_replicas(self) -> int:
-        """Ranks of one pipeline stage that see different tokens (data x fsdp x context)."""
-        return self.data * self.fsdp * self.context
-
-    @property
-    def expert_data(self) -> int:
-        """How many copies of each expert slice exist within one pipeline stage."""
-        return self.data * self.fsdp * self.context * self.tensor // (self.expert * self.expert_tensor)
 
 
 @dataclass(frozen=True)
@@ -149,8 +117,16 @@ class Plan:
 
     @property
     def microbatches(self) -> int:
-        """Micro-batches per step on one data-parallel rank."""
-        return self.batch.global_batch // (self.parallel.data * self.parallel.fsdp * self.batch.micro_batch)
+        """Micro-batches per step on one data-parallel rank (rackcast.layout.ParallelSpec.microbatches)."""
+        return self.parallel.microbatches(self.batch.global_batch, self.batch.micro_batch)
+
+    def tokens_per_microbatch(self, spec: ModelSpec) -> float:
+        """Tokens one rank processes per micro-batch (rackcast.layout.ParallelSpec.tokens_per_microbatch)."""
+        return self.parallel.tokens_per_microbatch(self.batch.micro_batch, spec.seq_len)
+
+    def rank_layers(self, spec: ModelSpec, rank: int = 0) -> list[int]:
+        """Layers pipeline rank `rank` holds under this plan's schedule (rackcast.layout.ParallelSpec.rank_layers)."""
+        return self.parallel.rank_layers(rank, self.schedule, spec.layers)
 
     def tokens_per_step(self, spec: ModelSpec) -> int:
         return self.batch.global_batch * spec.seq_len
@@ -163,45 +139,10 @@ def validate(plan: Plan, spec: ModelSpec, gpus_available: int, where: str = "") 
     def fail(field_name: str, message: str):
         raise RackcastError(f"{field_name}: {message}", where=where)
 
-    for name in ("data", "fsdp", "tensor", "pipeline", "virtual", "expert", "expert_tensor", "context"):
-        if getattr(p, name) <= 0:
-            fail(f"parallel.{name}", f"must be positive, got {getattr(p, name)}")
-    if p.gpus != gpus_available:
-        fail("parallel", f"data x fsdp x context x tensor x pipeline = {p.gpus} GPUs, but the topology provides "
-                         f"{gpus_available} (topology.domains x usable GPUs per domain)")
-    a = spec.attention
-    if a.heads % p.tensor:
-        fail("parallel.tensor", f"{a.heads} attention heads are not divisible by tensor={p.tensor}")
-    for kv in {a.kv_heads_local, a.kv_heads_global}:
-        if kv % p.tensor and p.tensor % kv:
-            fail("parallel.tensor", f"{kv} KV heads neither divide nor are divisible by tensor={p.tensor}")
-    if spec.layers % (p.pipeline * p.virtual):
-        fail("parallel.pipeline", f"{spec.layers} layers are not divisible by pipeline x virtual = "
-                                  f"{p.pipeline} x {p.virtual}")
-    if p.virtual > 1 and plan.schedule not in VIRTUAL_SCHEDULES:
-        fail("parallel.virtual", f"virtual={p.virtual} needs an interleaved or V schedule, not {plan.schedule}")
-    if plan.schedule == "dualpipev" and p.virtual != 2:
-        fail("parallel.virtual", "the dualpipev schedule places exactly 2 chunks per rank (virtual: 2)")
-    if spec.seq_len % p.context:
-        fail("parallel.context", f"seq_len {spec.seq_len} is not divisible by context={p.context}")
-    if spec.moe is None:
-        if p.expert != 1 or p.expert_tensor != 1:
-            fail("parallel.expert", f"model {spec.name} has no experts; expert and expert_tensor must be 1")
-    else:
-        if spec.moe.experts % p.expert:
-            fail("parallel.expert", f"{spec.moe.experts} experts are not divisible by expert={p.expert}")
-        if spec.moe.expert_ffn % p.expert_tensor:
-            fail("parallel.expert_tensor", f"expert width {spec.moe.expert_ffn} is not divisible by "
-                                           f"expert_tensor={p.expert_tensor}")
-        fold = p.data * p.fsdp * p.context * p.tensor
-        if fold % (p.expert * p.expert_tensor):
-            fail("parallel.expert", f"expert x expert_tensor = {p.expert * p.expert_tensor} must divide "
-                                    f"data x fsdp x context x tensor = {fold}")
-    if p.sequence_parallel and p.tensor == 1:
-        fail("parallel.sequence_parallel", "needs tensor > 1")
+    p.check(spec, gpus_available, plan.schedule, fail)
     if b.global_batch <= 0 or b.micro_batch <= 0:
         fail("batch", "global_batch and micro_batch must be positive")
-    per_step = p.data * p.fsdp * b.micro_batch
+    per_step = p.batch_shards * b.micro_batch
     if b.global_batch % per_step:
         fail("batch.global_batch", f"{b.global_batch} sequences are not divisible by data x fsdp x micro_batch "
                                    f"= {per_step}")
@@ -258,7 +199,17 @@ def with_prediction(plan: Plan, predicted: Predicted, command: str = "") -> Plan
                    provenance=Provenance(rackcast_version=__version__, inputs_sha256=hashes, command=command))
 
 
-if __name__ == "__main__":
-    for plan_path in sys.argv[1:]:
-        load_plan(plan_path)
+def main(argv: list[str]) -> int:
+    """`python -m rackcast.plan FILE...`: validate plan files; one line per file, exit 2 at the first refusal."""
+    for plan_path in argv:
+        try:
+            load_plan(plan_path)
+        except RackcastError as exc:
+            print(f"rackcast.plan: error: {exc}", file=sys.stderr)
+            return 2
         print(f"{plan_path}: ok")
+    return 0
+
+
+if __name__ == "__main__":  # the documented validator entry point (README), not a demo
+    sys.exit(main(sys.argv[1:]))

@@ -6,24 +6,19 @@ Two stages, so the planner can rank thousands of layouts at once:
 2. `step_time(features, topo)` evaluates the formulas on numpy arrays, one element per candidate.
 `estimate(plan)` runs both for one plan and adds memory, MFU and days to the token budget.
 
-Conventions: compute time = FLOPs / (peak x efficiency(GEMM size)); backward = 2 x forward; hardware attention work
-is counted causally over the window (what the kernel does), model FLOPs (the MFU numerator) by the plan's
-FlopsConvention. A collective of `nbytes` per rank over n ranks takes steps x latency + factor x nbytes / (bandwidth x
-efficiency(nbytes)) with the nccl-tests factors (all_reduce 2(n-1)/n, all_gather/reduce_scatter/all_to_all
-(n-1)/n). Overlap: the expert all-to-all hides behind shared-expert compute, data-parallel gradient reduction
+Every op's cost comes from simulator.costs (the same functions the discrete-event workload calls: GEMM, expert,
+attention, elementwise, collective, host-copy and optimizer times, the bytes each collective moves), and the result
+metrics (fits, tokens/s, MFU, days) from simulator.metrics. What this module adds is the closed-form composition.
+Overlap: the expert all-to-all hides behind shared-expert compute, data-parallel gradient reduction
 behind the last micro-batch's backward, FSDP gathers behind the previous layer's compute; the rest is exposed.
 Host per-op overhead (only where the topology's efficiency.host_op_s is measured, e.g. a calibrated CPU): the op
 counts of the backend model (simulator.op_counts) per step, as simulator.host_overhead models them (rank 0's own
 forward and backward ops, the extra ones on the pipeline's critical path, the optimizer's), each x its host time per
 op, added to compute, pipeline_bubble and optimizer.
-
-    python -m rackcast.simulator.estimate examples/plans/marin-535b-hero.yaml
 """
 
 from __future__ import annotations
 
-import math
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -31,23 +26,16 @@ import numpy as np
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
-from rackcast.simulator import collective_formulas as formulas
-from rackcast.simulator.collective_formulas import efficiency_at
+from rackcast.simulator import costs, metrics
+from rackcast.simulator.costs import balancing_time, collective_time, reduction_groups
 from rackcast.simulator.host_overhead import host_ops
-from rackcast.simulator.memory import BYTES, MemoryBreakdown, expert_fsdp, memory_breakdown, rank_layers, rank_params
+from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
 from rackcast.simulator.schedule_formulas import bubble_fraction
 from rackcast.topologies.spec import Topology
-from rackcast.units import SECONDS_PER_DAY
 from rackcast.vocab import PHASES
-
-
-def _interp(curve, sizes):
-    """Vectorised efficiency-curve lookup (log-linear, clamped), as topologies.spec.interpolate."""
-    return efficiency_at([p.size for p in curve], [p.value for p in curve], np.maximum(sizes, 1e-30))
-
 
 HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble_backward", "op_optimizer")
 
@@ -65,20 +53,6 @@ def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, f
             "op_bubble_backward": o.bubble_backward, "op_optimizer": o.optimizer}
 
 
-def collective_time(topo: Topology, kind: str, n, nbytes, span_out):
-    """Alpha-beta time of a collective on the topology; arrays broadcast. span_out: true where the group crosses
-    domains (slowest hop: the NIC) — the efficiency curve of that span applies."""
-    n = np.asarray(n, dtype=float)
-    nbytes = np.asarray(nbytes, dtype=float)
-    span_out = np.asarray(span_out, dtype=bool)
-    curves = topo.efficiency.collectives[kind]
-    eff = np.where(span_out, _interp(curves.scale_out, nbytes), _interp(curves.scale_up, nbytes))
-    bw = np.where(span_out, topo.link_bandwidth_Bps("scale_out"), topo.link_bandwidth_Bps("scale_up"))
-    lat = np.where(span_out, topo.link_latency_s("scale_out"), topo.link_latency_s("scale_up"))
-    t = formulas.collective_time(kind, nbytes, np.maximum(n, 2.0), np.maximum(bw, 1e-30), lat, eff)
-    return np.where((n > 1) & (nbytes > 0), t, 0.0)
-
-
 @lru_cache(maxsize=4096)
 def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: float, seed: int = 0):
     """expected_max_load_factor, cached: the planner asks for the same routing geometry many times."""
@@ -87,12 +61,12 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
 
 def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
     """The scalars the step-time formulas need, for pipeline rank 0 (the heaviest)."""
-    par, b = plan.parallel, plan.batch
+    par = plan.parallel
     pl = place(plan, topo.scale_up.usable_gpus)
     t, cp = par.tensor, par.context
-    tokens_mb = b.micro_batch * spec.seq_len / cp
-    hw = FlopsConvention(attention="causal", window="window", head=True)  # the work kernels really do
-    layers = rank_layers(spec, plan, 0)
+    tokens_mb = plan.tokens_per_microbatch(spec)
+    hw = costs.HW
+    layers = plan.rank_layers(spec, 0)
     gemm = attn = experts = shared = elementwise = 0.0
     moe_layers = 0
     for i in layers:
@@ -102,63 +76,58 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         shared += parts.get("shared_experts", 0.0)
         gemm += sum(v for k, v in parts.items() if k not in ("attn_scores_values", "experts"))
         moe_layers += spec.is_moe(i)
-    # The head runs on the last stage; with one stage (or the V shape) rank 0 carries it.
-    if par.pipeline == 1 or plan.schedule == "dualpipev":
+    if par.chunk_ranks(plan.schedule)[-1] == 0:  # rank 0 holds the last chunk (one stage, or the V shape): the head
         gemm += spec.head_flops_fwd(hw)
     from rackcast.simulator.memory import layer_activation_bytes_per_token
 
     for i in layers:
         elementwise += 2 * layer_activation_bytes_per_token(spec, i, plan)  # written in forward, read in backward
-    w_bytes = BYTES["bf16"]
+    w_bytes = costs.W_BYTES
     g_bytes = BYTES[plan.grad_dtype]
     rp = rank_params(spec, plan, 0)
     m_imbalance = 1.0
     drop = 0.0
     if spec.moe is not None:
-        tokens_group = tokens_mb * par.expert  # tokens routed inside one expert group per micro-batch
+        tokens_group = tokens_mb * par.expert_group  # tokens routed inside one expert group per micro-batch
         m_imbalance, drop = _load_factor(plan.expert_transport, spec.moe.experts, spec.moe.top_k,
                                                      par.expert, tokens_group, seed=plan.seed)
-    x = spec.expert_input_dim if spec.moe else 0
-    a2a_bytes = tokens_mb * (spec.moe.top_k if spec.moe else 0) * x * w_bytes * par.expert_tensor  # per direction
     recompute_fwd = {"none": 0.0, "selective": attn, "full": gemm + attn + experts}[plan.recompute]
-    efsdp = expert_fsdp(plan)
+    efsdp = par.expert_fsdp
     ns = newton_schulz_flops(spec, plan, layers)
     opt_bytes, host_bytes = optimizer_traffic_bytes(rp, plan)
     bal_count, bal_hist, bal_max = balancing_reductions(spec, layers)
     return {
         "microbatches": plan.microbatches,
-        "bubble_fraction": bubble_fraction(plan.schedule, par.pipeline, plan.microbatches, par.virtual),
+        "bubble_fraction": bubble_fraction(plan.schedule, par.pipeline, plan.microbatches, par.chunks_per_rank),
         "tokens_mb": tokens_mb,
         "gemm_flops": gemm * tokens_mb / t,
-        "gemm_size": 2 * tokens_mb * spec.d_model * spec.d_model / t,
+        "gemm_size": costs.gemm_size(tokens_mb, spec, t),
         "attn_flops": attn * tokens_mb / t,
-        # Expert-tensor parallelism splits each expert's width over expert_tensor ranks that each process the
-        # rows of all of them: per-rank expert FLOPs and GEMM shapes stay those of expert_tensor = 1, while every
-        # routed row is sent to each of those ranks (all-to-all bytes x expert_tensor).
+        # Expert-tensor ranks split each expert's width but process every row of their experts: per-rank expert
+        # FLOPs and GEMM shapes stay those of expert_tensor = 1 (costs.expert_gemm_size, costs.a2a_bytes).
         "expert_flops": experts * tokens_mb * m_imbalance,
-        "expert_gemm_size": 2 * max(tokens_mb * par.expert * (spec.moe.top_k / spec.moe.experts if spec.moe else 0),
-                                    1.0) * x * (spec.moe.expert_ffn if spec.moe else 0),
+        "expert_gemm_size": costs.expert_gemm_size(tokens_mb, spec, par.expert),
         "shared_flops": shared * tokens_mb / t,
         "recompute_flops": recompute_fwd * tokens_mb / t,
         "elementwise_bytes": elementwise * tokens_mb,
         "tp_n": t, "tp_out": pl.tensor.span == "scale_out",
-        "tp_bytes": tokens_mb * spec.d_model * w_bytes, "tp_count": 4 * len(layers),
+        "tp_bytes": costs.tensor_bytes(tokens_mb, spec), "tp_count": 4 * len(layers),
         "cp_n": cp, "cp_out": pl.context.span == "scale_out",
-        "cp_bytes": tokens_mb * 2 * spec.attention.kv_heads_local * spec.attention.head_dim * w_bytes / t,
+        "cp_bytes": costs.context_bytes(tokens_mb, spec, t),
         "cp_count": 3 * len(layers),
-        "ep_n": par.expert * par.expert_tensor, "ep_out": pl.expert.span == "scale_out",
-        "a2a_bytes": a2a_bytes * m_imbalance, "a2a_count": 4 * moe_layers,
+        "ep_n": par.expert_group, "ep_out": pl.expert.span == "scale_out",
+        "a2a_bytes": costs.a2a_bytes(tokens_mb, spec, par.expert_tensor) * m_imbalance, "a2a_count": 4 * moe_layers,
         "pp_n": par.pipeline, "pp_out": pl.pipeline.span == "scale_out",
-        "pp_bytes": tokens_mb * spec.d_model * w_bytes,
+        "pp_bytes": costs.pipeline_bytes(tokens_mb, spec),
         "dense_grad_bytes": rp.dense * g_bytes,
         **reduction_groups(plan, pl),
         "expert_grad_bytes": rp.expert * g_bytes,
         "efsdp_n": efsdp, "efsdp_out": pl.expert_fsdp.span == "scale_out",
         "expert_fsdp_bytes": rp.expert * w_bytes if efsdp > 1 else 0.0,
-        "erep_n": pl.expert_replicas.size, "erep_out": pl.expert_replicas.span == "scale_out",
+        "erep_n": par.expert_replicas, "erep_out": pl.expert_replicas.span == "scale_out",
         "fsdp_n": par.fsdp, "fsdp_out": pl.fsdp.span == "scale_out",
         "fsdp_bytes": rp.dense * w_bytes,
-        "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": 2 * spec.d_model ** 3,
+        "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": costs.newton_schulz_size(spec),
         "bal_count": bal_count, "bal_hist_bytes": bal_hist, "bal_max_bytes": bal_max,
         "host_bytes": host_bytes,
         "drop_fraction": drop,
@@ -166,43 +135,17 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
     }
 
 
-def balancing_time(f: dict, topo: Topology):
-    """Quantile balancing's reductions per step (simulator.optimizer_cost.balancing_reductions), blocking, priced as
-    a hierarchical all-reduce over the token-sharding ranks like the gradient reduction: reduce-scatter inside the
-    fsdp x context group, all-reduce of the shard across data replicas, all-gather inside again."""
-    inner, outer = f["inner_n"], f["outer_n"]
-    hist = (collective_time(topo, "reduce_scatter", inner, f["bal_hist_bytes"], f["inner_out"]) +
-            collective_time(topo, "all_reduce", outer, f["bal_hist_bytes"] / np.maximum(inner, 1), f["outer_out"]) +
-            collective_time(topo, "all_gather", inner, f["bal_hist_bytes"], f["inner_out"]))
-    extremes = (collective_time(topo, "all_reduce", inner, f["bal_max_bytes"], f["inner_out"]) +
-                collective_time(topo, "all_reduce", outer, f["bal_max_bytes"], f["outer_out"]))
-    return f["bal_count"] * (hist + extremes)
-
-
-def reduction_groups(plan: Plan, pl) -> dict:
-    """The two levels a reduction over the token-sharding ranks runs on: inside the fsdp x context group, then across
-    data replicas (sizes and whether each crosses domains); pl: simulator.placement.place(plan, ...)."""
-    par = plan.parallel
-    return {"inner_n": par.fsdp * par.context, "inner_out": make_inner_span(pl),
-            "outer_n": par.data, "outer_out": pl.data.span == "scale_out"}
-
-
-def make_inner_span(pl) -> bool:
-    return pl.fsdp.span == "scale_out" or pl.context.span == "scale_out"
-
-
 def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     """Phase times (seconds) and the step time, elementwise over arrays of features."""
     f = {k: np.asarray(v, dtype=float) for k, v in f.items()}
     eff = topo.efficiency
-    peak = topo.peak_flops("bf16")
     slow = 1.0 + eff.comm_compute_slowdown
-    gemm_t = f["gemm_flops"] / (peak * _interp(eff.gemm, f["gemm_size"]))
-    attn_t = f["attn_flops"] / (peak * eff.attention)
-    expert_t = f["expert_flops"] / (peak * _interp(eff.grouped_gemm, f["expert_gemm_size"]))
-    shared_t = f["shared_flops"] / (peak * _interp(eff.gemm, f["gemm_size"]))
-    elem_t = f["elementwise_bytes"] / (topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound)
-    recompute_t = f["recompute_flops"] / (peak * _interp(eff.gemm, f["gemm_size"]))
+    gemm_t = costs.gemm_time(f["gemm_flops"], f["gemm_size"], topo)
+    attn_t = costs.attention_time(f["attn_flops"], topo)
+    expert_t = costs.grouped_gemm_time(f["expert_flops"], f["expert_gemm_size"], topo)
+    shared_t = costs.gemm_time(f["shared_flops"], f["gemm_size"], topo)
+    elem_t = costs.memory_bound_time(f["elementwise_bytes"], topo)
+    recompute_t = costs.gemm_time(f["recompute_flops"], f["gemm_size"], topo)
     fwd = gemm_t + attn_t + expert_t
     compute_mb = 3 * fwd + recompute_t + elem_t  # forward + backward (2x) + recomputation + elementwise
     tp_t = f["tp_count"] * collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"])
@@ -222,19 +165,15 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     busy = m * mb_time
     pipeline_t = busy / (1.0 - f["bubble_fraction"])
     bubble_t = pipeline_t - busy
-    # Gradient reduction: reduce-scatter inside the fsdp/context group and all-reduce of the shard across data
-    # replicas; the same for experts over their FSDP group and their remaining copies; hidden behind the last
-    # backward.
-    dp_t = collective_time(topo, "reduce_scatter", f["inner_n"], f["dense_grad_bytes"], f["inner_out"]) + \
-        collective_time(topo, "all_reduce", f["outer_n"], f["dense_grad_bytes"] / np.maximum(f["inner_n"], 1),
-                        f["outer_out"]) + \
-        collective_time(topo, "reduce_scatter", f["efsdp_n"], f["expert_grad_bytes"], f["efsdp_out"]) + \
-        collective_time(topo, "all_reduce", f["erep_n"], f["expert_grad_bytes"] / np.maximum(f["efsdp_n"], 1),
-                        f["erep_out"])
+    # Gradient reduction (costs.gradient_reductions), hidden behind the last backward.
+    groups = {"inner": ("inner_n", "inner_out"), "data": ("outer_n", "outer_out"),
+              "expert_fsdp": ("efsdp_n", "efsdp_out"), "expert_replicas": ("erep_n", "erep_out")}
+    dp_t = sum(collective_time(topo, c.kind, f[groups[c.axis][0]], c.nbytes, f[groups[c.axis][1]])
+               for c in costs.gradient_reductions(f["dense_grad_bytes"], f["expert_grad_bytes"], f["inner_n"],
+                                                  f["efsdp_n"]))
     dp_exposed = np.maximum(0.0, dp_t - 2 * fwd)
-    optimizer_t = f["opt_bytes"] / (topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound) + \
-        f["ns_flops"] / (peak * _interp(eff.gemm, f["ns_size"])) + balancing_time(f, topo)
-    host_t = f["host_bytes"] / (topo.host.link_bandwidth_Bps * eff.host_link)
+    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], f["ns_size"], topo) + balancing_time(f, topo)
+    host_t = costs.host_link_time(f["host_bytes"], topo)
     # Host per-op overhead (features in ops; zero without measured host_op_s), blocking: added, not overlapped.
     h = eff.host_op_s
     op_c = f.get("op_forward", 0.0) * h.forward + f.get("op_backward", 0.0) * h.backward
@@ -299,23 +238,12 @@ def estimate(plan: Plan, convention: FlopsConvention = FlopsConvention(), spec: 
     times = {k: float(v) for k, v in step_time(feats, topo).items()}
     tokens = plan.tokens_per_step(spec)
     step = times["step_time_s"]
-    model_flops = spec.flops_per_token_train(convention) * tokens
-    host_per_host = mem.host * topo.host.gpus_per_host
-    fits = mem.total <= topo.accelerator.hbm_bytes and host_per_host <= topo.host.memory_bytes
-    tokens_per_s = tokens / step
+    model_flops = metrics.model_flops_per_step(spec, tokens, convention)
+    rate = metrics.step_metrics(tokens, step, model_flops, topo.gpus, topo, plan.tokens)
     return Estimate(
-        fits=fits, memory=mem, hbm_bytes=topo.accelerator.hbm_bytes, host_bytes_per_host=host_per_host,
-        host_capacity_bytes=topo.host.memory_bytes, step_time_s=step,
-        phases_s={k: times[k] for k in PHASES}, tokens_per_step=tokens, tokens_per_s=tokens_per_s,
-        mfu=model_flops / (step * topo.gpus * topo.peak_flops("bf16")), model_flops_per_step=model_flops,
-        days_to_budget=(plan.tokens / tokens_per_s / SECONDS_PER_DAY) if plan.tokens else math.nan,
-        drop_fraction=feats["drop_fraction"], flops_convention=convention.label, gpus=topo.gpus,
+        fits=bool(metrics.fits_memory(mem.total, mem.host, topo)), memory=mem, hbm_bytes=topo.accelerator.hbm_bytes,
+        host_bytes_per_host=metrics.host_bytes_per_host(mem.host, topo), host_capacity_bytes=topo.host.memory_bytes,
+        step_time_s=step, phases_s={k: times[k] for k in PHASES}, tokens_per_step=tokens,
+        tokens_per_s=rate.tokens_per_s, mfu=rate.mfu, model_flops_per_step=model_flops,
+        days_to_budget=rate.days_to_budget, drop_fraction=feats["drop_fraction"], flops_convention=convention.label, gpus=topo.gpus,
     )
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    result = estimate(load_plan(sys.argv[1]))
-    for key, value in result.as_dict().items():
-        print(f"{key}: {value}")

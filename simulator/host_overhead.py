@@ -6,7 +6,7 @@ backend model; simulator.op_counts runs and caches it). The closed-form estimate
 per-step totals below; the discrete-event simulator (simulator.workload, simulator.step) adds the per-layer ops to
 each compute task, so the pipeline bubble grows through the schedule itself. Both only where host_op_s is measured.
 
-Model, per pipeline rank s holding layers L(s) (simulator.memory.rank_layers):
+Model, per pipeline rank s holding layers L(s) (rackcast.layout.ParallelSpec.rank_layers):
     ops_mb(s) = [embed if s holds the first chunk] + sum over L(s) of (layer ops - expert-loop ops x (1 - 1/ep))
                 + [head and loss if s holds the last chunk],   times (1 + bwd_over_fwd) for the backward
     compute overhead = m x ops_mb(s) x t_op on each rank (m micro-batches per step; t_op = host_op_s.forward for
@@ -15,20 +15,14 @@ Model, per pipeline rank s holding layers L(s) (simulator.memory.rank_layers):
     optimizer overhead = optimizer ops x |L(s)| / layers x host_op_s.optimizer (its per-tensor loop).
 Communication is blocking in the CPU trainer, so the overhead is added, not overlapped. Recomputation is not counted
 (the trainer does not recompute). This module does not import torch.
-
-    python -m rackcast.simulator.host_overhead examples/plans/tiny-2proc-pp.yaml 5e-6 3e-6 2.7e-6   # forward, backward,
-                                                                    # optimizer s/op: ops and seconds of one step
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
-from rackcast.simulator.memory import rank_layers
-from rackcast.simulator.schedules import stage_to_rank
 from rackcast.topologies.spec import HostOpTimes
 
 
@@ -37,28 +31,22 @@ def layer_forward_ops(counts: dict, plan: Plan, layer: int) -> float:
     return counts["fwd_layers"][layer] - counts["fwd_experts"][layer] * (1.0 - 1.0 / plan.parallel.expert)
 
 
-def chunk_owner(plan: Plan) -> list[int]:
-    """Pipeline rank of each model chunk (simulator.schedules.stage_to_rank for the plan's schedule)."""
-    par = plan.parallel
-    return stage_to_rank(plan.schedule, par.pipeline, 2 if plan.schedule == "dualpipev" else par.virtual)
-
-
 def ops_per_microbatch(counts: dict, spec: ModelSpec, plan: Plan, stage: int) -> float:
     """ops_mb(stage): forward and backward ops of one micro-batch on pipeline rank `stage`."""
-    owner = chunk_owner(plan)
+    owner = plan.parallel.chunk_ranks(plan.schedule)
     fwd = 0.0
     if owner[0] == stage:
         fwd += counts["fwd_embed"]
     if owner[-1] == stage:
         fwd += counts["fwd_head"]
-    for i in rank_layers(spec, plan, stage):
+    for i in plan.rank_layers(spec, stage):
         fwd += layer_forward_ops(counts, plan, i)
     return fwd * (1.0 + counts["bwd_over_fwd"])
 
 
 def optimizer_ops(counts: dict, spec: ModelSpec, plan: Plan, stage: int) -> float:
     """Optimizer ops of one step on pipeline rank `stage` (its share of the layers)."""
-    return counts["optimizer_ops"] * len(rank_layers(spec, plan, stage)) / spec.layers
+    return counts["optimizer_ops"] * len(plan.rank_layers(spec, stage)) / spec.layers
 
 
 @dataclass
@@ -101,16 +89,3 @@ def host_overhead(counts: dict, spec: ModelSpec, plan: Plan, times: HostOpTimes)
     return Overhead(compute_s=o.forward * times.forward + o.backward * times.backward,
                     bubble_s=o.bubble_forward * times.forward + o.bubble_backward * times.backward,
                     optimizer_s=o.optimizer * times.optimizer, ops_per_step=o.forward + o.backward + o.optimizer)
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-    from rackcast.simulator.op_counts import op_counts
-
-    loaded = load_plan(sys.argv[1])
-    model = loaded.model_spec()
-    times = (HostOpTimes(*(float(x) for x in sys.argv[2:5])) if len(sys.argv) > 4
-             else loaded.topology_spec().efficiency.host_op_s)
-    o = host_overhead(op_counts(model, loaded.optimizer.name), model, loaded, times)
-    print(f"ops per step on rank 0: {o.ops_per_step:.0f}; at {times}: compute {o.compute_s:.4g} s, "
-          f"bubble {o.bubble_s:.4g} s, optimizer {o.optimizer_s:.4g} s, total {o.total_s:.4g} s")

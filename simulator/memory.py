@@ -20,18 +20,17 @@ and activations, grad_dtype gradients, an fp32 master). Optimizer state follows 
 one momentum buffer per matrix and two Adam moments for everything else (embeddings, norm gains, router weight,
 gates, convolutions, biases) and for the head (AdamH); parameters without a gradient (the balancing bias) keep none.
 
-    python -m rackcast.simulator.memory examples/plans/marin-535b-hero.yaml
-    python -m rackcast.simulator.memory examples/plans/tiny-1proc.yaml fp32 eager    # as the CPU trainer keeps it
+    from rackcast.simulator.memory import memory_breakdown
+    memory_breakdown(plan.model_spec(), plan, "fp32", activations="eager").as_dict()   # as the CPU trainer keeps it
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
-from rackcast.simulator.activations import (BYTES, FP32, MODES, Activations, activation_bytes,  # noqa: F401
+from rackcast.simulator.activations import (BYTES, FP32, Activations, activation_bytes,  # noqa: F401
                                    attention_core_bytes_per_token, check_mode, eager_loss_backward_bytes_per_token,
                                    eager_pipeline_bytes_per_token, eager_step_bytes_per_token,
                                    edge_activation_bytes_per_token, layer_activation_bytes_per_token)
@@ -91,18 +90,6 @@ class MemoryBreakdown:
                 "total": self.total, "host": self.host}
 
 
-def rank_layers(spec: ModelSpec, plan: Plan, rank: int = 0) -> list[int]:
-    """Layer indices held by pipeline rank `rank`: chunk c of `pipeline x virtual` holds consecutive layers;
-    rank r holds chunks r, r + p, ... (interleaved) or r and 2p-1-r (the V shape of dualpipev)."""
-    p, v = plan.parallel.pipeline, plan.parallel.virtual
-    per_chunk = spec.layers // (p * v)
-    if plan.schedule == "dualpipev":
-        chunks = [rank, 2 * p - 1 - rank]
-    else:
-        chunks = [rank + i * p for i in range(v)]
-    return [c * per_chunk + j for c in chunks for j in range(per_chunk)]
-
-
 def _biases(spec: ModelSpec, d_in: int, width: int) -> int:
     """Bias parameters of one MLP (ModelSpec._mlp_params's bias term): every matrix but the last has `width`."""
     matrices = 3 if spec.activation == "swiglu" else 2
@@ -136,8 +123,8 @@ def _adam_part(spec: ModelSpec, layer: int) -> tuple[int, int]:
 
 def rank_params(spec: ModelSpec, plan: Plan, rank: int = 0) -> RankParams:
     par = plan.parallel
-    t, experts_split = par.tensor, par.expert * par.expert_tensor
-    layers = rank_layers(spec, plan, rank)
+    t, experts_split = par.tensor, par.expert_group
+    layers = plan.rank_layers(spec, rank)
     dense = expert = adam = expert_adam = frozen = 0.0
     dense_max = expert_max = 0.0
     for i in layers:
@@ -168,14 +155,6 @@ def rank_params(spec: ModelSpec, plan: Plan, rank: int = 0) -> RankParams:
                       dense_layer_max=dense_max, expert_layer_max=expert_max, expert_adam=expert_adam, frozen=frozen)
 
 
-def expert_fsdp(plan: Plan) -> int:
-    """How many ways expert parameters are sharded ZeRO-3 style (the FSDP part of the expert-data group)."""
-    par = plan.parallel
-    inner = par.fsdp * par.context * par.tensor
-    split = par.expert * par.expert_tensor
-    return inner // split if inner % split == 0 and inner >= split else 1
-
-
 def inflight_chunk_microbatches(schedule: str, p: int, m: int, v: int, rank: int = 0) -> float:
     """Peak (micro-batch x model chunk) activations held by pipeline rank `rank` (rank 0 is the worst)."""
     if p == 1:
@@ -186,13 +165,13 @@ def inflight_chunk_microbatches(schedule: str, p: int, m: int, v: int, rank: int
 def optimizer_state_bytes(rp: RankParams, plan: Plan, dtype: str | None = None) -> tuple[float, float]:
     """(fp32 master, optimizer state) bytes per GPU for this rank's shard of the parameters (no master copy when
     the weights are kept in fp32 already)."""
-    shard = rp.dense / plan.parallel.fsdp + rp.expert / expert_fsdp(plan)
+    shard = rp.dense / plan.parallel.fsdp + rp.expert / plan.parallel.expert_fsdp
     master = FP32 * shard if keeps_master(plan, dtype) else 0.0
     trained = shard - rp.frozen / plan.parallel.fsdp  # parameters without a gradient get no state (backend.optim)
     if plan.optimizer.name == "adamw":
         return master, 2 * FP32 * trained
     # MuonH: 1 momentum buffer for matrices, Adam (2) for adam-only groups, AdamH (2) for the head.
-    return master, FP32 * (trained + (rp.adam_only + rp.head) / plan.parallel.fsdp + rp.expert_adam / expert_fsdp(plan))
+    return master, FP32 * (trained + (rp.adam_only + rp.head) / plan.parallel.fsdp + rp.expert_adam / plan.parallel.expert_fsdp)
 
 
 def static_bytes(rp: RankParams, plan: Plan, dtype: str | None = None) -> dict[str, float]:
@@ -200,7 +179,7 @@ def static_bytes(rp: RankParams, plan: Plan, dtype: str | None = None) -> dict[s
     kept in host memory instead when the plan offloads the optimizer. `dtype`: the dtype weights are kept in
     (default: the plan's precision, with an fp32 master)."""
     par = plan.parallel
-    shard = rp.dense / par.fsdp + rp.expert / expert_fsdp(plan)
+    shard = rp.dense / par.fsdp + rp.expert / plan.parallel.expert_fsdp
     g_bytes = grad_bytes(plan, dtype)
     master, states = optimizer_state_bytes(rp, plan, dtype)
     out = {"weights": weight_bytes(plan, dtype) * shard,
@@ -209,12 +188,6 @@ def static_bytes(rp: RankParams, plan: Plan, dtype: str | None = None) -> dict[s
     if plan.optimizer.state_location == "host":
         out.update(host=master + states, master=0.0, optimizer=0.0)
     return out
-
-
-def _rank_chunks(plan: Plan, rank: int) -> list[int]:
-    """Model chunks (of pipeline x virtual, or 2 x pipeline in the V of dualpipev) that pipeline rank `rank` holds."""
-    p, v = plan.parallel.pipeline, plan.parallel.virtual
-    return [rank, 2 * p - 1 - rank] if plan.schedule == "dualpipev" else [rank + i * p for i in range(v)]
 
 
 def memory_breakdown(spec: ModelSpec, plan: Plan, dtype: str | None = None, rank: int = 0,
@@ -228,11 +201,11 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, dtype: str | None = None, rank
     head's per rank and in-flight micro-batch, what it holds for the whole step (activations), and its transients
     and pipeline buffers (buffers)."""
     eager = check_mode(activations) == "eager"
-    par, b = plan.parallel, plan.batch
+    par = plan.parallel
     rp = rank_params(spec, plan, rank=rank)
     w_bytes = weight_bytes(plan, dtype)
     g_bytes = grad_bytes(plan, dtype)
-    efsdp = expert_fsdp(plan)
+    efsdp = plan.parallel.expert_fsdp
     static = static_bytes(rp, plan, dtype)
     weights, gradients, master, states, host = (static[k] for k in ("weights", "gradients", "master",
                                                                      "optimizer", "host"))
@@ -242,11 +215,11 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, dtype: str | None = None, rank
         buffers += 2 * w_bytes * rp.dense_layer_max + g_bytes * rp.dense_layer_max
     if efsdp > 1:
         buffers += 2 * w_bytes * rp.expert_layer_max + g_bytes * rp.expert_layer_max
-    tokens_mb = b.micro_batch * spec.seq_len / par.context
-    layers = rank_layers(spec, plan, rank)
+    tokens_mb = plan.tokens_per_microbatch(spec)
+    layers = plan.rank_layers(spec, rank)
     per_layer = [layer_activation_bytes_per_token(spec, i, plan, dtype, activations) * tokens_mb for i in layers]
     inflight = inflight_chunk_microbatches(plan.schedule, par.pipeline, plan.microbatches, par.virtual, rank)
-    chunk_layers = len(layers) / (2 if plan.schedule == "dualpipev" else par.virtual)
+    chunk_layers = len(layers) / par.chunks_per_rank
     act_e = activation_bytes(dtype)
     if plan.recompute == "full":
         kept = act_e * spec.d_model / (par.tensor if par.sequence_parallel else 1) * tokens_mb
@@ -259,8 +232,8 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, dtype: str | None = None, rank
         saved = sum(per_layer) / len(layers) * chunk_layers * inflight
     # Outside the layers. Fused: two d-wide tensors once, on every rank. Eager: rank 0 holds the embedding, the last
     # rank (rank 0 too in the V of dualpipev) the head, for each of its in-flight micro-batches of that chunk.
-    chunks = _rank_chunks(plan, rank)
-    total_chunks = 2 * par.pipeline if plan.schedule == "dualpipev" else par.pipeline * par.virtual
+    chunks = par.rank_chunks(rank, plan.schedule)
+    total_chunks = par.chunks
     first, last = 0 in chunks, total_chunks - 1 in chunks
     edge = edge_activation_bytes_per_token(spec, plan, first=first, last=last, dtype=dtype, activations=activations)
     saved += edge * tokens_mb * (inflight / len(chunks) if eager else 1.0)
@@ -269,7 +242,7 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, dtype: str | None = None, rank
         saved += eager_step_bytes_per_token(spec, sum(spec.is_moe(i) for i in layers)) * tokens_mb * m
         if last:
             buffers += eager_loss_backward_bytes_per_token(spec) * tokens_mb
-        if par.pipeline == 1 and par.data * par.fsdp > 1 and m > 1:
+        if par.pipeline == 1 and par.batch_shards > 1 and m > 1:
             # DDP (gradient_as_bucket_view, backend.parallel) keeps gradient buckets for the dense parameters across
             # steps; the no_sync micro-batches accumulate into fresh gradients that the synchronising backward then
             # copies into the buckets, so where it starts (the peak) both exist.
@@ -279,16 +252,3 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, dtype: str | None = None, rank
                                                           inflight / len(chunks)) for c in chunks) * tokens_mb
     return MemoryBreakdown(weights=weights, gradients=gradients, master=master, optimizer=states,
                            activations=saved, buffers=buffers, host=host, inflight_microbatches=inflight)
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    loaded = load_plan(sys.argv[1])
-    words = sys.argv[2:]
-    dtype = next((w for w in words if w in BYTES), None)
-    mode = next((w for w in words if w in MODES), "fused")
-    figures = memory_breakdown(loaded.model_spec(), loaded, dtype, activations=mode).as_dict()
-    unit, scale = ("GiB", 2**30) if figures["total"] >= 2**30 else ("MiB", 2**20)
-    for key, value in figures.items():
-        print(f"{key:12s} {value / scale:10.2f} {unit}")

@@ -6,18 +6,14 @@ MuonH orthogonalises every matrix with NEWTON_SCHULZ_STEPS quintic iterations (J
 one iteration on an m x n matrix (m <= n) computes A = X X^T, B = bA + cA^2, X' = aX + BX: 4 m^2 n + 2 m^3 FLOPs.
 Dense matrices are split `tensor` ways and their orthogonalisation spread over the `fsdp` shards; expert matrices
 over the expert ranks and the experts' own FSDP shards.
-
-    python -m rackcast.simulator.optimizer_cost examples/plans/marin-535b-hero.yaml
 """
 
 from __future__ import annotations
 
-import sys
-
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator.activations import INDEX_BYTES
-from rackcast.simulator.memory import BYTES, RankParams, expert_fsdp, optimizer_state_bytes
+from rackcast.simulator.memory import BYTES, RankParams, optimizer_state_bytes
 from rackcast.vocab import NEWTON_SCHULZ_STEPS
 
 
@@ -43,7 +39,7 @@ def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float
     if plan.optimizer.name != "muonh":
         return 0.0
     par = plan.parallel
-    efsdp = expert_fsdp(plan)
+    efsdp = par.expert_fsdp
     d, a = spec.d_model, spec.attention
     mlp_matrices = 3 if spec.activation == "swiglu" else 2
     total = 0.0
@@ -68,20 +64,9 @@ def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
     The update reads weights and gradients and writes weights, and reads and writes the fp32 master and the
     optimizer state; when those live on the host they cross the host link in and out."""
     par = plan.parallel
-    shard = rp.dense / par.fsdp + rp.expert / expert_fsdp(plan)
+    shard = rp.dense / par.fsdp + rp.expert / par.expert_fsdp
     w_bytes, g_bytes = BYTES["bf16"], BYTES[plan.grad_dtype]
     master, state = optimizer_state_bytes(rp, plan)
     hbm = shard * (2 * w_bytes + g_bytes) + 2 * (master + state)
     host = 2 * (master + state) if plan.optimizer.state_location == "host" else 0.0
     return hbm, host
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-    from rackcast.simulator.memory import rank_layers, rank_params
-
-    loaded = load_plan(sys.argv[1])
-    spec_ = loaded.model_spec()
-    hbm_bytes, host_bytes = optimizer_traffic_bytes(rank_params(spec_, loaded), loaded)
-    print(f"Newton-Schulz {newton_schulz_flops(spec_, loaded, rank_layers(spec_, loaded)):.4g} FLOPs, "
-          f"HBM traffic {hbm_bytes / 2**30:.1f} GiB, host link {host_bytes / 2**30:.1f} GiB per step")

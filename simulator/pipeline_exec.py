@@ -14,15 +14,10 @@ Communication is a fixed latency that does not occupy the rank (sends overlap co
 
 Results: per-rank timelines, step time, bubble fraction (idle time / (ranks x step time)), and per rank the
 peak number of (chunk, microbatch) pairs in flight: forward done, input-gradient backward not yet done.
-
-Run a schedule from the command line::
-
-    python -m rackcast.simulator.pipeline_exec 1f1b 4 8 [VIRTUAL]
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -220,23 +215,3 @@ def in_flight_peaks(ops: Sequence[Action]) -> tuple[int, int]:
         else:
             held -= 1
     return peak_in_flight, peak_held
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) not in (3, 4):
-        print("usage: python -m rackcast.simulator.pipeline_exec NAME STAGES MICROBATCHES [VIRTUAL]", file=sys.stderr)
-        return 2
-    virtual = int(args[3]) if len(args) == 4 else 1
-    try:
-        res = run_pipeline(args[0], int(args[1]), int(args[2]), virtual, ChunkDurations.uniform(1.0 / virtual))
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"{res.schedule}: step {res.total_s:.4g} (forward of a whole rank = 1), bubble {res.bubble_fraction:.4f}, "
-          f"peak in flight per rank {list(res.peak_in_flight)} (chunk-microbatches)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,18 +4,14 @@ Ranks are numbered with the innermost axis fastest: tensor, context, fsdp, data,
 one domain hold consecutive ranks. A group is the set of ranks that differ only along its axis (or, for experts,
 a run of consecutive ranks of the folded tensor x context x fsdp x data grid). A group whose ranks all fall in one
 domain talks over NVLink ("scale_up"); otherwise its traffic crosses the NICs ("scale_out").
-
-    python -m rackcast.simulator.placement examples/plans/marin-535b-hero.yaml
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
 from rackcast.plan import Plan
-from rackcast.simulator.memory import expert_fsdp
 
 
 @dataclass(frozen=True)
@@ -53,8 +49,7 @@ def place(plan: Plan, usable_per_domain: int) -> Placement:
     par = plan.parallel
     u = usable_per_domain
     t, c, f, d = par.tensor, par.context, par.fsdp, par.data
-    ep = par.expert * par.expert_tensor
-    efsdp = expert_fsdp(plan)
+    ep, efsdp = par.expert_group, par.expert_fsdp
     return Placement(
         tensor=make_group(t, 1, u),
         context=make_group(c, t, u),
@@ -64,14 +59,6 @@ def place(plan: Plan, usable_per_domain: int) -> Placement:
         expert=make_group(ep, 1, u),
         expert_data=make_group(par.expert_data, ep, u),
         expert_fsdp=make_group(efsdp, ep, u),
-        expert_replicas=make_group(par.expert_data // efsdp, ep * efsdp, u),
-        dense_replicas=make_group(c * f * d, t, u),
+        expert_replicas=make_group(par.expert_replicas, ep * efsdp, u),
+        dense_replicas=make_group(par.reduction_inner * par.reduction_outer, t, u),
     )
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    loaded = load_plan(sys.argv[1])
-    for name, group in vars(place(loaded, loaded.topology_spec().scale_up.usable_gpus)).items():
-        print(f"{name:15s} {group}")

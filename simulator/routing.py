@@ -9,12 +9,10 @@ gives the same counts.
 Dropless transport: every assignment is computed and the step waits for the most loaded rank. Capacity transport
 (factor c): each expert takes at most c x tokens x top_k / experts assignments; the rest are dropped.
 
-    python -m rackcast.simulator.routing zipf 384 8 64 65536
 """
 
 from __future__ import annotations
 
-import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -102,9 +100,3 @@ def expected_max_load_factor(transport: ExpertTransport, experts: int, top_k: in
         factors.append(loads.max() / mean_load)
         drops.append(dropped / (tokens * top_k))
     return float(np.mean(factors)), float(np.mean(drops))
-
-
-if __name__ == "__main__":
-    kind, e, k, ep_size, toks = sys.argv[1], *map(int, sys.argv[2:6])
-    factor, drop = expected_max_load_factor(ExpertTransport(routing=kind), e, k, ep_size, toks)
-    print(f"max/mean rank load {factor:.4f}, drop fraction {drop:.4f}")

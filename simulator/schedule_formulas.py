@@ -34,13 +34,9 @@ per rank: GPipe m; 1F1B p - rank (Narayanan et al. 2021); interleaved 1F1B warm-
 computes it); ZB-H1 the same with 1 forward per hop instead of 2, so p - rank for v = 1 (Qi et al.: same as
 1F1B); ZB-V 2p chunks = p stage-sized microbatches on every rank (Qi et al. section 6); DualPipeV 2p + 1 chunks
 on every rank (DualPipe README: PP + 1).
-
-Run ``python -m rackcast.simulator.schedule_formulas NAME STAGES MICROBATCHES [VIRTUAL]`` to print the figures.
 """
 
 from __future__ import annotations
-
-import sys
 
 from rackcast.simulator.schedules import validate
 from rackcast.vocab import INTERLEAVED_SCHEDULES
@@ -126,24 +122,3 @@ def peak_in_flight(name: str, stages: int, microbatches: int, virtual: int = 1, 
     if name == "dualpipev":
         return 2 * p + 1
     raise ValueError(f"no closed form for schedule {name!r}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) not in (3, 4):
-        print("usage: python -m rackcast.simulator.schedule_formulas NAME STAGES MICROBATCHES [VIRTUAL]", file=sys.stderr)
-        return 2
-    name, p, m = args[0], int(args[1]), int(args[2])
-    v = int(args[3]) if len(args) == 4 else 1
-    try:
-        frac = bubble_fraction(name, p, m, v)
-        peak = peak_in_flight(name, p, m, v)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"{name}: bubble fraction {frac:.4f} (F = B = W), peak in flight on rank 0: {peak} chunk-microbatches")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -24,18 +24,16 @@ Action kinds: ``F`` forward, ``B`` backward for inputs only (torch ``I``), ``W``
 forward and a full backward into one ``OVERLAP_F_B`` action and runs its two parts one after the other; here
 they are two actions, in that order, both marked ``paired=True``.
 
-This module imports neither torch nor simpy. Run it to print a schedule::
-
-    python -m rackcast.simulator.schedules dualpipev 4 8 2
+This module imports neither torch nor simpy.
 """
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from rackcast.layout import chunk_ranks
 from rackcast.vocab import SCHEDULES as SCHEDULE_NAMES
 from rackcast.vocab import INTERLEAVED_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES
 
@@ -62,11 +60,8 @@ def num_chunks(name: str, stages: int, virtual: int) -> int:
 
 
 def stage_to_rank(name: str, stages: int, virtual: int) -> list[int]:
-    """Rank that holds each global model chunk (index = chunk)."""
-    n = stages * virtual
-    if name in V_SHAPED_SCHEDULES:
-        return [c if c < stages else 2 * stages - 1 - c for c in range(n)]
-    return [c % stages for c in range(n)]
+    """Rank that holds each global model chunk (index = chunk): rackcast.layout.chunk_ranks."""
+    return chunk_ranks(name, stages, virtual)
 
 
 def validate(name: str, stages: int, microbatches: int, virtual: int) -> None:
@@ -295,25 +290,3 @@ _BUILDERS: dict[str, Callable[[int, int, int, int], list[Action]]] = {
     "dualpipev": _dualpipev,
 }
 
-
-def format_orders(orders: list[list[Action]]) -> str:
-    """One line per rank, torch-style action names."""
-    return "\n".join(f"rank {r}: " + " ".join(str(a) for a in ops) for r, ops in enumerate(orders))
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) not in (3, 4):
-        print("usage: python -m rackcast.simulator.schedules NAME STAGES MICROBATCHES [VIRTUAL]", file=sys.stderr)
-        return 2
-    try:
-        orders = pipeline_orders(args[0], int(args[1]), int(args[2]), int(args[3]) if len(args) == 4 else 1)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_orders(orders))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -16,18 +16,14 @@ through the schedule, so the overhead's pipeline bubble comes out of the simulat
 After its last backward a rank waits for its gradient reductions, then runs the optimizer: the state comes in
 over the host link when it lives in host memory (NVLink-C2C on GB200), is updated, and goes back.
 
-Phases (estimate.PHASES names) are rank 0's timeline split by what it was doing: compute, or waiting for a given
+Phases (rackcast.vocab.PHASES names) are rank 0's timeline split by what it was doing: compute, or waiting for a given
 communication, for another stage (pipeline_bubble) or for a transfer from it (pipeline_p2p); they sum to the step
 time. Memory: allocation and release events give each rank's peak (static state, saved activations per layer and
 micro-batch, FSDP gather and gradient buffers, the recomputed layer).
-
-    python -m rackcast.simulator.step examples/plans/marin-535b-hero.yaml
 """
 
 from __future__ import annotations
 
-import math
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -35,11 +31,12 @@ import simpy
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan, Predicted
+from rackcast.simulator import costs, metrics
+from rackcast.simulator.ops import Comm, Compute, Host, Memory, Reduce, Start, Wait
 from rackcast.simulator.schedules import pipeline_orders
 from rackcast.simulator.stepnet import StepNetwork
-from rackcast.simulator.workload import Comm, StageWork, Workload
+from rackcast.simulator.workload import StageWork, Workload
 from rackcast.topologies.spec import Topology
-from rackcast.units import SECONDS_PER_DAY
 from rackcast.vocab import PHASES
 
 
@@ -131,11 +128,12 @@ class _Rank:
 
     # --------------------------------------------------------------------------------------------------- ops
     def run(self, ops, handles: dict):
+        """Run a list of simulator.ops records (see that module for what each kind does)."""
         env, slow, record = self.env, self.sim.slowdown, self.sim.record
         for op in ops:
-            tag = op[0]
-            if tag == "c":
-                d = op[2]
+            kind = type(op)
+            if kind is Compute:
+                d = op.seconds
                 if d <= 0.0:
                     continue
                 if self.active and slow:
@@ -144,25 +142,27 @@ class _Rank:
                 yield env.timeout(d)
                 self.phases["compute"] += d
                 if record:
-                    self.sim.timeline.slices.append((self.stage, "compute", op[1], t0, env.now))
-            elif tag == "h":  # host time of framework ops: compute stream, not slowed by communication
+                    self.sim.timeline.slices.append((self.stage, "compute", op.name, t0, env.now))
+            elif kind is Host:
                 t0 = env.now
-                yield env.timeout(op[2])
-                self.phases["compute"] += op[2]
+                yield env.timeout(op.seconds)
+                self.phases["compute"] += op.seconds
                 if record:
-                    self.sim.timeline.slices.append((self.stage, "compute", op[1], t0, env.now))
-            elif tag == "s":
-                handles[op[1]] = self.start(op[2])
-            elif tag == "w":
-                ev = handles.pop(op[1])
+                    self.sim.timeline.slices.append((self.stage, "compute", op.name, t0, env.now))
+            elif kind is Start:
+                handles[op.key] = self.start(op.comm)
+            elif kind is Wait:
+                ev = handles.pop(op.key)
                 if not ev.triggered:
                     t0 = env.now
                     yield ev
-                    self.phases[op[2]] += env.now - t0
-            elif tag == "r":  # fire and forget (gradient reduction); waited for before the optimizer
-                self.pending.append(self.start(op[1]))
+                    self.phases[op.phase] += env.now - t0
+            elif kind is Reduce:
+                self.pending.append(self.start(op.comm))
+            elif kind is Memory:
+                self.alloc(op.nbytes)
             else:
-                self.alloc(op[1])
+                raise TypeError(f"unknown op record {op!r} (simulator.ops)")
 
     def wait_dep(self, key):
         """Wait for an input from another chunk: bubble while its producer computes, p2p while it travels."""
@@ -231,7 +231,7 @@ class _StepSim:
         self.work = Workload(spec, plan, topo, seed)
         self.net = StepNetwork(self.env, plan, topo, reduce=reduce, track_utilisation=record)
         self.slowdown = topo.efficiency.comm_compute_slowdown
-        self.p2p_bytes = self.work.tokens_mb * spec.d_model * 2
+        self.p2p_bytes = costs.pipeline_bytes(self.work.tokens_mb, spec)
         self.timeline = Timeline()
         self._events: dict = {}
         self._cats = {}
@@ -270,27 +270,27 @@ class _StepSim:
             yield from net.host(stage, comm.nbytes, to_host=k == "to_host", tag=comm.name)
 
     # ------------------------------------------------------------------------------------------ chunk programs
-    def chunk_ops(self, st: StageWork, a, reduce: bool, top: bool) -> list[tuple]:
+    def chunk_ops(self, st: StageWork, a, reduce: bool, top: bool) -> list:
         """The ops of one schedule action (F, B, W or BW of one chunk and micro-batch) on stage `st`."""
         wl, plan = self.work, self.plan
         layers = st.chunks[a.stage]
         last = a.stage == wl.n_chunks - 1
         rc = plan.recompute
         mb = a.microbatch
-        ops: list[tuple] = []
+        ops: list = []
         seq = layers if a.kind == "F" else layers[::-1]
         gathers = [wl.gather_comms(lw) for lw in seq] if a.kind in ("F", "BW", "B") else [[] for _ in seq]
         if a.kind != "F" and last:
             if st.head_ops > 0.0:
-                ops.append(("h", "head and loss backward host ops", wl.host_backward_s(st.head_ops, a.kind)))
-            ops.append(("c", "head and loss backward", (2.0 if a.kind == "BW" else 1.0) * st.head_s))
+                ops.append(Host("head and loss backward host ops", wl.host_backward_s(st.head_ops, a.kind)))
+            ops.append(Compute("head and loss backward", (2.0 if a.kind == "BW" else 1.0) * st.head_s))
         if a.kind == "F" and a.stage == 0 and st.embed_ops > 0.0:
-            ops.append(("h", "embedding host ops", wl.host_forward_s(st.embed_ops)))
+            ops.append(Host("embedding host ops", wl.host_forward_s(st.embed_ops)))
 
         def start_gather(j):
             for n, (comm, nbytes) in enumerate(gathers[j]):
-                ops.append(("m", nbytes))
-                ops.append(("s", f"ag{j}.{n}", comm))
+                ops.append(Memory(nbytes))
+                ops.append(Start(f"ag{j}.{n}", comm))
 
         for j, lw in enumerate(seq):
             key = f"{lw.index}."
@@ -299,42 +299,42 @@ class _StepSim:
             if j + 1 < len(seq):
                 start_gather(j + 1)  # prefetch the next layer's parameters
             for n in range(len(gathers[j])):
-                ops.append(("w", f"ag{j}.{n}", "exposed_fsdp_gather"))
+                ops.append(Wait(f"ag{j}.{n}", "exposed_fsdp_gather"))
             if a.kind == "F":
                 ops += wl.layer_forward(lw, mb, key)
-                ops.append(("m", lw.kept_bytes if rc == "full" else lw.act_bytes - (lw.core_bytes if rc == "selective"
-                                                                                      else 0.0)))
+                ops.append(Memory(lw.kept_bytes if rc == "full" else lw.act_bytes - (lw.core_bytes if rc == "selective"
+                                                                                    else 0.0)))
             else:
                 grad_buf = wl.grad_buffer_bytes(lw) if a.kind == "BW" else 0.0
-                ops.append(("m", grad_buf))
+                ops.append(Memory(grad_buf))
                 if a.kind != "W" and rc == "full":
-                    ops.append(("m", lw.act_bytes))
+                    ops.append(Memory(lw.act_bytes))
                     ops += wl.layer_forward(lw, mb, key + "r", recompute=True)
                 elif a.kind != "W" and rc == "selective":
-                    ops.append(("c", "recompute attention core", lw.core_s))
+                    ops.append(Compute("recompute attention core", lw.core_s))
                 ops += wl.layer_backward(lw, mb, key, a.kind)
                 if a.kind != "W":
                     saved = lw.act_bytes + lw.kept_bytes if rc == "full" else \
                         lw.act_bytes - (lw.core_bytes if rc == "selective" else 0.0)
-                    ops.append(("m", -saved))
-                ops.append(("m", -grad_buf))
+                    ops.append(Memory(-saved))
+                ops.append(Memory(-grad_buf))
                 if reduce:
-                    ops += [("r", comm) for comm in wl.reduction_comms(lw.dense_params, lw.expert_params)]
-            ops += [("m", -nbytes) for _, nbytes in gathers[j]]
+                    ops += [Reduce(comm) for comm in wl.reduction_comms(lw.dense_params, lw.expert_params)]
+            ops += [Memory(-nbytes) for _, nbytes in gathers[j]]
         if a.kind == "F" and last:
             if st.head_ops > 0.0:
-                ops.append(("h", "head and loss host ops", wl.host_forward_s(st.head_ops)))
-            ops.append(("c", "head and loss", st.head_s))
+                ops.append(Host("head and loss host ops", wl.host_forward_s(st.head_ops)))
+            ops.append(Compute("head and loss", st.head_s))
         if a.kind != "F" and a.stage == 0 and st.embed_ops > 0.0:
-            ops.append(("h", "embedding backward host ops", wl.host_backward_s(st.embed_ops, a.kind)))
+            ops.append(Host("embedding backward host ops", wl.host_backward_s(st.embed_ops, a.kind)))
         if reduce and top and st.top_params > 0:
-            ops += [("r", comm) for comm in wl.reduction_comms(st.top_params, 0.0)]
+            ops += [Reduce(comm) for comm in wl.reduction_comms(st.top_params, 0.0)]
         return ops
 
     # ------------------------------------------------------------------------------------------------- run
     def run(self) -> tuple[list[_Rank], int]:
         par = self.plan.parallel
-        orders = pipeline_orders(self.plan.schedule, par.pipeline, self.plan.microbatches, self.work.v_chunks)
+        orders = pipeline_orders(self.plan.schedule, par.pipeline, self.plan.microbatches, par.chunks_per_rank)
         ranks = [_Rank(self, s) for s in range(par.pipeline)]
         for r, order in zip(ranks, orders):
             self.env.process(r.process(order))
@@ -364,40 +364,24 @@ def simulate(plan: Plan, seed: int = 0, spec: ModelSpec | None = None, topo: Top
         phases[k] = phases.get(k, 0.0) + v
     phases["pipeline_bubble"] += step - ranks[0].finish
     tokens = plan.tokens_per_step(spec)
-    model_flops = spec.flops_per_token_train(convention) * tokens
+    model_flops = metrics.model_flops_per_step(spec, tokens, convention)
     peaks = [r.peak for r in ranks]
-    host_per_host = ranks[0].work.host_bytes * topo.host.gpus_per_host
-    fits = max(peaks) <= topo.accelerator.hbm_bytes and host_per_host <= topo.host.memory_bytes
+    fits = bool(metrics.fits_memory(max(peaks), ranks[0].work.host_bytes, topo))
     if record:
         tl = sim.timeline
         for r in ranks:
             tl.process_names[r.stage] = (f"stage {r.stage} (GPU {sim.net.name(sim.net.rep(r.stage))}; stands for "
-                                         f"{par_ranks(plan)} GPUs)")
+                                         f"{plan.parallel.stage_ranks} GPUs)")
             tl.memory[r.stage] = r.mem_points
         tl.links = [f"{u}->{v}" for u, v in sim.net.net.links]
         tl.link_capacity_Bps = [float(c) for c in sim.net.net.capacity]
         tl.utilisation = sim.net.net.utilisation_arrays()
-    tokens_per_s = tokens / step
+    rate = metrics.step_metrics(tokens, step, model_flops, topo.gpus, topo, plan.tokens)
     return SimResult(
-        plan=plan.name, step_time_s=step, tokens_per_s=tokens_per_s,
-        mfu=model_flops / (step * topo.gpus * topo.peak_flops("bf16")), phases_s=phases,
+        plan=plan.name, step_time_s=step, tokens_per_s=rate.tokens_per_s, mfu=rate.mfu, phases_s=phases,
         drop_fraction=sim.work.loads.drop_fraction if sim.work.loads else 0.0,
         peak_memory_bytes=max(peaks), peak_memory_per_stage_bytes=peaks, events=events, tokens_per_step=tokens,
         model_flops_per_step=model_flops,
-        days_to_budget=(plan.tokens / tokens_per_s / SECONDS_PER_DAY) if plan.tokens else math.nan,
+        days_to_budget=rate.days_to_budget,
         flops_convention=convention.label, gpus=topo.gpus, simulated_ranks=len(ranks), fits=fits, seed=seed,
         reduced=reduce, timeline=sim.timeline)
-
-
-def par_ranks(plan: Plan) -> int:
-    """GPUs one pipeline stage's representative stands for."""
-    p = plan.parallel
-    return p.data * p.fsdp * p.context * p.tensor
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    res = simulate(load_plan(sys.argv[1]))
-    for key, value in res.as_dict().items():
-        print(f"{key}: {value}")

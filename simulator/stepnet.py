@@ -50,8 +50,8 @@ def axis_groups(plan: Plan, usable: int) -> dict[str, Group]:
     par = plan.parallel
     pl = place(plan, usable)
     return {"tensor": pl.tensor, "context": pl.context, "fsdp": pl.fsdp, "data": pl.data,
-            "pipeline": pl.pipeline, "expert": make_group(par.expert, 1, usable),
-            "expert_data": pl.expert_data, "inner": make_group(par.fsdp * par.context, par.tensor, usable),
+            "pipeline": pl.pipeline, "expert": pl.expert,
+            "expert_data": pl.expert_data, "inner": make_group(par.reduction_inner, par.tensor, usable),
             "expert_fsdp": pl.expert_fsdp, "expert_replicas": pl.expert_replicas}
 
 
@@ -63,7 +63,7 @@ class StepNetwork:
         self.reduce = reduce
         self.u = topo.scale_up.usable_gpus
         self.rails = max(topo.scale_out.rails, 1)
-        self.stage_ranks = par.tensor * par.context * par.fsdp * par.data
+        self.stage_ranks = par.stage_ranks
         self.stages = par.pipeline
         self.groups = axis_groups(plan, self.u)
         self.eff = topo.efficiency.collective_efficiency

@@ -6,13 +6,11 @@ timestamps. Counters ("ph": "C"): each stage's allocated memory, and in a separa
 (fraction of capacity in use) of every link that carried traffic. Output is deterministic: sorted keys, times
 rounded to nanoseconds. Open the file in https://ui.perfetto.dev or chrome://tracing.
 
-    python -m rackcast.simulator.trace examples/plans/marin-535b-hero.yaml hero-trace.json
 """
 
 from __future__ import annotations
 
 import json
-import sys
 
 from rackcast.atomic import write_text_atomic
 from rackcast.units import GIB, US_PER_S
@@ -65,11 +63,3 @@ def trace_json(result) -> str:
 
 def write_trace(result, path: str) -> None:
     write_text_atomic(path, trace_json(result))
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-    from rackcast.simulator.step import simulate
-
-    write_trace(simulate(load_plan(sys.argv[1])), sys.argv[2])
-    print(f"wrote {sys.argv[2]}")

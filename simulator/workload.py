@@ -6,59 +6,39 @@ expert GEMMs; dense MLP; output head and loss) and the communication they need (
 context-parallel key/value shifts, expert dispatch and combine all-to-alls, FSDP all-gathers, data-parallel gradient
 reduce-scatter / all-reduce, pipeline sends), then the optimizer step with its host <-> GPU state movement.
 
-Durations follow simulator.estimate exactly (the two must agree on simple plans): GEMM time = FLOPs / (peak x
-efficiency(one GEMM of 2 x tokens x d_model^2 / tensor FLOPs)), attention core at the attention efficiency
+Every duration and every byte count comes from simulator.costs, the cost model the closed-form estimate uses too:
+GEMMs at the efficiency of one 2 x tokens x d_model^2 / tensor GEMM, the attention core at the attention efficiency
 (hardware work: causal, over the window), experts at the grouped-GEMM efficiency of one expert's GEMM, elementwise
-work as the activation bytes written in forward and read in backward at the memory-bound fraction of HBM bandwidth,
-backward = 2 x forward. Per-stage sums of these costs equal estimate.plan_features for stage 0 (a test checks).
+work as the activation bytes written in forward and read in backward, memory-bound; backward = 2 x forward.
 Host per-op overhead (only where the topology's efficiency.host_op_s is measured; simulator.host_overhead's
 model, op counts from simulator.op_counts): each layer's forward runs its ops x host_op_s.forward before its kernels
 (layer ops less the expert loop's ops x (1 - 1/ep)), its backward bwd_over_fwd times that (split evenly between the
 input- and weight-gradient halves of zero-bubble schedules); the embedding's ops on the stage holding the first
 chunk, head and loss on the stage holding the last; the optimizer's ops (its share of the layers) in its step.
 
-Ops are plain tuples, interpreted by simulator.step:
-    ("c", name, seconds)              compute on the compute stream
-    ("h", name, seconds)              host time of framework ops, on the compute stream (not slowed by comm)
-    ("s", key, Comm)                  start a communication op on its stream (asynchronous)
-    ("w", key, phase)                 wait for it; time waited counts as `phase` (an estimate.PHASES name)
-    ("m", bytes)                      allocate (+) or release (-) memory on this GPU
-Expert all-to-all token counts come from simulator.routing (see ExpertLoads).
-
-    python -m rackcast.simulator.workload examples/plans/marin-535b-hero.yaml     # per-stage op counts and seconds
+Ops are the records of simulator.ops (Compute, Host, Start, Wait, Reduce, Memory; each documented there), run by
+simulator.step. Expert all-to-all token counts come from simulator.routing (see ExpertLoads).
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-from rackcast.modelspec import FlopsConvention, ModelSpec
+from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
+from rackcast.simulator import costs
 from rackcast.simulator.host_overhead import layer_forward_ops, optimizer_ops
-from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, expert_fsdp,
-                              layer_activation_bytes_per_token, rank_params, static_bytes)
+from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, layer_activation_bytes_per_token,
+                                       rank_params, static_bytes)
+from rackcast.simulator.ops import Comm, Compute, Host, Memory, Start, Wait
 from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
 from rackcast.simulator.routing import expert_probabilities
-from rackcast.simulator.schedules import stage_to_rank
 from rackcast.topologies.spec import Topology
 
-HW = FlopsConvention(attention="causal", window="window", head=True)  # the work kernels really do
-W_BYTES = BYTES["bf16"]
-
-
-@dataclass(frozen=True)
-class Comm:
-    """One communication op: a collective over a parallel axis, an all-to-all, a pipeline send or a host copy."""
-
-    kind: str  # all_reduce | reduce_scatter | all_gather | shift | all_to_all | p2p | to_host | from_host
-    axis: str  # a StepNetwork axis; for p2p the destination stage as text
-    nbytes: float  # nccl-tests size (all_to_all: per-rank send buffer)
-    stream: str  # tp | cp | ep | fsdp | dp | edp | pp | host: ops of one stream run one after another
-    name: str
-    a2a: tuple = ()  # all_to_all: (moe layer slot, micro-batch, direction "d" dispatch or "c" combine)
+HW = costs.HW
+W_BYTES = costs.W_BYTES
 
 
 @dataclass(frozen=True)
@@ -93,39 +73,27 @@ class StageWork:
     head_ops: float = 0.0  # the head and loss ops (forward) on the stage holding the last chunk
 
 
-def _mlp_matrices(spec: ModelSpec) -> int:
-    return 3 if spec.activation == "swiglu" else 2
-
-
 class Workload:
     """Per-stage costs of a plan on a topology (see the module docstring)."""
 
     def __init__(self, spec: ModelSpec, plan: Plan, topo: Topology, seed: int = 0):
         self.spec, self.plan, self.topo = spec, plan, topo
-        par, b = plan.parallel, plan.batch
-        eff = topo.efficiency
-        self.peak = topo.peak_flops("bf16")
-        self.host = eff.host_op_s
+        par = plan.parallel
+        self.host = topo.efficiency.host_op_s
         self.counts = None
         if self.host.measured:
             from rackcast.simulator.op_counts import op_counts
 
             self.counts = op_counts(spec, plan.optimizer.name)
-        self.tokens_mb = b.micro_batch * spec.seq_len / par.context
-        t = par.tensor
-        self.gemm_eff = eff.gemm_efficiency(2 * self.tokens_mb * spec.d_model * spec.d_model / t)
-        self.v_chunks = 2 if plan.schedule == "dualpipev" else par.virtual
-        self.n_chunks = par.pipeline * self.v_chunks
-        owner = stage_to_rank(plan.schedule, par.pipeline, self.v_chunks)
+        self.tokens_mb = plan.tokens_per_microbatch(spec)
+        self.gemm_size = costs.gemm_size(self.tokens_mb, spec, par.tensor)
+        self.n_chunks = par.chunks
+        owner = par.chunk_ranks(plan.schedule)
         self.chunk_rank = owner
         per_chunk = spec.layers // self.n_chunks
         moe = spec.moe
         self.x = spec.expert_input_dim if moe else 0
-        if moe:
-            rows = max(self.tokens_mb * par.expert * moe.top_k / moe.experts, 1.0)
-            # Expert-tensor ranks split each expert's width but process all their peers' rows: the GEMM per
-            # expert keeps the rows x width of expert_tensor = 1 (see simulator/estimate.py).
-            self.expert_eff = eff.grouped_gemm_efficiency(2 * rows * self.x * moe.expert_ffn)
+        self.expert_size = costs.expert_gemm_size(self.tokens_mb, spec, par.expert)
         self.stages: list[StageWork] = []
         for s in range(par.pipeline):
             chunks = {c: [self._layer(i) for i in range(c * per_chunk, (c + 1) * per_chunk)]
@@ -135,19 +103,21 @@ class Workload:
 
     # ------------------------------------------------------------------------------------------------ layers
     def _gemm_s(self, flops_per_token: float) -> float:
-        return flops_per_token * self.tokens_mb / self.plan.parallel.tensor / (self.peak * self.gemm_eff)
+        return float(costs.gemm_time(flops_per_token * self.tokens_mb / self.plan.parallel.tensor, self.gemm_size,
+                                     self.topo))
 
     def _layer(self, i: int) -> LayerWork:
         spec, plan, par = self.spec, self.plan, self.plan.parallel
-        eff = self.topo.efficiency
         parts = spec.layer_flops_breakdown(i, HW)
-        core = parts.get("attn_scores_values", 0.0) * self.tokens_mb / par.tensor / (self.peak * eff.attention)
+        core = costs.attention_time(parts.get("attn_scores_values", 0.0) * self.tokens_mb / par.tensor, self.topo)
         mlp_keys = ("router", "latent", "dense_mlp")
         attn_gemm = sum(v for k, v in parts.items()
                         if k not in mlp_keys + ("attn_scores_values", "experts", "shared_experts"))
         per_row = 0.0
         if spec.is_moe(i):
-            per_row = parts["experts"] / spec.moe.top_k / (self.peak * self.expert_eff)
+            # A rank computes its 1/expert_tensor slice of every row routed to its block.
+            per_row = float(costs.grouped_gemm_time(parts["experts"] / spec.moe.top_k / par.expert_tensor,
+                                                    self.expert_size, self.topo))
         act = layer_activation_bytes_per_token(spec, i, plan) * self.tokens_mb
         pb = spec.layer_param_breakdown(i)
         sp = par.tensor if par.sequence_parallel else 1
@@ -155,9 +125,9 @@ class Workload:
             index=i, moe=spec.is_moe(i), attn_s=self._gemm_s(attn_gemm) + core, core_s=core,
             router_s=self._gemm_s(sum(parts.get(k, 0.0) for k in mlp_keys)),
             shared_s=self._gemm_s(parts.get("shared_experts", 0.0)), expert_s_per_row=per_row,
-            elem_s=2 * act / (self.topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound),
+            elem_s=costs.memory_bound_time(2 * act, self.topo),
             dense_params=(spec.layer_params(i) - pb.get("experts", 0)) / par.tensor,
-            expert_params=pb.get("experts", 0) / (par.expert * par.expert_tensor),
+            expert_params=pb.get("experts", 0) / par.expert_group,
             act_bytes=act, core_bytes=attention_core_bytes_per_token(spec, i, plan) * self.tokens_mb,
             kept_bytes=BYTES["bf16"] * spec.d_model / sp * self.tokens_mb,
             host_ops=layer_forward_ops(self.counts, plan, i) if self.counts else 0.0)
@@ -165,17 +135,15 @@ class Workload:
     # ------------------------------------------------------------------------------------------------ stages
     def _stage(self, s: int, chunks: dict[int, list[LayerWork]]) -> StageWork:
         spec, plan = self.spec, self.plan
-        eff = self.topo.efficiency
         rp = rank_params(spec, plan, s)
         layers = [lw.index for c in chunks for lw in chunks[c]]
         head_s = self._gemm_s(spec.head_flops_fwd(HW)) if (self.n_chunks - 1) in chunks else 0.0
         static = static_bytes(rp, plan)
         host_bytes = static.pop("host")  # resident on the host; the step moves it in and back out
-        # Optimizer time as simulator.estimate computes it (same bytes, same Newton-Schulz work).
         opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
         ns = newton_schulz_flops(spec, plan, layers)
-        optimizer_s = opt_bytes / (self.topo.accelerator.hbm_bandwidth_Bps * eff.memory_bound) + \
-            ns / (self.peak * eff.gemm_efficiency(2 * spec.d_model ** 3)) + self._balancing_s(layers)
+        optimizer_s = float(costs.optimizer_time(opt_bytes, ns, costs.newton_schulz_size(spec), self.topo)) + \
+            self._balancing_s(layers)
         top = rp.dense - sum(lw.dense_params for c in chunks for lw in chunks[c])
         embed_ops = head_ops = 0.0
         if self.counts:
@@ -183,20 +151,19 @@ class Workload:
             embed_ops = self.counts["fwd_embed"] if 0 in chunks else 0.0
             head_ops = self.counts["fwd_head"] if (self.n_chunks - 1) in chunks else 0.0
         return StageWork(stage=s, chunks=chunks, head_s=head_s, top_params=top, static_bytes=static,
-                         io_bytes=2 * BYTES["bf16"] * spec.d_model * self.tokens_mb, optimizer_s=optimizer_s,
+                         io_bytes=2 * W_BYTES * spec.d_model * self.tokens_mb, optimizer_s=optimizer_s,
                          host_bytes=host_bytes, embed_ops=embed_ops, head_ops=head_ops)
 
     def _balancing_s(self, layers: list[int]) -> float:
-        """Quantile balancing's reductions for these layers, priced as simulator.estimate.balancing_time."""
-        from rackcast.simulator.estimate import balancing_time, reduction_groups
+        """Quantile balancing's reductions for these layers (costs.balancing_time)."""
         from rackcast.simulator.placement import place
 
         count, hist, extremes = balancing_reductions(self.spec, layers)
         if not count:
             return 0.0
         f = {"bal_count": count, "bal_hist_bytes": hist, "bal_max_bytes": extremes,
-             **reduction_groups(self.plan, place(self.plan, self.topo.scale_up.usable_gpus))}
-        return float(balancing_time(f, self.topo))
+             **costs.reduction_groups(self.plan, place(self.plan, self.topo.scale_up.usable_gpus))}
+        return float(costs.balancing_time(f, self.topo))
 
     def host_forward_s(self, forward_ops: float) -> float:
         """Host time of `forward_ops` framework ops in a forward pass."""
@@ -208,77 +175,77 @@ class Workload:
         return share * self.counts["bwd_over_fwd"] * forward_ops * self.host.backward if self.counts else 0.0
 
     # ------------------------------------------------------------------------------------------ op programs
-    def layer_forward(self, lw: LayerWork, mb: int, key: str, recompute: bool = False) -> list[tuple]:
+    def layer_forward(self, lw: LayerWork, mb: int, key: str, recompute: bool = False) -> list:
         """Ops of one layer's forward (or its recomputation) for micro-batch mb."""
         par = self.plan.parallel
         pre = "recompute " if recompute else ""
-        ops: list[tuple] = []
+        ops: list = []
         attn_s = lw.attn_s + (0.0 if recompute else lw.elem_s / 2)
         if lw.host_ops > 0.0 and not recompute:  # the trainer does not recompute: no host ops counted for it
-            ops.append(("h", "host ops", self.host_forward_s(lw.host_ops)))
+            ops.append(Host("host ops", self.host_forward_s(lw.host_ops)))
         if par.context > 1:
-            ops.append(("s", key + "cp", self._cp_comm()))
-        ops.append(("c", pre + "attention", attn_s))
+            ops.append(Start(key + "cp", self._cp_comm()))
+        ops.append(Compute(pre + "attention", attn_s))
         if par.context > 1:
-            ops.append(("w", key + "cp", "exposed_tensor_comm"))
+            ops.append(Wait(key + "cp", "exposed_tensor_comm"))
         ops += self._tp(key + "tpa")
         if lw.moe:
-            ops.append(("c", pre + "router", lw.router_s))
+            ops.append(Compute(pre + "router", lw.router_s))
             ops += self._moe_exchange(lw, mb, key, "d", "c", pre + "experts", 1.0, pre + "shared experts")
         else:
-            ops.append(("c", pre + "mlp", lw.router_s))
+            ops.append(Compute(pre + "mlp", lw.router_s))
         ops += self._tp(key + "tpm")
         return ops
 
-    def layer_backward(self, lw: LayerWork, mb: int, key: str, kind: str) -> list[tuple]:
+    def layer_backward(self, lw: LayerWork, mb: int, key: str, kind: str) -> list:
         """Ops of one layer's backward: kind "BW" (input and weight gradients), "B" (inputs) or "W" (weights)."""
-        host = [("h", "backward host ops", self.host_backward_s(lw.host_ops, kind))] if lw.host_ops > 0.0 else []
+        host = [Host("backward host ops", self.host_backward_s(lw.host_ops, kind))] if lw.host_ops > 0.0 else []
         if kind == "W":
-            return host + [("c", "weight grads", lw.attn_s + lw.router_s + lw.shared_s + self._expert_s(lw, mb))]
+            return host + [Compute("weight grads", lw.attn_s + lw.router_s + lw.shared_s + self._expert_s(lw, mb))]
         f = 2.0 if kind == "BW" else 1.0
         ops = host + self._tp(key + "tpm")
         if lw.moe:
             ops += self._moe_exchange(lw, mb, key, "d", "c", "experts backward", f, "shared experts backward")
-            ops.append(("c", "router backward", f * lw.router_s))
+            ops.append(Compute("router backward", f * lw.router_s))
         else:
-            ops.append(("c", "mlp backward", f * lw.router_s))
+            ops.append(Compute("mlp backward", f * lw.router_s))
         ops += self._tp(key + "tpa")
         if self.plan.parallel.context > 1:
-            ops.append(("s", key + "cp", self._cp_comm(f)))
-        ops.append(("c", "attention backward", f * lw.attn_s + lw.elem_s / 2))
+            ops.append(Start(key + "cp", self._cp_comm(f)))
+        ops.append(Compute("attention backward", f * lw.attn_s + lw.elem_s / 2))
         if self.plan.parallel.context > 1:
-            ops.append(("w", key + "cp", "exposed_tensor_comm"))
+            ops.append(Wait(key + "cp", "exposed_tensor_comm"))
         return ops
 
-    def _moe_exchange(self, lw, mb, key, first, second, expert_name, factor, shared_name) -> list[tuple]:
+    def _moe_exchange(self, lw, mb, key, first, second, expert_name, factor, shared_name) -> list:
         """Dispatch, experts, combine; half the shared-expert work runs under each all-to-all."""
-        a2a_bytes = self.tokens_mb * self.spec.moe.top_k * self.x * W_BYTES * self.plan.parallel.expert_tensor
-        ops: list[tuple] = []
+        a2a_bytes = costs.a2a_bytes(self.tokens_mb, self.spec, self.plan.parallel.expert_tensor)
+        ops: list = []
         for n, direction in enumerate((first, second)):
             name = "dispatch" if direction == "d" else "combine"
             comm = Comm("all_to_all", "expert", a2a_bytes, "ep", name, (lw.index, mb, direction))
-            ops.append(("s", key + name, comm))
+            ops.append(Start(key + name, comm))
             if lw.shared_s:
-                ops.append(("c", shared_name, factor * lw.shared_s / 2))
-            ops.append(("w", key + name, "exposed_expert_a2a"))
+                ops.append(Compute(shared_name, factor * lw.shared_s / 2))
+            ops.append(Wait(key + name, "exposed_expert_a2a"))
             if n == 0:
-                ops.append(("c", expert_name, factor * self._expert_s(lw, mb)))
+                ops.append(Compute(expert_name, factor * self._expert_s(lw, mb)))
         return ops
 
     def _expert_s(self, lw: LayerWork, mb: int) -> float:
         return lw.expert_s_per_row * self.loads.max_rows(lw.index, mb) if lw.moe else 0.0
 
-    def _tp(self, key: str) -> list[tuple]:
+    def _tp(self, key: str) -> list:
         par = self.plan.parallel
         if par.tensor <= 1:
             return []
-        nbytes = self.tokens_mb * self.spec.d_model * W_BYTES
-        return [("s", key, Comm("all_reduce", "tensor", nbytes, "tp", "tp all-reduce")),
-                ("w", key, "exposed_tensor_comm")]
+        nbytes = costs.tensor_bytes(self.tokens_mb, self.spec)
+        return [Start(key, Comm("all_reduce", "tensor", nbytes, "tp", "tp all-reduce")),
+                Wait(key, "exposed_tensor_comm")]
 
     def _cp_comm(self, factor: float = 1.0) -> Comm:
-        par, a = self.plan.parallel, self.spec.attention
-        nbytes = self.tokens_mb * 2 * a.kv_heads_local * a.head_dim * W_BYTES / par.tensor
+        par = self.plan.parallel
+        nbytes = costs.context_bytes(self.tokens_mb, self.spec, par.tensor)
         return Comm("shift", "context", factor * (par.context - 1) * nbytes, "cp", "cp kv exchange")
 
     def gather_comms(self, lw: LayerWork) -> list[tuple[Comm, float]]:
@@ -288,7 +255,7 @@ class Workload:
         if par.fsdp > 1:
             out.append((Comm("all_gather", "fsdp", lw.dense_params * W_BYTES, "fsdp", "fsdp all-gather"),
                         W_BYTES * lw.dense_params))
-        if lw.moe and expert_fsdp(self.plan) > 1:
+        if lw.moe and self.plan.parallel.expert_fsdp > 1:
             out.append((Comm("all_gather", "expert_fsdp", lw.expert_params * W_BYTES, "fsdp",
                              "expert fsdp all-gather"), W_BYTES * lw.expert_params))
         return out
@@ -297,53 +264,44 @@ class Workload:
         """Unsharded gradient buffer of one layer during its backward (FSDP only; memory.py counts one layer)."""
         par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
         out = g * lw.dense_params if par.fsdp > 1 else 0.0
-        if lw.moe and expert_fsdp(self.plan) > 1:
+        if lw.moe and self.plan.parallel.expert_fsdp > 1:
             out += g * lw.expert_params
         return out
 
     def reduction_comms(self, dense_params: float, expert_params: float) -> list[Comm]:
-        """Gradient reduction of one bucket, as simulator.estimate counts it: reduce-scatter inside the
-        fsdp x context group and all-reduce of the shard across data replicas; for experts, reduce-scatter
-        inside the expert-FSDP group and all-reduce of the shard across the remaining expert copies."""
+        """Gradient reduction of one bucket (costs.gradient_reductions), the collectives that move bytes."""
         par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
-        inner = par.fsdp * par.context
-        efsdp = expert_fsdp(self.plan)
-        out = []
-        if dense_params > 0:
-            out.append(Comm("reduce_scatter", "inner", dense_params * g, "dp", "grad reduce-scatter"))
-            out.append(Comm("all_reduce", "data", dense_params * g / inner, "dp", "grad all-reduce"))
-        if expert_params > 0:
-            if efsdp > 1:
-                out.append(Comm("reduce_scatter", "expert_fsdp", expert_params * g, "edp",
-                                "expert grad reduce-scatter"))
-            out.append(Comm("all_reduce", "expert_replicas", expert_params / efsdp * g, "edp",
-                            "expert grad all-reduce"))
-        return out
+        return [Comm(c.kind, c.axis, c.nbytes, c.stream, c.name)
+                for c in costs.gradient_reductions(dense_params * g, expert_params * g, par.reduction_inner,
+                                                   par.expert_fsdp) if c.nbytes > 0]
 
 
 class ExpertLoads:
     """Routed rows per (micro-batch, layer, source rank, expert), drawn from the plan's routing distribution.
 
-    Each source rank of an expert group routes its micro-batch's tokens top_k ways (multinomial over the expert
-    probabilities of simulator.routing). Capacity mode keeps at most floor(c x tokens x top_k / experts) rows per
-    expert, dropping the excess of every source in proportion; dropless keeps all. Experts lie contiguously on the
-    expert ranks. All data-parallel replicas replay the same draw (the symmetry the reduction relies on).
+    Each of the expert_group = expert x expert_tensor ranks of an expert group (rackcast.layout) routes its
+    micro-batch's tokens top_k ways (multinomial over the expert probabilities of simulator.routing). Experts lie
+    contiguously on `expert` blocks of expert_tensor consecutive ranks, each rank of a block holding a 1/expert_tensor
+    slice of the block's experts, so every row routed to a block goes to each of its ranks. Capacity mode keeps at
+    most floor(c x group tokens x top_k / experts) rows per expert, dropping the excess of every source in
+    proportion; dropless keeps all. All data-parallel replicas replay the same draw (the symmetry the reduction
+    relies on).
     """
 
     def __init__(self, spec: ModelSpec, plan: Plan, work: Workload, seed: int):
         moe, par = spec.moe, plan.parallel
-        ep = par.expert
+        ep, group = par.expert, par.expert_group
         self.layers = sorted({lw.index for st in work.stages for c in st.chunks.values() for lw in c if lw.moe})
         self.slot = {layer: k for k, layer in enumerate(self.layers)}
         m = plan.microbatches
         tokens = max(int(round(work.tokens_mb)), 1)
         rng = np.random.default_rng(seed)
         probs = expert_probabilities(plan.expert_transport, moe.experts, seed)
-        size = (m, len(self.layers), ep)
+        size = (m, len(self.layers), group)
         if plan.expert_transport.mode == "capacity":
             counts = rng.multinomial(tokens * moe.top_k, probs, size=size).astype(np.float64)
             total = counts.sum()
-            cap = np.floor(plan.expert_transport.capacity_factor * tokens * ep * moe.top_k / moe.experts)
+            cap = np.floor(plan.expert_transport.capacity_factor * tokens * group * moe.top_k / moe.experts)
             per_expert = counts.sum(axis=2, keepdims=True)
             counts = np.floor(counts * np.minimum(1.0, cap / np.maximum(per_expert, 1.0)))
             self.drop_fraction = float(1.0 - counts.sum() / total) if total else 0.0
@@ -352,10 +310,11 @@ class ExpertLoads:
             rank_probs = probs.reshape(ep, moe.experts // ep).sum(axis=1)
             rows = rng.multinomial(tokens * moe.top_k, rank_probs / rank_probs.sum(), size=size).astype(np.float64)
             self.drop_fraction = 0.0
-        # rows[mb, layer, src, dst]: rows source rank src sends to expert rank dst
-        self.rows = rows
+        # rows[mb, layer, src, dst]: rows source rank src sends to rank dst of the group (each of a block's
+        # expert_tensor ranks receives the block's rows)
+        self.rows = np.repeat(rows, par.expert_tensor, axis=3)
         self._max_rows = self.rows.sum(axis=2).max(axis=2)  # most loaded expert rank
-        self.row_bytes = work.x * W_BYTES * plan.parallel.expert_tensor  # each row goes to every expert-tensor rank
+        self.row_bytes = work.x * W_BYTES
         self._masks: dict[int, tuple] = {}
 
     def max_rows(self, layer: int, mb: int) -> float:
@@ -374,15 +333,3 @@ class ExpertLoads:
         send = np.einsum("sd,csd->sc", b, masks)
         recv = np.einsum("sd,csd->dc", b, masks)
         return send, recv
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    loaded = load_plan(sys.argv[1])
-    wl = Workload(loaded.model_spec(), loaded, loaded.topology_spec(), loaded.seed)
-    for st in wl.stages:
-        n = sum(len(c) for c in st.chunks.values())
-        fwd = sum(lw.attn_s + lw.router_s + lw.shared_s for c in st.chunks.values() for lw in c)
-        print(f"stage {st.stage}: {n} layers, forward GEMM+attention {fwd:.4f} s/micro-batch (experts apart), "
-              f"optimizer {st.optimizer_s:.4f} s, host bytes each way {st.host_bytes / 2**30:.2f} GiB")

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from rackcast.plan import load_plan
-from rackcast.simulator.estimate import collective_time, estimate, plan_features
+from rackcast.simulator.costs import collective_time
+from rackcast.simulator.estimate import estimate, plan_features
 from rackcast.simulator.optimizer_cost import balancing_reductions
 from rackcast.simulator.step import simulate
 

@@ -11,7 +11,8 @@ import pytest
 from conftest import PLANS
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import load_plan
-from rackcast.simulator.estimate import collective_time, estimate, plan_features, step_time
+from rackcast.simulator.costs import collective_time
+from rackcast.simulator.estimate import estimate, plan_features, step_time
 from rackcast.topologies import load_topology
 
 GB200 = load_topology("gb200-nvl72", domains=2)

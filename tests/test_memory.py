@@ -181,21 +181,6 @@ def test_fused_is_the_default_and_keeps_the_published_hero_figure():
         memory_breakdown(spec, plan, activations="complete")
 
 
-def test_the_cli_prints_the_eager_fp32_breakdown():
-    import subprocess
-    import sys
-
-    from conftest import PLANS, ROOT
-
-    out = subprocess.run([sys.executable, "-m", "rackcast.simulator.memory", str(PLANS / "tiny-1proc.yaml"), "fp32", "eager"],
-                         capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    from rackcast.plan import load_plan
-
-    plan = load_plan(str(PLANS / "tiny-1proc.yaml"))
-    total = memory_breakdown(plan.model_spec(), plan, "fp32", activations="eager").total
-    assert f"{'total':12s} {total / 2**20:10.2f} MiB" in out
-
-
 def test_the_default_dtype_is_the_plans_precision_and_fp32_only_widens_it():
     spec, plan = load_model("tiny-moe"), tiny_plan()
     default, bf16, fp32 = (memory_breakdown(spec, plan, dtype=x) for x in (None, "bf16", "fp32"))

@@ -15,6 +15,7 @@ import simpy
 
 from rackcast.simulator import collective_formulas as cf
 from rackcast.simulator import collectives as coll
+from rackcast.simulator.costs import collective_time as topology_collective_time
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
 from rackcast.simulator.network import Network
 
@@ -22,6 +23,26 @@ NVLINK = 900e9
 NIC = 50e9
 LAT_NV = 2e-6  # route latency gpu -> nvswitch -> gpu
 LAT_NIC = 6e-6  # route latency gpu -> nic -> rail -> (spine -> rail) -> nic -> gpu
+
+
+def hierarchical_time(kind: str, nbytes, n_local, n_domains, bw_up, lat_up, bw_out, lat_out):
+    """Hierarchical all_reduce (RS inside, AR across on nbytes / n_local, AG inside), as simulator.collectives runs
+    it, from the flat closed forms."""
+    shard = nbytes / n_local
+    assert kind == "all_reduce"
+    return (cf.collective_time("reduce_scatter", nbytes, n_local, bw_up, lat_up) +
+            cf.collective_time("all_reduce", shard, n_domains, bw_out, lat_out) +
+            cf.collective_time("all_gather", nbytes, n_local, bw_up, lat_up))
+
+
+def all_to_all_two_tier_time(nbytes, n_local, n_domains, bw_up, lat_up, bw_out, lat_out):
+    """Direct all-to-all over n_domains x n_local ranks: the slower of the in-domain part over scale-up
+    ((n_local-1)/n x nbytes) and the rest over the one NIC per GPU ((n-n_local)/n x nbytes), each after its own
+    latency."""
+    n = n_local * n_domains
+    local = lat_up + (n_local - 1) / n * nbytes / bw_up if n_local > 1 else 0.0
+    remote = lat_out + (n - n_local) / n * nbytes / bw_out if n > n_local else 0.0
+    return max(local, remote)
 
 
 def _link(g, u, v, cap, lat, kind):
@@ -82,7 +103,7 @@ def test_ring_all_reduce_alone_matches_alpha_beta_closed_form(stepwise):
     group = gpus(1, 8)
     nbytes = 256e6
     t, _ = run(g, lambda net: coll.ring_all_reduce(net, group, nbytes, stepwise=stepwise))
-    expect = cf.all_reduce_time(nbytes, 8, NVLINK, LAT_NV)
+    expect = cf.collective_time("all_reduce", nbytes, 8, NVLINK, LAT_NV)
     assert t == pytest.approx(float(expect), rel=0.01)
 
 
@@ -107,12 +128,12 @@ def test_hierarchical_all_reduce_matches_its_closed_form():
     nbytes = 128e6
     t, _ = run(cluster(2, 4), lambda net: coll.hierarchical_all_reduce(net, group, nbytes))
     cross_lat = LAT_NIC
-    expect = cf.hierarchical_time("all_reduce", nbytes, 4, 2, NVLINK, LAT_NV, NIC, cross_lat)
+    expect = hierarchical_time("all_reduce", nbytes, 4, 2, NVLINK, LAT_NV, NIC, cross_lat)
     assert t == pytest.approx(float(expect), rel=0.01)
     t_auto, _ = run(cluster(2, 4), lambda net: coll.collective(net, "all_reduce", group, nbytes))
     assert t_auto == t
     t_flat, _ = run(cluster(2, 4), lambda net: coll.collective(net, "all_reduce", group, nbytes, hierarchical=False))
-    assert t_flat == pytest.approx(float(cf.all_reduce_time(nbytes, 8, NIC, LAT_NIC)), rel=0.01)
+    assert t_flat == pytest.approx(float(cf.collective_time("all_reduce", nbytes, 8, NIC, LAT_NIC)), rel=0.01)
     assert t_flat > t
 
 
@@ -183,7 +204,7 @@ def test_all_to_all_across_two_domains_is_bound_by_the_nics_not_nvlink():
     nvlink_bound = LAT_NV + (7 / 8) * nbytes / NVLINK
     assert t == pytest.approx(nic_bound, rel=0.01)
     assert t > 10 * nvlink_bound
-    two_tier = cf.all_to_all_two_tier_time(nbytes, 4, 2, NVLINK, LAT_NV, NIC, LAT_NIC)
+    two_tier = all_to_all_two_tier_time(nbytes, 4, 2, NVLINK, LAT_NV, NIC, LAT_NIC)
     assert t == pytest.approx(float(two_tier), rel=0.01)
 
 
@@ -221,14 +242,14 @@ def test_closed_forms_vectorise_and_match_the_topology_efficiency_curves():
     topo = load_topology("gb200-nvl72")
     sizes = np.logspace(5, 10, 11)
     n = np.array([[8], [64]])
-    t = cf.topology_collective_time(topo, "all_reduce", sizes, n, "scale_up")
+    t = topology_collective_time(topo, "all_reduce", n, sizes, span_out=False)
     assert t.shape == (2, 11)
     for j, size in enumerate(sizes):
         eff = topo.efficiency.collective_efficiency("all_reduce", "scale_up", size)
         expect = 2 * 63 * topo.link_latency_s("scale_up") + 2 * 63 / 64 * size / (eff * topo.scale_up.bandwidth_Bps)
         assert t[1, j] == pytest.approx(expect, rel=1e-12)
-    assert cf.all_reduce_time(1e9, 1, 1e9, 1e-6) == 0.0
-    assert cf.send_recv_time(1e9, 1e9, 1e-6) == pytest.approx(1.0 + 1e-6)
+    assert cf.collective_time("all_reduce", 1e9, 1, 1e9, 1e-6) == 0.0
+    assert cf.collective_time("send_recv", 1e9, 2, 1e9, 1e-6) == pytest.approx(1.0 + 1e-6)
 
 
 def test_utilisation_change_points_integrate_to_the_bytes_moved():

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pyarrow.parquet as pq
 import pytest
 
+from rackcast.layout import ParallelSpec
 from rackcast.plan import load_plan
 from rackcast.presets import load_model
 
@@ -55,7 +56,7 @@ def test_host_offload_shortcut_matches_memory_breakdown():
     from rackcast.simulator.memory import memory_breakdown
 
     spec = load_model("marin-535b-a23b")
-    lay = Layout(64, 11, 64, 1, 1, 1, 64, 1, 1, 11264, 4, "1f1b", "full", "hbm", "dropless")
+    lay = Layout(64, ParallelSpec(data=11, fsdp=64, expert=64), 11264, 4, "1f1b", "full", "hbm", "dropless")
     hbm = memory_breakdown(spec, make_plan(lay, spec.name, "gb200-nvl72", 11, spec))
     host = memory_breakdown(spec, make_plan(replace(lay, opt_location="host"), spec.name, "gb200-nvl72", 11, spec))
     assert offloaded(hbm) == host

@@ -201,7 +201,7 @@ class PlanScreen(Screen):
         rows = sorted(r.ranked, key=key, reverse=self.sort_reverse)
         for row in rows:
             meets = r.meets_deadline(row)
-            sched = row.layout.schedule if row.layout.pipeline > 1 else ""
+            sched = row.layout.schedule if row.layout.parallel.pipeline > 1 else ""
             table.add_row(
                 str(row.rank), f"{row.layout.parallel_label} {sched}".strip(), fmt_rate(row.best_tokens_per_s),
                 f"{100 * row.best_mfu:.1f}%", f"{100 * row.peak_memory / r.hbm_bytes:.0f}% of {r.hbm_bytes / GIB:.0f}G",

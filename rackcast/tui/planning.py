@@ -188,7 +188,7 @@ def detail(result, row) -> Detail:
     if p.pipeline > 1:
         from rackcast.simulator.pipeline_exec import ChunkDurations, run_pipeline
 
-        # Schedule units, as `python -m rackcast.simulator.pipeline_exec` draws them: forward of one model = 1.
+        # Schedule units, as simulator.pipeline_exec draws them: forward of one model = 1.
         pipeline = run_pipeline(plan.schedule, p.pipeline, plan.microbatches, p.virtual,
                                 ChunkDurations.uniform(1.0 / (p.pipeline * p.virtual)))
     from rackcast.simulator.step import simulate

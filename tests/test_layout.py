@@ -1,0 +1,72 @@
+"""The parallel layout (rackcast.layout.ParallelSpec): the sizes it derives, the chunk placement, and the plan
+validator's command line.
+
+    .venv/bin/pytest -q tests/test_layout.py
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import PLANS, ROOT
+
+from rackcast.layout import ParallelSpec, chunk_ranks
+from rackcast.plan import load_plan
+from rackcast.presets import load_model
+
+
+def test_hero_layout_derives_its_group_sizes():
+    par = load_plan(str(PLANS / "marin-535b-hero.yaml")).parallel
+    assert (par.gpus, par.stage_ranks, par.batch_shards) == (704, 704, 704)
+    assert (par.expert_group, par.expert_data, par.expert_fsdp, par.expert_replicas) == (64, 11, 1, 11)
+    assert (par.reduction_inner, par.reduction_outer) == (64, 11)
+
+
+def test_expert_group_counts_expert_tensor_ranks_and_the_copies_divide_the_rest():
+    par = ParallelSpec(data=2, fsdp=4, tensor=2, expert=4, expert_tensor=2)
+    assert par.expert_group == 8
+    assert par.expert_data == par.stage_ranks // 8 == 2
+    assert par.expert_fsdp == 1  # fsdp x context x tensor = 8 = the expert group: no room to shard
+    wide = ParallelSpec(data=1, fsdp=16, expert=4)
+    assert (wide.expert_fsdp, wide.expert_replicas) == (4, 1)
+
+
+def test_micro_batches_and_tokens_per_micro_batch():
+    par = ParallelSpec(data=2, fsdp=4, context=2)
+    assert par.microbatches(global_batch=64, micro_batch=2) == 4
+    assert par.tokens_per_microbatch(micro_batch=2, seq_len=4096) == 4096
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved_1f1b", 3), ("zb_h1", 2), ("dualpipev", 2)])
+def test_rank_chunks_inverts_chunk_ranks(schedule, virtual):
+    par = ParallelSpec(pipeline=4, virtual=virtual)
+    owner = par.chunk_ranks(schedule)
+    assert len(owner) == par.chunks == 4 * virtual
+    for rank in range(4):
+        assert sorted(par.rank_chunks(rank, schedule)) == [c for c, r in enumerate(owner) if r == rank]
+
+
+def test_the_v_shape_puts_the_first_and_last_chunk_on_rank_zero():
+    assert chunk_ranks("dualpipev", 3, 2) == [0, 1, 2, 2, 1, 0]
+    assert ParallelSpec(pipeline=2, virtual=2).rank_layers(0, "dualpipev", 8) == [0, 1, 6, 7]
+
+
+def test_check_names_the_field_of_the_first_problem():
+    spec = load_model("marin-535b-a23b")
+    problems = []
+    ParallelSpec(data=11, fsdp=64, expert=7).check(spec, 704, "1f1b", lambda f, m: problems.append((f, m)))
+    assert problems[0] == ("parallel.expert", "384 experts are not divisible by expert=7")
+
+
+def test_the_plan_validator_prints_one_line_and_exits_2_on_a_refusal(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((PLANS / "marin-535b-hero.yaml").read_text().replace("expert: 64", "expert: 7"))
+    out = subprocess.run([sys.executable, "-m", "rackcast.plan", str(bad)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"rackcast.plan: error: {bad}: parallel.expert: 384 experts are not "
+                                               "divisible by expert=7"]
+    ok = subprocess.run([sys.executable, "-m", "rackcast.plan", str(PLANS / "tiny-1proc.yaml")], capture_output=True,
+                        text=True, cwd=ROOT)
+    assert ok.returncode == 0 and ok.stdout.strip().endswith(": ok")
