@@ -7,8 +7,8 @@ Metric conventions (both sides use them, so the comparison is a join on names):
 - mfu: model FLOPs / (step time x ranks x bf16 peak of the topology predicted with); the measured MFU is recomputed
   on that same peak from the run's model FLOPs and step time (the run's own figure divides by the peak of the
   topology it ran with, and on CPU by the fp32 peak it computes in), else the run's `mfu_vs_bf16_peak`;
-- phases: rackcast.vocab.PHASES, with pipeline_p2p and pipeline_bubble summed (the trainer counts p2p inside the bubble);
-  the trainer's `other` (time in no phase) has no prediction;
+- phases: rackcast.vocab.PHASES, with pipeline_p2p and pipeline_bubble summed (the trainer counts p2p inside the
+  bubble); the trainer's `other` (time in no phase) has no prediction;
 - peak_memory_bytes: the run's peak tensor bytes (CPU: live tensor bytes of a profiled step, backend.memprof; CUDA:
   max_memory_allocated), largest over ranks, against the memory model for what that trainer keeps: weights and
   activations in the dtype the run records (param_dtype), the activations eager PyTorch saves for backward
