@@ -5,9 +5,11 @@ Files in the run folder:
   step_time_s, tokens_per_s, mfu, phase_<name>_s for every simulator phase (rackcast.vocab.MEASURED_PHASES:
   the simulator's phases plus "other"), peak_memory_bytes (largest over ranks so far; NaN on CPU until the measured step), peak_rss_bytes,
   memory_profiled (the step whose memory the profiler measured, slowed down by it), drop_fraction, plan_hash
-  (rackcast.plan.inputs_hash).
+  (rackcast.plan.inputs_hash). step_time_s and the phases are means over ranks; slowest_rank is the rank whose step
+  took longest, step_time_slowest_s its step time and phase_<name>_slowest_s its phases (the critical path).
 - record.json: the summary: plan, plan_hash, layout, device, steps, tokens_per_step, and the medians over steps after
-  the first (warm-up), the memory-profiled step left out, of step_time_s, tokens_per_s, mfu, phases_s;
+  the first (warm-up), the memory-profiled step left out, of step_time_s, tokens_per_s, mfu, phases_s, and
+  critical_path: the same medians of the slowest rank's step time and phases, and the rank slowest most often;
   peak_memory_bytes with memory_measure (how it was measured) and param_dtype / activation_dtype (what the trainer
   kept weights and activations in), peak_rss_bytes, drop_fraction, first/last loss, flops_convention, peak_flops
   with its dtype, and mfu_vs_bf16_peak (the simulator's convention).
@@ -80,6 +82,14 @@ def steady_rows(rows: list[dict]) -> list[dict]:
     return unprofiled or steady
 
 
+def _critical_path(steady: list[dict]) -> dict:
+    """Medians of the slowest rank's step time and phases, and the rank that was slowest most often."""
+    ranks = [r["slowest_rank"] for r in steady if r.get("slowest_rank") is not None]
+    return {"step_time_s": _median(steady, "step_time_slowest_s"),
+            "phases_s": {p: _median(steady, f"phase_{p}_slowest_s") for p in PHASES},
+            "slowest_rank": statistics.mode(ranks) if ranks else None}
+
+
 def summary(rows: list[dict], **info) -> dict:
     """record.json's content from the metric rows (medians skip the first step, which includes warm-up, and the
     memory-profiled step)."""
@@ -93,6 +103,7 @@ def summary(rows: list[dict], **info) -> dict:
         "tokens_per_s": _median(steady, "tokens_per_s"),
         "mfu": _median(steady, "mfu"),
         "phases_s": phases,
+        "critical_path": _critical_path(steady),
         "peak_memory_bytes": _max(rows, "peak_memory_bytes"),
         "peak_rss_bytes": _max(rows, "peak_rss_bytes"),
         "drop_fraction": statistics.fmean(r["drop_fraction"] for r in rows),

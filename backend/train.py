@@ -17,7 +17,9 @@ covers the two steps after the measured one (two profilers cannot run at once).
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 -m backend.train \
         --plan examples/plans/tiny-2proc-ep.yaml --steps 20 --out runs/tiny-2proc-ep
-RACKCAST_FAIL="RANK:STEP:WHERE" (WHERE: step or checkpoint) makes that rank exit abruptly, for failure tests.
+RACKCAST_FAIL="RANK:STEP:WHERE" makes that rank exit abruptly at the start of step STEP (0-based; WHERE: step) or
+right after writing its checkpoint shard (WHERE: checkpoint), or hang there until killed (WHERE: stall), for
+failure tests.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,10 +43,11 @@ from rackcast.backend import checkpoint, memprof, record
 from rackcast.backend.balancing import QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
+from rackcast.backend.launch import exit_with_parent
 from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
-from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, reduce_grads,
-                              validate_trainable, wrap_data_parallel)
+from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
+                                      validate_trainable, wrap_data_parallel)
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
@@ -52,6 +57,7 @@ from rackcast.vocab import BALANCE_BINS, MEASURED_PHASES
 EVAL_SEQUENCES = 16
 MEMORY_STEP = 2  # index, among this process's steps, of the step whose peak live tensor bytes are measured on CPU
 TRACE_STEPS = 2  # steps the --profile Chrome trace covers
+STALL_POLL_S = 1.0  # RACKCAST_FAIL=...:stall sleeps in steps this long until killed
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -62,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", required=True)
     ap.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--async-checkpoint", action="store_true",
+                    help="write checkpoints in the background (dcp.async_save) after a copy of the state")
     ap.add_argument("--profile", action="store_true",
                     help="write a torch.profiler Chrome trace of two steps (2-3 on CUDA, 4-5 on CPU)")
     ap.add_argument("--data-dir", default="runs/.data")
@@ -82,7 +90,13 @@ def _fail_hook(rank: int):
     def hook(where: str, step: int | None = None):
         if step is not None:
             state["step"] = step
-        if rank == int(f_rank) and state["step"] == int(f_step) and where == f_where:
+        if rank != int(f_rank) or state["step"] != int(f_step):
+            return
+        if f_where == "stall" and where == "step":
+            print(f"rank {rank}: stalling on purpose at step {state['step']}", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(STALL_POLL_S)
+        if where == f_where:
             print(f"rank {rank}: failing on purpose at step {state['step']} ({where})", file=sys.stderr, flush=True)
             os._exit(17)
 
@@ -98,11 +112,13 @@ def _targets(tokens: torch.Tensor) -> torch.Tensor:
 class Trainer:
     def __init__(self, args):
         self.args = args
-        self.rank, self.world, self.device = init_distributed()
         self.plan = load_plan(args.plan)
         validate_trainable(self.plan, where=args.plan)
-        if self.world != self.plan.parallel.gpus:
-            raise RackcastError(f"parallel: the plan needs {self.plan.parallel.gpus} processes, got {self.world}")
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != self.plan.parallel.gpus:  # before joining: a mismatched job would wait for ranks forever
+            raise RackcastError(f"parallel: the plan needs {self.plan.parallel.gpus} processes, the launcher "
+                                f"started {launched}", where=args.plan)
+        self.rank, self.world, self.device = init_distributed()
         if self.device.type == "cpu":
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local))
@@ -130,6 +146,8 @@ class Trainer:
         held = {id(m) for m in self.local.modules()}
         self.moes = [m for m in self.moes if id(m) in held]
         del model
+        self.view = checkpoint.global_view(self.chunks)  # this rank's parameters under the full model's names
+        self.saver = checkpoint.Saver(self.out, asynchronous=args.async_checkpoint)
         self.wrapped = self.chunks if lay.pp > 1 else [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
         o = self.plan.optimizer
         self.optimizer = build_optimizer(self.local, o.name, lr=o.lr, adam_lr=o.adam_lr if o.name == "muonh" else None)
@@ -164,7 +182,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ data
     def _data(self):
-        if self.rank == 0:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one builder per machine (the cache may be node-local)
             prepare(self.args.data_dir)
         if self.world > 1:
             dist.barrier()
@@ -252,15 +270,30 @@ class Trainer:
         return float(out[0])
 
     # ------------------------------------------------------------------------------------------------ state
-    def _model_state(self) -> dict:
-        state = {}
-        for chunk in self.chunks:
-            state.update({k: v.detach().cpu() for k, v in chunk.state_dict().items()})
-        return state
+    def _shard_of(self):
+        """Where this rank's plain expert slices sit in the full expert stacks (backend.checkpoint.ShardOf)."""
+        if self.layout.ep == 1:
+            return None
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh = self.groups.mesh["edp", "ep"]  # this stage's data-parallel ranks; experts split over "ep"
+        placements = [Replicate(), Shard(0)]
+        return lambda fqn: (mesh, placements) if is_expert_param(fqn) else None
+
+    def _checkpoint_info(self) -> dict:
+        p = self.plan.parallel
+        return {"identity": checkpoint.identity(self.plan), "plan_hash": self.plan_hash, "world": self.world,
+                "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
+                           "virtual": p.virtual, "schedule": self.plan.schedule}}
 
     def save(self, step: int) -> None:
-        extra = {"routing": self.routing.clone(), "rows": list(self.rows) if self.rank == 0 else []}
-        checkpoint.save(self.out, step, self.layout, self._model_state(), self.optimizer, extra, self.plan_hash,
+        routing = self.routing.clone()
+        if self.world > 1:
+            dist.all_reduce(routing)  # the run's total so far: any layout can continue it
+        extra = {"step": step, "routing": routing, f"rng.{self.rank}": torch.get_rng_state()}
+        if self.rank == 0:
+            extra["rows"] = json.dumps(self.rows)  # one string: exact floats, NaN kept
+        self.saver.save(step, self.view, self.optimizer, extra, self._checkpoint_info(), self._shard_of(),
                         fail_hook=lambda where: self.fail(where))
         if self.rank == 0:
             record.write_metrics(self.out, self.rows)
@@ -268,21 +301,20 @@ class Trainer:
     def resume(self) -> None:
         folder = checkpoint.latest_complete(self.out)
         if folder is None:
-            return
-        import json
-
-        manifest = json.loads((folder / "manifest.json").read_text())
-        if manifest["world"] != self.world or manifest["plan_hash"] != self.plan_hash:
-            raise RackcastError(f"{folder}: checkpoint was written by a different plan or world size")
-        shard = checkpoint.load(folder, self.rank)
-        for chunk in self.chunks:
-            own = chunk.state_dict().keys()
-            chunk.load_state_dict({k: shard["model"][k] for k in own})
-        self.optimizer.load_state_dict(shard["optimizer"])
-        torch.set_rng_state(shard["rng"])
-        self.routing = shard["routing"]
-        self.rows = shard["rows"]
-        self.start_step = shard["step"]
+            raise RackcastError(f"resume: {self.out} holds no complete checkpoint to continue from", option="resume")
+        problem = checkpoint.resume_problem(folder, self.plan)
+        if problem:
+            raise RackcastError(f"resume: {folder} {problem}", where=self.args.plan, option="resume")
+        own_rng = f"rng.{self.rank}"
+        wanted = {"step": 0, "routing": torch.zeros_like(self.routing), own_rng: torch.get_rng_state(),
+                  "rng.0": torch.get_rng_state()}
+        if self.rank == 0:
+            wanted["rows"] = ""
+        got = checkpoint.load(folder, self.view, self.optimizer, wanted, self._shard_of())
+        torch.set_rng_state(got.get(own_rng, got["rng.0"]))  # a rank the saving run did not have takes rank 0's
+        self.routing = got["routing"] if self.rank == 0 else torch.zeros_like(self.routing)
+        self.rows = json.loads(got["rows"]) if self.rank == 0 else []
+        self.start_step = int(got["step"])
         if self.rank == 0 and not self.args.quiet:
             print(f"resumed from {folder} (step {self.start_step})", flush=True)
 
@@ -293,12 +325,17 @@ class Trainer:
     def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time) -> dict:
         dropped, assigned = pop_drop_counts(self.moes)
         names = list(MEASURED_PHASES)
-        vec = torch.tensor([loss_sum, ce_sum, z_sum, count, dropped, assigned, step_time]
-                           + [phases.get(n, 0.0) for n in names], dtype=torch.float64)
+        # Every rank's figures, one row per rank (a sum of rows that are zero elsewhere), so the record keeps the
+        # slowest rank's step and phases (the critical path) beside the means.
+        per_rank = torch.zeros(self.world, 7 + len(names), dtype=torch.float64)
+        per_rank[self.rank] = torch.tensor([loss_sum, ce_sum, z_sum, count, dropped, assigned, step_time]
+                                           + [phases.get(n, 0.0) for n in names], dtype=torch.float64)
         mem = torch.tensor([self._peak_memory(), record.peak_rss_bytes()], dtype=torch.float64)
         if self.world > 1:
-            dist.all_reduce(vec)
+            dist.all_reduce(per_rank)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        vec = per_rank.sum(0)
+        slowest = int(per_rank[:, 6].argmax())
         n = max(vec[3].item(), 1.0)
         step_time = vec[6].item() / self.world
         out = {"loss": vec[0].item() / n, "ce": vec[1].item() / n if self.pipe is None else math.nan,
@@ -307,6 +344,10 @@ class Trainer:
                "mfu": self.model_flops / (step_time * self.world * self.peak)}
         for i, name in enumerate(names):
             out[f"phase_{name}_s"] = vec[7 + i].item() / self.world
+        out["slowest_rank"] = slowest
+        out["step_time_slowest_s"] = per_rank[slowest, 6].item()
+        for i, name in enumerate(names):
+            out[f"phase_{name}_slowest_s"] = per_rank[slowest, 7 + i].item()
         out["peak_memory_bytes"] = int(mem[0].item()) if mem[0].item() >= 0 else math.nan
         out["peak_rss_bytes"] = int(mem[1].item())
         out["drop_fraction"] = vec[4].item() / vec[5].item() if vec[5].item() else 0.0
@@ -330,6 +371,7 @@ class Trainer:
         memory_step = self.start_step + min(MEMORY_STEP, args.steps - self.start_step - 1)
         for step in range(self.start_step, args.steps):
             self.fail("step", step)
+            self.saver.poll()
             self.timer.pop()
             profiled = not self.cuda and step == memory_step
             t0 = self.timer.now()
@@ -365,6 +407,7 @@ class Trainer:
                 self.save(step + 1)
         if profiler is not None:
             profiler.stop()
+        self.saver.wait()
         self.finish()
 
     def finish(self) -> None:
@@ -399,6 +442,7 @@ class Trainer:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    exit_with_parent()  # a worker whose launcher was killed stops too (backend.launch)
     if os.environ.get("RACKCAST_HANG_DUMP"):  # debugging aid: print every thread's stack after N seconds and exit
         import faulthandler
 

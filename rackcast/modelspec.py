@@ -103,6 +103,21 @@ class ConvSpec:
 
 
 @dataclass(frozen=True)
+class RecipeSpec:
+    """The training recipe a preset's model was (or is documented to be) trained with, where one is published; the
+    planner's default global batch (planner.batch) follows it."""
+
+    global_batch: int  # sequences per optimizer step
+    source: str  # where the figure comes from (paper, issue, config file)
+
+    def __post_init__(self):
+        if self.global_batch <= 0:
+            raise ValueError(f"recipe.global_batch must be positive, got {self.global_batch}")
+        if not self.source.strip():
+            raise ValueError("recipe.source must name where the recipe comes from")
+
+
+@dataclass(frozen=True)
 class FlopsConvention:
     """How model FLOPs (the MFU numerator) count attention and the output head.
 
@@ -177,6 +192,7 @@ class ModelSpec:
     rope_theta: float = 10000.0
     family: str = ""
     description: str = ""
+    recipe: RecipeSpec | None = None  # the published training recipe (global batch), where there is one
 
     def __post_init__(self):
         for name in ("layers", "d_model", "vocab", "seq_len"):

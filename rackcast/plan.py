@@ -191,10 +191,14 @@ def inputs_hash(plan: Plan) -> str:
     return hashlib.sha256(plan_to_yaml(replace(plan, predicted=None, provenance=None)).encode()).hexdigest()
 
 
+def model_hash(spec: ModelSpec) -> str:
+    """SHA-256 of a model's shape (its ModelSpec as YAML)."""
+    return hashlib.sha256(dump_yaml(to_data(spec)).encode()).hexdigest()
+
+
 def with_prediction(plan: Plan, predicted: Predicted, command: str = "") -> Plan:
     spec = plan.model_spec()
-    hashes = {"plan": inputs_hash(plan),
-              "model": hashlib.sha256(dump_yaml(to_data(spec)).encode()).hexdigest()}
+    hashes = {"plan": inputs_hash(plan), "model": model_hash(spec)}
     return replace(plan, predicted=predicted,
                    provenance=Provenance(rackcast_version=__version__, inputs_sha256=hashes, command=command))
 

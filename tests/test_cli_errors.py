@@ -18,13 +18,14 @@ def _strings(node: ast.AST) -> list[str]:
 
 
 def _error_messages(path: Path) -> list[tuple[int, str]]:
-    """(line, text) of every string passed to RackcastError(...) (or a subclass's super().__init__) in a file."""
+    """(line, text) of every string passed to RackcastError(...), a `fail` helper raising it, or a subclass's
+    super().__init__ in a file."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Call):
             f = node.func
             name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
-            if name.endswith("Error") or name == "__init__":
+            if name in ("RackcastError", "OpCountsMissing", "fail") or name == "__init__":
                 out += [(node.lineno, s) for a in node.args for s in _strings(a)]
     return out
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from rackcast.backend.checkpoint import latest_complete, step_dir
+from rackcast.backend.checkpoint import MARKER, latest_complete, step_dir
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
 from rackcast.backend.model import build_model
@@ -87,11 +87,12 @@ def test_capacity_mode_drops_and_counts_assignments_beyond_capacity():
     assert dropped >= assigned // 2  # at most half of the slots exist
 
 
-def test_a_checkpoint_without_its_manifest_is_not_resumed_from(tmp_path):
+def test_a_checkpoint_without_its_completion_marker_is_not_resumed_from(tmp_path):
     for step in (2, 4):
         step_dir(tmp_path, step).mkdir(parents=True)
-        (step_dir(tmp_path, step) / "rank-00000.pt").write_bytes(b"x")
-    (step_dir(tmp_path, 2) / "manifest.json").write_text("{}")
+        (step_dir(tmp_path, step) / "__0_0.distcp").write_bytes(b"x")
+    (step_dir(tmp_path, 2) / MARKER).write_text("{}")
+    (tmp_path / "checkpoints" / ".tmp-step-00000006").mkdir()
     assert latest_complete(tmp_path) == step_dir(tmp_path, 2)
 
 

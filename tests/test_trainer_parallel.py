@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from rackcast.backend.checkpoint import complete_steps, latest_complete, merge_full_state, step_dir
+from rackcast.backend.checkpoint import MARKER, complete_steps, full_model_state, latest_complete, step_dir
 from trainer_helpers import losses, run_worker, write_plan
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def reference(tmp_path_factory):
     """One process, the same global batch and micro-batches, two steps."""
     d = tmp_path_factory.mktemp("ref")
     _ok(run_worker(write_plan(d / "ref.yaml", {}), d / "run", STEPS))
-    return losses(d / "run"), merge_full_state(latest_complete(d / "run"))
+    return losses(d / "run"), full_model_state(latest_complete(d / "run"))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -44,7 +44,7 @@ def test_layout_gives_the_losses_and_parameters_of_one_process(name, reference, 
     _ok(run_worker(write_plan(tmp_path / f"{name}.yaml", parallel), tmp_path / "run", STEPS, world=world))
     ref_losses, ref_params = reference
     assert losses(tmp_path / "run") == pytest.approx(ref_losses, rel=1e-6)
-    params = merge_full_state(latest_complete(tmp_path / "run"))
+    params = full_model_state(latest_complete(tmp_path / "run"))
     assert params.keys() == ref_params.keys()
     for key, value in ref_params.items():  # parameters after two updates: the gradients agreed
         torch.testing.assert_close(params[key], value, atol=1e-5, rtol=1e-5, msg=key)
@@ -69,11 +69,11 @@ def test_stop_and_resume_gives_the_uninterrupted_loss_curve(uninterrupted, tmp_p
 def test_a_rank_killed_while_checkpointing_resumes_from_the_last_complete_checkpoint(uninterrupted, tmp_path):
     plan = write_plan(tmp_path / "ep.yaml", {"data": 2, "expert": 2})
     run = tmp_path / "run"
-    # Rank 1 dies right after writing its step-4 shard, before the barrier: step 4 never gets a manifest.
+    # Rank 1 dies right after writing its step-4 shard, before the barrier: step 4 is never marked complete.
     killed = run_worker(plan, run, 6, "--checkpoint-every", "2", world=2, env={"RACKCAST_FAIL": "1:3:checkpoint"})
     assert killed.returncode != 0
     assert [p.name for p in complete_steps(run)] == ["step-00000002"]
-    assert not (step_dir(run, 4) / "manifest.json").exists()
+    assert not step_dir(run, 4).exists()
     _ok(run_worker(plan, run, 6, "--checkpoint-every", "2", "--resume", world=2))
     assert losses(run) == pytest.approx(uninterrupted, rel=1e-4)
     record = json.loads((run / "record.json").read_text())
@@ -83,5 +83,7 @@ def test_a_rank_killed_while_checkpointing_resumes_from_the_last_complete_checkp
     per_rank = record["peak_memory_per_rank_bytes"]
     assert len(per_rank) == 2 and all(0 < b < record["peak_rss_bytes"] for b in per_rank)
     assert record["peak_memory_bytes"] == max(per_rank)
-    manifest = json.loads((step_dir(run, 6) / "manifest.json").read_text())
-    assert manifest["files"] == ["rank-00000.pt", "rank-00001.pt"]
+    marker = json.loads((step_dir(run, 6) / MARKER).read_text())
+    assert marker["world"] == 2 and marker["layout"]["expert"] == 2
+    assert sorted(p.name for p in step_dir(run, 6).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # the half-written step-4 save was cleared

@@ -165,11 +165,16 @@ def _measure(args) -> int:
 
 # ----------------------------------------------------------------------------------------------------- fitting
 def load_measurements(args) -> list:
+    return read_measurements(args.from_run, args.from_measurement)
+
+
+def read_measurements(runs: list[str], files: list[str]) -> list:
+    """validation.fit.Measurement for each run folder (record.json) and each measurement YAML."""
     from rackcast.validation.fit import Measurement
     from rackcast.plan import load_plan
 
     out = []
-    for run in args.from_run:
+    for run in runs:
         rec_path = Path(run) / "record.json"
         if not rec_path.exists():
             raise RackcastError("no record.json (is this a run folder?)", where=run)
@@ -183,7 +188,7 @@ def load_measurements(args) -> list:
         out.append(Measurement(load_plan(str(plan_path)), float(rec["step_time_s"]),
                                {k: float(v) for k, v in rec.get("phases_s", {}).items() if v == v},
                                label=str(run)))
-    for path in args.from_measurement:
+    for path in files:
         data = load_yaml(path)
         if isinstance(data, dict) and "measurements" not in data:
             data = {"measurements": [data]}
@@ -199,26 +204,21 @@ def load_measurements(args) -> list:
     return out
 
 
-def _fit(args) -> int:
-    from rackcast.validation.calibration import write_topology
-    from rackcast.validation.fit import FACTORS, fit
-    from rackcast.topologies import load_topology
-
-    ms = load_measurements(args)
-    first = ms[0].plan.topology
-    topo = load_topology(args.topology or first.name, first.domains, None)
-    names = None
-    if args.factors:
-        names = [n.strip() for n in args.factors.split(",") if n.strip()]
-        bad = [n for n in names if n not in FACTORS + ("overall",)]
-        if bad:
-            raise RackcastError(f"--factors: unknown factor {bad[0]!r} (known: overall, {', '.join(FACTORS)})")
+def fit_topology(ms: list, topology: str | None, out: Path, names: list[str] | None = None,
+                 no_overhead: bool = False):
+    """Fit the efficiency factors of `topology` (default: the first measured plan's) to the measurements and write
+    the fitted topology to `out`; returns (validation.fit.FitResult, the fitted Topology)."""
     from dataclasses import replace
 
-    if args.no_overhead:
+    from rackcast.topologies import load_topology
+    from rackcast.validation.calibration import write_topology
+    from rackcast.validation.fit import fit
+
+    first = ms[0].plan.topology
+    topo = load_topology(topology or first.name, first.domains, None)
+    if no_overhead:
         topo = topo.with_efficiency(topo.efficiency.without_host_ops())
     res = fit(ms, topo, names)
-    out = Path(args.out or DEFAULT_OUT)
     header = [f"rackcast calibrate: {topo.name} with efficiency factors fitted to {len(ms)} measurement(s):",
               *[f"  {m.label}: plan {m.plan.name}, step {m.step_time_s:.4g} s, phases "
                 f"{', '.join(f'{k} {v:.3g}' for k, v in m.phases_s.items() if v) or 'none'}" for m in ms],
@@ -232,6 +232,21 @@ def _fit(args) -> int:
                                         source=f"{topo.efficiency.source} -- scaled by factors fitted to "
                                                f"{len(ms)} measured run(s) (rackcast calibrate)"))
     write_topology(out, fitted, header)
+    return res, fitted
+
+
+def _fit(args) -> int:
+    from rackcast.validation.fit import FACTORS
+
+    ms = load_measurements(args)
+    names = None
+    if args.factors:
+        names = [n.strip() for n in args.factors.split(",") if n.strip()]
+        bad = [n for n in names if n not in FACTORS + ("overall",)]
+        if bad:
+            raise RackcastError(f"--factors: unknown factor {bad[0]!r} (known: overall, {', '.join(FACTORS)})")
+    out = Path(args.out or DEFAULT_OUT)
+    res, _ = fit_topology(ms, args.topology, out, names, args.no_overhead)
     if args.json:
         print_json({"out": str(out), **res.as_dict()})
         return 0
