@@ -2,7 +2,8 @@
 
 Each module in COMMAND_MODULES exposes `register(subparsers)`, which adds its subcommand(s) and sets
 `func(args) -> int` on the parser. Bad input raises RackcastError anywhere below; `main` prints its one line on
-stderr and exits 2. Ctrl-C exits 130 without a traceback. Heavy modules (torch, textual) are imported inside the
+stderr and exits 2. Any other exception is a bug: one line on stderr, exit 1, and the traceback with the global
+`--debug` flag (`rackcast --debug estimate PLAN`). Ctrl-C exits 130 without a traceback. Heavy modules (torch, textual) are imported inside the
 handlers that need them, so `rackcast --help` and planning commands start fast.
 
     rackcast --help
@@ -15,7 +16,7 @@ import importlib
 import sys
 
 from rackcast import __version__
-from rackcast.errors import RackcastError
+from rackcast.errors import RackcastError, unexpected_error_line
 
 COMMAND_MODULES = [
     "rackcast.cli.models",
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="rackcast", description="Plan, simulate, train and forecast large mixture-of-experts "
                                                   "training runs on racks of accelerators.")
     parser.add_argument("--version", action="version", version=f"rackcast {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -66,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # noqa: BLE001 - the front end's last line of defence: no traceback without --debug
+        if args.debug:
+            raise
+        print(f"rackcast {args.command}: " + unexpected_error_line(exc, f"rerun with `rackcast --debug "
+                                                                        f"{args.command} ...` for the traceback"),
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
