@@ -204,8 +204,8 @@ def test_python_m_rackcast_plan_refuses_in_one_line_with_exit_code_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "rackcast.plan", str(TINY), bad], capture_output=True, text=True,
                             cwd=ROOT, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines() == [f"error: {bad}: batch.global_batch: 1e+300 is outside "
-                                                  "[1, 16,777,216]"]
+    assert result.stderr.strip().splitlines() == [f"rackcast.plan: error: {bad}: batch.global_batch: 1e+300 is "
+                                                  "outside [1, 16,777,216]"]
     assert result.stdout == f"{TINY}: ok\n"
 
 
