@@ -113,7 +113,7 @@ class RecipeSpec:
     """The training recipe a preset's model was (or is documented to be) trained with, where one is published; the
     planner's default global batch (planner.batch) follows it."""
 
-    global_batch: int  # sequences per optimizer step
+    global_batch: Annotated[int, Range(1, 2**24)]  # sequences per optimizer step
     source: str  # where the figure comes from (paper, issue, config file)
 
     def __post_init__(self):
