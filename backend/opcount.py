@@ -6,12 +6,13 @@ runs this module's CLI in a subprocess and caches its output (the simulator does
 
 Counts (one micro-batch, forward; backward as one ratio, since autograd runs outside module hooks): embed
 (embedding and its norms), per layer (including its routed experts), per layer the routed experts alone (the
-GroupedExperts loop, which a rank holding E/ep experts runs for E/ep of them), head (final norm, head and loss);
+GroupedExperts grouped GEMMs, the same ops whatever the number of experts a rank holds), head (final norm, head and
+loss);
 bwd_over_fwd; optimizer ops for one step with the plan's optimizer and the parameter tensors. Op counts do not
 depend on sizes (only on the structure), so a short sequence (simulator.op_counts.COUNT_SEQ tokens) is counted on
 the model's structural twin (simulator.op_counts.structural_twin: the same structure at widths of a few units, so a
 535B preset counts in about ten seconds; twin=False counts the model as given). The loop runs over every expert, as in a
-training micro-batch of thousands of tokens: each MoE layer's routing is replaced, after it has run, by a balanced
+training micro-batch of thousands of tokens (every expert gets rows, none is an empty group): each MoE layer's routing is replaced, after it has run, by a balanced
 assignment (token t's k-th choice is expert (t K + k) mod E) over enough sequences that every expert gets a row, so
 the count does not depend on which experts a few random tokens happen to reach.
 
