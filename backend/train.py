@@ -48,6 +48,7 @@ from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
+from rackcast.backend.threads import set_cpu_threads
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import inputs_hash, load_plan
@@ -73,7 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data-dir", default="runs/.data")
     ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end only)")
     ap.add_argument("--log-every", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per process (0: backend.threads.default_threads, 1 when processes >= cores)")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args(argv)
 
@@ -117,9 +119,9 @@ class Trainer:
             raise RackcastError(f"parallel: the plan needs {self.plan.parallel.gpus} processes, the launcher "
                                 f"started {launched}", where=args.plan)
         self.rank, self.world, self.device = init_distributed()
+        self.threads = 0
         if self.device.type == "cpu":
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local))
+            self.threads = set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), args.threads)
         self.cuda = self.device.type == "cuda"
         self.layout = lay = Layout.of(self.plan, self.rank)
         self.groups = Groups(lay, self.device) if self.world > 1 else None
@@ -428,7 +430,7 @@ class Trainer:
                            "virtual": p.virtual, "schedule": self.plan.schedule,
                            "expert_transport": self.plan.expert_transport.mode,
                            "data_parallel": "ddp" if p.pipeline == 1 else "flat all-reduce"},
-                "torch": torch.__version__, "tokens_per_step": self.tokens_per_step,
+                "torch": torch.__version__, "threads": self.threads, "tokens_per_step": self.tokens_per_step,
                 "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,
                 "memory_measure": self.memory_measure, "param_dtype": self.param_dtype,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from rackcast.backend.attention import banded_attention, window_mask
 from rackcast.backend.layers import make_normal
 from rackcast.backend.moe import GroupedExperts
+from rackcast.backend.optim import MuonH, hyperball_step_, newton_schulz
 
 REL = 1e-5
 
@@ -87,3 +88,31 @@ def test_windowed_attention_equals_dense_masked_attention(seq, window):
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b)
+
+
+def test_batched_newton_schulz_equals_one_matrix_at_a_time():
+    g = torch.randn(6, 12, 20, generator=torch.Generator().manual_seed(6))
+    batched = newton_schulz(g)
+    for i in range(g.shape[0]):
+        torch.testing.assert_close(batched[i], newton_schulz(g[i]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muonh_batched_over_shapes_equals_the_per_matrix_step(nesterov):
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(12, 20), (3, 12, 20), (20, 12), (12, 20), (4, 8, 8)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    twins = [p.detach().clone() for p in params]
+    bufs = [torch.zeros_like(t) for t in twins]
+    lr, mu = 0.05, 0.95
+    opt = MuonH([{"params": params, "kind": "muonh", "lr": lr}], momentum=mu, nesterov=nesterov)
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for t, b, g in zip(twins, bufs, grads):  # the reference: one parameter (and its matrices) at a time
+            b.mul_(mu).add_(g)
+            hyperball_step_(t, newton_schulz(g + mu * b if nesterov else b), lr)
+    for p, t in zip(params, twins):
+        torch.testing.assert_close(p.detach(), t, rtol=1e-5, atol=1e-6)
