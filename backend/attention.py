@@ -3,11 +3,12 @@
 Per layer: grouped-query attention whose K/V projections store `spec.kv_heads_stored(layer)` heads and attend with
 the first `spec.kv_heads(layer)` of them (Marin scans one uniform block and slices global layers' heads at run
 time); a sliding window on local layers (a query at position i sees keys j with 0 <= i - j < window), computed
-blockwise so a local layer does window-sized work (banded_attention), and the whole causal prefix on global layers; RoPE on `rope_fraction` of each head's dims (none on global layers unless
-rope_on_global); optional parameter-free RMS q/k norm and a q multiplier; exclusive self-attention (each head's
-output loses its component along the token's own value vector, "XSA" in Marin's CausalSelfAttention); the per-head
-2*sigmoid(x W_g) output gate, zero-initialised so it starts as the identity; causal short convolutions after the K
-and/or V projections. GPT models get biases on Q, K, V and O instead.
+blockwise so a local layer does window-sized work (banded_attention), and the whole causal prefix on global layers;
+RoPE on `rope_fraction` of each head's dims (none on global layers unless rope_on_global); optional parameter-free
+RMS q/k norm and a q multiplier; exclusive self-attention (each head's output loses its component along the token's
+own value vector, "XSA" in Marin's CausalSelfAttention); the per-head 2*sigmoid(x W_g) output gate, zero-initialised
+so it starts as the identity; causal short convolutions after the K and/or V projections. GPT models get biases on
+Q, K, V and O instead.
 
     .venv/bin/pytest -q tests/test_backend_model.py -k mask
 """

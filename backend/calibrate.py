@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rackcast.backend.calibrate_compute import run_compute, task_count
-from rackcast.backend.threads import default_threads, set_cpu_threads
+from rackcast.backend.cpu_runtime import configure_cpu_process, default_threads
 
 # torch 2.13 renamed the tensor forms; older versions only have the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -184,7 +184,7 @@ def _worker(rank: int, world: int, port: int, quick: bool, q, threads: int = 0) 
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
         else:
-            set_cpu_threads(world, threads)
+            configure_cpu_process(world, threads)
         if world > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                     init_method=f"tcp://127.0.0.1:{port}",
@@ -206,7 +206,7 @@ def _worker(rank: int, world: int, port: int, quick: bool, q, threads: int = 0) 
 
 def measure(world: int, quick: bool = False, on_tick=None, threads: int = 0) -> dict:
     """Run every benchmark on `world` processes (CPU: `threads` torch threads each, by default what the trainer
-    takes for as many processes, backend.threads.default_threads);
+    takes for as many processes, backend.cpu_runtime.default_threads);
     on_tick(label, done, total) reports progress."""
     import torch.multiprocessing as mp
 

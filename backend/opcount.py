@@ -11,10 +11,10 @@ loss);
 bwd_over_fwd; optimizer ops for one step with the plan's optimizer and the parameter tensors. Op counts do not
 depend on sizes (only on the structure), so a short sequence (simulator.op_counts.COUNT_SEQ tokens) is counted on
 the model's structural twin (simulator.op_counts.structural_twin: the same structure at widths of a few units, so a
-535B preset counts in about ten seconds; twin=False counts the model as given). The loop runs over every expert, as in a
-training micro-batch of thousands of tokens (every expert gets rows, none is an empty group): each MoE layer's routing is replaced, after it has run, by a balanced
-assignment (token t's k-th choice is expert (t K + k) mod E) over enough sequences that every expert gets a row, so
-the count does not depend on which experts a few random tokens happen to reach.
+535B preset counts in about ten seconds; twin=False counts the model as given). Every expert gets rows (no empty
+grouped-GEMM group), as in a training micro-batch of thousands of tokens: each MoE layer's routing is replaced,
+after it has run, by a balanced assignment (token t's k-th choice is expert (t K + k) mod E) over enough sequences
+that every expert gets a row, so the count does not depend on which experts a few random tokens happen to reach.
 
     .venv/bin/python -m rackcast.backend.opcount tiny-moe            # prints the counts as JSON
     .venv/bin/python -m rackcast.backend.opcount path/to/model.yaml --optimizer adamw

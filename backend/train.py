@@ -48,7 +48,7 @@ from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
-from rackcast.backend.threads import set_cpu_threads
+from rackcast.backend.cpu_runtime import configure_cpu_process
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import inputs_hash, load_plan
@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end only)")
     ap.add_argument("--log-every", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads per process (0: backend.threads.default_threads, 1 when processes >= cores)")
+                    help="torch threads per process (0: backend.cpu_runtime.default_threads)")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args(argv)
 
@@ -121,7 +121,7 @@ class Trainer:
         self.rank, self.world, self.device = init_distributed()
         self.threads = 0
         if self.device.type == "cpu":
-            self.threads = set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), args.threads)
+            self.threads = configure_cpu_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), args.threads)
         self.cuda = self.device.type == "cuda"
         self.layout = lay = Layout.of(self.plan, self.rank)
         self.groups = Groups(lay, self.device) if self.world > 1 else None
