@@ -150,18 +150,20 @@ class MuonH(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            has_grad = [p.grad is not None for p in group["params"]]
+            params = [p for p, g in zip(group["params"], has_grad) if g]
             if not params:
                 continue
             if group["kind"] == "muonh":
-                self._muonh(params, group)
+                roles = group.get("roles") or [""] * len(has_grad)
+                self._muonh(params, [r for r, g in zip(roles, has_grad) if g], group)
             else:
                 self._adam(params, group)
         return loss
 
-    def _muonh(self, params: list[Tensor], group: dict) -> None:
+    def _muonh(self, params: list[Tensor], roles: list[str], group: dict) -> None:
         """Nesterov momentum over the group with foreach ops, then Newton-Schulz and the hyperball step batched
-        over every matrix of one shape (muonh_update)."""
+        over the matrices of one role and shape (muonh_update_)."""
         grads = [p.grad for p in params]
         bufs = []
         for p in params:
@@ -173,7 +175,7 @@ class MuonH(torch.optim.Optimizer):
         torch._foreach_mul_(bufs, mu)
         torch._foreach_add_(bufs, grads)
         updates = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
-        muonh_update_(params, updates, group["lr"], group["ns_steps"])
+        muonh_update_(params, updates, group["lr"], group["ns_steps"], roles)
 
     def _adam(self, params: list[Tensor], group: dict) -> None:
         """Adam moments and direction m_hat / (sqrt(v_hat) + eps) over the group with foreach ops (one kernel per
@@ -213,15 +215,25 @@ def _matrices(t: Tensor) -> Tensor:
     return t.view(-1, *t.shape[-2:])
 
 
+def parameter_role(name: str) -> str:
+    """A parameter's name without its layer and chunk indices ("layers.3.attn.q.weight" -> "layers.attn.q.weight"):
+    the same matrix in every layer."""
+    return ".".join(part for part in name.split(".") if not part.isdigit())
+
+
 @torch.no_grad()
-def muonh_update_(params: list[Tensor], updates: list[Tensor], lr: float, ns_steps: int) -> None:
+def muonh_update_(params: list[Tensor], updates: list[Tensor], lr: float, ns_steps: int,
+                  roles: list[str] | None = None) -> None:
     """For every matrix of `params` (2-D ones, and each [m, n] of a stacked [E, m, n]): orthogonalise its update
-    with newton_schulz and take the hyperball step. Matrices of one shape go through both as one batch (one chain
-    of batched matmuls per shape, not one per matrix), then are copied back into their parameters."""
-    by_shape: dict[tuple[int, int], list[int]] = {}
+    with newton_schulz and take the hyperball step. The matrices of one role (parameter_role: the same parameter of
+    every layer) and shape go through both as one batch (one chain of batched matmuls per batch, not one per
+    matrix), then are copied back into their parameters. Batching by role rather than by shape alone keeps the
+    number of batches, and so the op count, a matter of the model's structure, not of which of its widths happen to
+    be equal (simulator.op_counts counts on a twin with other widths)."""
+    batches: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
-        by_shape.setdefault(tuple(p.shape[-2:]), []).append(i)
-    for idx in by_shape.values():
+        batches.setdefault((roles[i] if roles else "", tuple(p.shape[-2:])), []).append(i)
+    for idx in batches.values():
         ws = [_matrices(params[i]) for i in idx]
         u = torch.cat([_matrices(updates[i]) for i in idx]) if len(idx) > 1 else _matrices(updates[idx[0]])
         w = torch.cat(ws) if len(idx) > 1 else ws[0]
@@ -252,8 +264,9 @@ def build_optimizer(
     if name == "muonh":
         lr = MARIN_LR if lr is None else lr
         adam_lr = MARIN_ADAM_LR if adam_lr is None else adam_lr
+        roles = [parameter_role(n) for n, g in param_group_names(model).items() if g == "muonh"]  # params' order
         spec = [
-            {"params": groups["muonh"], "kind": "muonh", "lr": lr},
+            {"params": groups["muonh"], "kind": "muonh", "lr": lr, "roles": roles},
             {"params": groups["adamh"], "kind": "adamh", "lr": lr},
             {"params": groups["adam"], "kind": "adam", "lr": adam_lr},
         ]

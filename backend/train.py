@@ -194,6 +194,10 @@ class Trainer:
     def _autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
 
+    def _to_device(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Host batch -> device: on CUDA through pinned memory, copied without blocking the host."""
+        return tokens.pin_memory().to(self.device, non_blocking=True) if self.cuda else tokens
+
     def _cpp_storages(self) -> list[tuple[int, int]]:
         """(address, bytes) of storages only C++ holds between steps: DDP's gradient buckets (backend.parallel)."""
         return [st for w in self.wrapped for st in getattr(w, "gradient_buckets", {}).values()]
@@ -202,8 +206,8 @@ class Trainer:
         lay = self.layout
         for w in self.wrapped:
             getattr(w, "gradient_buckets", {}).clear()  # refilled by this step's backward
-        tokens = torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp))
-        tokens = tokens.to(self.device)
+        tokens = self._to_device(
+            torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp)))
         targets = _targets(tokens)
         loss_sum = ce_sum = z_sum = 0.0
         count = 0
@@ -253,7 +257,7 @@ class Trainer:
         if self.pipe is not None:
             return math.nan
         lay = self.layout
-        tokens = torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)).to(self.device)
+        tokens = self._to_device(torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)))
         self.local.eval()
         with self._autocast():
             loss, _ = next_token_loss(self.chunks[0](tokens), tokens, targets=_targets(tokens))
