@@ -104,12 +104,12 @@ def test_expert_ops_do_not_grow_with_the_number_of_experts():
 
 
 @pytest.mark.slow
-def test_a_535b_preset_counts_every_layer_and_expert():
+def test_a_535b_preset_counts_every_layer_and_its_grouped_experts():
     spec = load_model("marin-535b-a23b")
     counts = count_ops(spec, "muonh")  # on the structural twin: the full model would not fit this machine
     assert len(counts["fwd_layers"]) == len(counts["fwd_experts"]) == spec.layers == 48
     assert counts["model"] == "marin-535b-a23b" and counts["experts"] == 384
-    assert all(e > spec.moe.experts for e in counts["fwd_experts"])  # every expert ran
+    assert len(set(counts["fwd_experts"])) == 1 and counts["fwd_experts"][0] > 0  # grouped GEMMs in every layer
     assert counts["optimizer_ops"] > 0 and counts["bwd_over_fwd"] > 1
 
 
