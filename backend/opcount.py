@@ -7,14 +7,15 @@ model of one's own) or into the table packaged with the simulator (`write_count_
 
 Counts (one micro-batch, forward; backward as one ratio, since autograd runs outside module hooks): embed
 (embedding and its norms), per layer (including its routed experts), per layer the routed experts alone (the
-GroupedExperts loop, which a rank holding E/ep experts runs for E/ep of them), head (final norm, head and loss);
+GroupedExperts grouped GEMMs, the same ops whatever the number of experts a rank holds), head (final norm, head and
+loss);
 bwd_over_fwd; optimizer ops for one step with the plan's optimizer and the parameter tensors. Op counts do not
 depend on sizes (only on the structure), so a short sequence (simulator.op_counts.COUNT_SEQ tokens) is counted on
 the model's structural twin (simulator.op_counts.structural_twin: the same structure at widths of a few units, so a
-535B preset counts in about ten seconds; twin=False counts the model as given). The loop runs over every expert, as in a
-training micro-batch of thousands of tokens: each MoE layer's routing is replaced, after it has run, by a balanced
-assignment (token t's k-th choice is expert (t K + k) mod E) over enough sequences that every expert gets a row, so
-the count does not depend on which experts a few random tokens happen to reach.
+535B preset counts in about ten seconds; twin=False counts the model as given). Every expert gets rows (no empty
+grouped-GEMM group), as in a training micro-batch of thousands of tokens: each MoE layer's routing is replaced,
+after it has run, by a balanced assignment (token t's k-th choice is expert (t K + k) mod E) over enough sequences
+that every expert gets a row, so the count does not depend on which experts a few random tokens happen to reach.
 
     rackcast calibrate --op-counts path/to/model.yaml       # count_into_cache, both optimizers
     rackcast calibrate --op-counts-table                     # write_count_table: regenerate simulator/op_counts.json

@@ -49,6 +49,7 @@ from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
+from rackcast.backend.cpu_runtime import configure_cpu_process
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import inputs_hash, load_plan
@@ -75,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data-dir", default="runs/.data")
     ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end only)")
     ap.add_argument("--log-every", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per process (0: backend.cpu_runtime.default_threads)")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args(argv)
 
@@ -119,9 +121,9 @@ class Trainer:
             raise RackcastError(f"parallel: the plan needs {self.plan.parallel.gpus} processes, the launcher "
                                 f"started {launched}", where=args.plan)
         self.rank, self.world, self.device = init_distributed()
+        self.threads = 0
         if self.device.type == "cpu":
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local))
+            self.threads = configure_cpu_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), args.threads)
         self.cuda = self.device.type == "cuda"
         self.layout = lay = Layout.of(self.plan, self.rank)
         self.groups = Groups(lay, self.device) if self.world > 1 else None
@@ -194,6 +196,10 @@ class Trainer:
     def _autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
 
+    def _to_device(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Host batch -> device: on CUDA through pinned memory, copied without blocking the host."""
+        return tokens.pin_memory().to(self.device, non_blocking=True) if self.cuda else tokens
+
     def _cpp_storages(self) -> list[tuple[int, int]]:
         """(address, bytes) of storages only C++ holds between steps: DDP's gradient buckets (backend.parallel)."""
         return [st for w in self.wrapped for st in getattr(w, "gradient_buckets", {}).values()]
@@ -202,8 +208,8 @@ class Trainer:
         lay = self.layout
         for w in self.wrapped:
             getattr(w, "gradient_buckets", {}).clear()  # refilled by this step's backward
-        tokens = torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp))
-        tokens = tokens.to(self.device)
+        tokens = self._to_device(
+            torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp)))
         targets = _targets(tokens)
         loss_sum = ce_sum = z_sum = 0.0
         count = 0
@@ -253,7 +259,7 @@ class Trainer:
         if self.pipe is not None:
             return math.nan
         lay = self.layout
-        tokens = torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)).to(self.device)
+        tokens = self._to_device(torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)))
         self.local.eval()
         with self._autocast():
             loss, _ = next_token_loss(self.chunks[0](tokens), tokens, targets=_targets(tokens))
@@ -430,7 +436,7 @@ class Trainer:
                            "virtual": p.virtual, "schedule": self.plan.schedule,
                            "expert_transport": self.plan.expert_transport.mode,
                            "data_parallel": "ddp" if p.pipeline == 1 else "flat all-reduce"},
-                "torch": torch.__version__, "tokens_per_step": self.tokens_per_step,
+                "torch": torch.__version__, "threads": self.threads, "tokens_per_step": self.tokens_per_step,
                 "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,
                 "memory_measure": self.memory_measure, "param_dtype": self.param_dtype,

@@ -15,7 +15,6 @@ Stages:
 
 from __future__ import annotations
 
-import datetime as dt
 import math
 import multiprocessing
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rackcast.errors import RackcastError
+from rackcast.bounds import parse_date
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan, Predicted, validate
 from rackcast.presets import load_model
@@ -140,20 +140,13 @@ class Result:
                          deadline=r.deadline, name=name)
 
 
-def parse_date(text: str, what: str) -> dt.date:
-    try:
-        return dt.date.fromisoformat(text)
-    except ValueError:
-        raise RackcastError(f"{what} date {text!r} is not an ISO date (YYYY-MM-DD)", option=what) from None
-
-
 def available_days(start: str, deadline: str) -> float:
     if not deadline:
         return math.nan
     if not start:
         raise RackcastError("a deadline needs a start date (the days available are deadline - start)",
                             option="start")
-    days = (parse_date(deadline, "deadline") - parse_date(start, "start")).days
+    days = (parse_date(deadline, "deadline", option="deadline") - parse_date(start, "start", option="start")).days
     if days <= 0:
         raise RackcastError(f"deadline {deadline} is not after the start {start}", option="deadline")
     return float(days)

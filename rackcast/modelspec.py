@@ -23,28 +23,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Annotated, Literal
 
 from rackcast.errors import RackcastError
 from rackcast.vocab import BALANCE_BINS
+from rackcast.bounds import Items, Range, Text
 
 ConvSite = Literal["k", "v", "attn", "mlp"]
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    heads: int
-    head_dim: int
-    kv_heads_local: int
-    kv_heads_global: int
-    kv_heads_stored: int = 0  # 0: each layer stores its own KV heads; >0: every layer stores this many
-    window: int = 0  # sliding window of local layers, in tokens; 0 means every layer attends globally
-    global_every: int = 1  # layer i is global when (i + 1) % global_every == 0; the last layer always is
+    heads: Annotated[int, Range(1, 1024)]
+    head_dim: Annotated[int, Range(1, 1024)]
+    kv_heads_local: Annotated[int, Range(1, 1024)]
+    kv_heads_global: Annotated[int, Range(1, 1024)]
+    # 0: each layer stores its own KV heads; >0: every layer stores this many
+    kv_heads_stored: Annotated[int, Range(0, 1024)] = 0
+    # sliding window of local layers, in tokens; 0 means every layer attends globally
+    window: Annotated[int, Range(0, 2**22)] = 0
+    # layer i is global when (i + 1) % global_every == 0; the last layer always is
+    global_every: Annotated[int, Range(1, 1024)] = 1
     output_gate: bool = False  # per-head 2*sigmoid(x W_g) output gate, W_g: d_model x heads
     exclusive: bool = False  # exclusive self-attention (removes each head output's component along its value)
-    rope_fraction: float = 1.0  # fraction of each head's dims rotated on local layers
+    rope_fraction: Annotated[float, Range(0, 1)] = 1.0  # fraction of each head's dims rotated on local layers
     rope_on_global: bool = True
-    qk_multiplier: float = 1.0
+    qk_multiplier: Annotated[float, Range(0, 1000, above=True)] = 1.0
     bias: bool = False  # biases on Q, K, V and output projections (GPT/Megatron style)
 
     def __post_init__(self):
@@ -64,17 +68,20 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class MoESpec:
-    experts: int
-    top_k: int
-    expert_ffn: int  # intermediate width of each routed SwiGLU expert
-    latent_dim: int = 0  # 0: experts see d_model-wide tokens; >0: latent MoE (down-project, RMSNorm, experts, up)
-    shared_experts: int = 0
-    shared_ffn: int = 0  # intermediate width of each shared SwiGLU expert (full width input)
-    dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP (width ModelSpec.ffn) instead
+    experts: Annotated[int, Range(1, 16384)]
+    top_k: Annotated[int, Range(1, 1024)]
+    expert_ffn: Annotated[int, Range(1, 2**20)]  # intermediate width of each routed SwiGLU expert
+    # 0: experts see d_model-wide tokens; >0: latent MoE (down-project, RMSNorm, experts, up)
+    latent_dim: Annotated[int, Range(0, 2**17)] = 0
+    shared_experts: Annotated[int, Range(0, 64)] = 0
+    # intermediate width of each shared SwiGLU expert (full width input)
+    shared_ffn: Annotated[int, Range(0, 2**20)] = 0
+    # layers with a dense MLP (width ModelSpec.ffn) instead
+    dense_layers: Annotated[list[Annotated[int, Range(0, 1023)]], Items(1024)] = field(default_factory=list)
     router_bias: bool = True  # a per-expert balancing bias (no gradient in Marin, but a stored parameter)
     # Quantile balancing sets that bias every step from a histogram of router margins, this many bins per expert,
     # pooled over the ranks that see different tokens (rackcast.vocab.BALANCE_BINS by default).
-    balance_bins: int = BALANCE_BINS
+    balance_bins: Annotated[int, Range(1, 2**20)] = BALANCE_BINS
 
     def __post_init__(self):
         for name in ("experts", "top_k", "expert_ffn"):
@@ -92,8 +99,8 @@ class MoESpec:
 
 @dataclass(frozen=True)
 class ConvSpec:
-    kernel: int
-    sites: list[ConvSite]
+    kernel: Annotated[int, Range(1, 64)]
+    sites: Annotated[list[ConvSite], Items(4)]
 
     def __post_init__(self):
         if self.kernel <= 0:
@@ -107,7 +114,7 @@ class RecipeSpec:
     """The training recipe a preset's model was (or is documented to be) trained with, where one is published; the
     planner's default global batch (planner.batch) follows it."""
 
-    global_batch: int  # sequences per optimizer step
+    global_batch: Annotated[int, Range(1, 2**24)]  # sequences per optimizer step
     source: str  # where the figure comes from (paper, issue, config file)
 
     def __post_init__(self):
@@ -173,24 +180,26 @@ class LayerInfo:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str
-    layers: int
-    d_model: int
-    vocab: int
-    seq_len: int
+    name: Annotated[str, Text()]
+    layers: Annotated[int, Range(1, 1024)]
+    d_model: Annotated[int, Range(1, 2**17)]
+    vocab: Annotated[int, Range(1, 2**22)]
+    seq_len: Annotated[int, Range(1, 2**22)]
     attention: AttentionSpec
-    ffn: int = 0  # dense MLP intermediate width (dense models, and dense layers of MoE models)
+    # dense MLP intermediate width (dense models, and dense layers of MoE models)
+    ffn: Annotated[int, Range(0, 2**20)] = 0
     activation: Literal["swiglu", "gelu"] = "swiglu"
     mlp_bias: bool = False
     moe: MoESpec | None = None
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     embed_norm: bool = False  # a norm (and gated norm, if any) right after the embedding
-    gated_norm_rank: int = 0  # 0: none; r: after each norm, x * sigmoid(silu(x W_down) W_up), W_down: d x r
+    # 0: none; r: after each norm, x * sigmoid(silu(x W_down) W_up), W_down: d x r
+    gated_norm_rank: Annotated[int, Range(0, 2**17)] = 0
     conv: ConvSpec | None = None
     tied_embeddings: bool = False
     positional: Literal["rope", "learned", "none"] = "rope"
-    rope_theta: float = 10000.0
-    family: str = ""
+    rope_theta: Annotated[float, Range(0, 1e12, above=True)] = 10000.0
+    family: Annotated[str, Text()] = ""
     description: str = ""
     recipe: RecipeSpec | None = None  # the published training recipe (global batch), where there is one
 

@@ -54,6 +54,8 @@ CACHE_SUBDIR = "op-counts"
 KEYS = ("fwd_embed", "fwd_layers", "fwd_experts", "fwd_head", "bwd_over_fwd", "optimizer_ops")
 UNKEYED = ("name", "family", "description")  # labels, not structure: left out of the key
 COUNT_SEQ = 32  # tokens per counted sequence (backend.opcount): more than any preset's conv kernel, so every lag runs
+GROUPED_MM_ALIGN_BYTES = 16  # torch grouped_mm wants row strides of a multiple of 16 bytes (backend.moe pads others)
+COUNT_DTYPE_BYTES = 4  # counts run in fp32 (backend.opcount)
 MIN_WIDTH = 2  # a dimension of 1 can change which strides torch sees as contiguous (and so a reshape's or a
 # matmul's ops); 2 behaves like any larger size, so a twin width is 1 only where the full spec's is
 _MEMORY: dict[str, dict] = {}  # key -> counts, this process
@@ -184,6 +186,7 @@ def structural_twin(spec: ModelSpec, seq: int = COUNT_SEQ) -> ModelSpec:
         if found is not None:
             head_dim, w = candidate, found
             break
+    w = _keep_expert_alignment(spec, w)
     seq_len = min(spec.seq_len, seq)
     try:
         moe = spec.moe and replace(spec.moe, expert_ffn=w["expert_ffn"], latent_dim=w.get("latent_dim", 0),
@@ -196,6 +199,27 @@ def structural_twin(spec: ModelSpec, seq: int = COUNT_SEQ) -> ModelSpec:
     if structure(twin, seq) != structure(spec, seq):
         raise RackcastError(f"the structural twin of model {spec.name!r} lost part of its structure")
     return twin
+
+
+def _keep_expert_alignment(spec: ModelSpec, twin: dict[str, int]) -> dict[str, int]:
+    """Round the twin's routed-expert widths (expert_ffn and the experts' input, the latent width else d_model) up
+    to grouped_mm's row alignment where the full spec's are aligned, so the twin takes the backend's unpadded
+    grouped GEMMs as the full model does; unchanged where that would break the orders of paired widths."""
+    if spec.moe is None:
+        return twin
+    unit = GROUPED_MM_ALIGN_BYTES // COUNT_DTYPE_BYTES
+    full = widths(spec)
+    inp = "latent_dim" if "latent_dim" in full else "d_model"
+    if full[inp] % unit or full["expert_ffn"] % unit:
+        return twin
+    out = dict(twin)
+    out[inp] = -(-twin[inp] // unit) * unit
+    order = (full["expert_ffn"] > full[inp]) - (full["expert_ffn"] < full[inp])  # expert_ffn against its input
+    out["expert_ffn"] = out[inp] + order * unit
+    kept = all(0 < out[k] <= full[k] for k in out) and all(
+        (full[a] > full[b]) - (full[a] < full[b]) == (out[a] > out[b]) - (out[a] < out[b])
+        for a, b in paired_widths(spec))
+    return out if kept else twin
 
 
 # ---------------------------------------------------------------------------------------------------- the data

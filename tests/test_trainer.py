@@ -137,6 +137,8 @@ def test_one_process_run_records_the_profiled_live_tensor_peak(tmp_path):
     plan_path = write_plan(tmp_path / "p.yaml", {}, global_batch=4, micro_batch=2)
     result = run_worker(plan_path, tmp_path / "run", 4)
     assert result.returncode == 0, result.stderr[-3000:]
+    # the profiled step is quiet in the launcher's worker environment (backend.launch.QUIET_PROFILER_ENV)
+    assert "USDT" not in result.stderr and "CPUAllocator" not in result.stderr, result.stderr[-2000:]
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     assert record["memory_measure"] == "torch profiler live tensor bytes"
     assert record["param_dtype"] == "fp32" and record["activation_dtype"] == "fp32"

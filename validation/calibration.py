@@ -34,6 +34,13 @@ from rackcast.units import KIB, MIB
 MERGE_RATIO = 1.6
 MIN_EFF = 1e-4
 
+CALIBRATED_SOURCE = "measured by rackcast calibrate"  # starts efficiency.source of a calibrated topology
+
+
+def is_calibrated(topo) -> bool:
+    """Whether `topo`'s efficiency figures were measured by `rackcast calibrate` (and maybe fitted to runs since)."""
+    return topo.efficiency.source.startswith(CALIBRATED_SOURCE)
+
 
 def _clamp(v: float) -> float:
     return min(1.0, max(MIN_EFF, v))
@@ -152,7 +159,7 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
     else:
         notes.append("collectives: not measured (one process); the base preset's curves and link figures are kept")
     m = meas["machine"]
-    source = (f"measured by rackcast calibrate{' --quick' if meas.get('quick') else ''} at {meas['started_utc']} "
+    source = (f"{CALIBRATED_SOURCE}{' --quick' if meas.get('quick') else ''} at {meas['started_utc']} "
               f"(torch {m['torch']}, {m.get('device_name', '')}, {meas['world']} processes, "
               f"{m.get('cpu_count')} CPUs); base preset {base.name} for what was not measured")
     eff = EfficiencyProfile(gemm=gemm, grouped_gemm=grouped, attention=round(attention, 4),

@@ -48,6 +48,38 @@ def load_record(run_dir: str | Path) -> dict:
         raise RackcastError(f"malformed JSON: {exc}", where=str(path)) from None
 
 
+def check_same_plan(plan: Plan, rec: dict, run_dir: str | Path) -> None:
+    """Refuse a run of another plan: its record's plan_hash (rackcast.plan.inputs_hash of the plan it trained) must
+    be this plan's. The hash covers the plan as written out by the code of its day, so a run recorded before a new
+    plan field was added has another hash: it passes when the plan file it trained (the run folder's plan.yaml, or
+    the record's plan_path) still reads as this plan. Runs recorded before plan hashes were kept pass."""
+    from rackcast.plan import inputs_hash, load_plan
+
+    recorded, current = rec.get("plan_hash"), inputs_hash(plan)
+    if not recorded or recorded == current:
+        return
+    for trained in (Path(run_dir) / "plan.yaml", Path(str(rec.get("plan_path") or ""))):
+        if trained.is_file():
+            try:
+                if inputs_hash(load_plan(str(trained), check=False)) == current:
+                    return
+            except RackcastError:
+                continue
+    raise RackcastError(f"record.json: this run trained another plan ({rec.get('plan', '?')}, plan_hash "
+                        f"{recorded[:12]}, not {current[:12]}); --force compares anyway", where=str(run_dir))
+
+
+def calibration_note(topo) -> str:
+    """'' for a topology measured by `rackcast calibrate`, else the hint to calibrate (an uncalibrated preset's
+    figures can be far from this machine's: a local run's step time is then badly predicted)."""
+    from rackcast.validation.calibration import is_calibrated
+
+    if is_calibrated(topo):
+        return ""
+    return (f"topology {topo.name} is not calibrated (its efficiency figures are the preset's, not measured here): "
+            "run `rackcast calibrate`, then compare with --topology runs/calibrated.yaml")
+
+
 def predict(plan: Plan, topo=None, record: bool = False, prefer: str = "simulate"):
     """(source, result): the simulator's SimResult (prefer="simulate") or the estimate's Estimate ("estimate").
     Both include the host per-op overhead where the topology has measured host_op_s."""

@@ -5,7 +5,9 @@ Each module in COMMAND_MODULES exposes `register(subparsers)`, which adds its su
 stderr and exits 2, naming the flag that sets the input at fault (library errors name none: `RackcastError.option`
 is the argparse dest) and, for a model without op counts, the command that counts them. Ctrl-C exits 130 without a
 traceback. Heavy modules (torch, textual) are imported inside the handlers that need them, so `rackcast --help` and
-planning commands start fast.
+planning commands start fast. Any other exception
+is a bug: one line on stderr, exit 1, and the traceback with the global `--debug` flag (`rackcast --debug estimate
+PLAN`).
 
     rackcast --help
 """
@@ -17,7 +19,7 @@ import importlib
 import sys
 
 from rackcast import __version__
-from rackcast.errors import RackcastError
+from rackcast.errors import RackcastError, unexpected_error_line
 
 COMMAND_MODULES = [
     "rackcast.cli.models",
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="rackcast", description="Plan, simulate, train and forecast large mixture-of-experts "
                                                   "training runs on racks of accelerators.")
     parser.add_argument("--version", action="version", version=f"rackcast {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -69,7 +72,7 @@ def describe(exc: RackcastError, parser: argparse.ArgumentParser, command: str) 
     text = str(exc)
     flag = flag_for(parser, command, exc.option) if exc.option else ""
     if flag:
-        text = f"{flag}: {text}"
+        text = f"{flag}: {text.removeprefix(exc.option + ': ')}"  # the flag replaces the input's name
     if isinstance(exc, OpCountsMissing):
         text += f"; count them with: rackcast calibrate --op-counts MODEL (the preset or YAML file of {exc.model!r})"
     return text
@@ -91,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # noqa: BLE001 - the front end's last line of defence: no traceback without --debug
+        if args.debug:
+            raise
+        print(f"rackcast {args.command}: " + unexpected_error_line(exc, f"rerun with `rackcast --debug "
+                                                                        f"{args.command} ...` for the traceback"),
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

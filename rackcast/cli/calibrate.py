@@ -45,8 +45,8 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes and sizes (well under a minute)")
     p.add_argument("--world", type=int, default=0, help="processes to measure with (default: the GPUs on CUDA, "
                                                         "the base topology's usable GPUs on CPU)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per process on CPU (default cores / "
-                                                          "processes, as `rackcast train`)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process on CPU (default as "
+                                                          "`rackcast train`: 1 when processes >= cores)")
     p.add_argument("--base", help="preset for what is not measured (default local-cpu, or h200-hgx on CUDA)")
     p.add_argument("--name", help="topology name (default: the output file's stem)")
     p.add_argument("--save-measurements", metavar="JSON", help="also write the raw measurements")

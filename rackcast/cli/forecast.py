@@ -10,13 +10,13 @@ time lost per cause and the checkpoint interval that minimises expected days; --
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
-from rackcast.cli.common import console, human, print_json, table
+from rackcast.cli.common import console, human, json_text, print_json, table
 from rackcast.errors import RackcastError
-from rackcast.plan import load_plan
+from rackcast.plan import Plan, load_plan
+from rackcast.strict import check_value
 from rackcast.units import GIB, SECONDS_PER_HOUR
 
 
@@ -82,8 +82,9 @@ def _run(args) -> int:
     from rackcast.topologies.reliability import load_reliability
 
     runs = _number(args.runs, "runs", int)
-    seed = _number(args.seed, "seed", int)
-    tokens = _number(args.tokens, "tokens") if args.tokens is not None else None
+    seed = check_value(Plan, "seed", _number(args.seed, "seed", int), "--seed")
+    tokens = check_value(Plan, "tokens", _number(args.tokens, "tokens"), "--tokens") if args.tokens is not None \
+        else None
     interval_s = None
     if args.checkpoint_interval is not None:
         hours = _number(args.checkpoint_interval, "checkpoint-interval")
@@ -103,7 +104,7 @@ def _run(args) -> int:
                           progress=runs_cb, search_progress=search_cb)
     data = {"plan": plan.name, "reliability": reliability.name, **result.as_dict()}
     if args.output:
-        write_text_atomic(args.output, json.dumps(data, indent=2) + "\n")
+        write_text_atomic(args.output, json_text(data))
     if args.json:
         print_json(data)
         return 0

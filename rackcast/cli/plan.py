@@ -10,7 +10,9 @@ import shlex
 import sys
 from contextlib import contextmanager
 
+from rackcast.cli.common import bounded
 from rackcast.errors import RackcastError
+from rackcast.plan import BatchSpec, Plan, TopologyRef
 
 BATCH_HELP = ("global batch in sequences (default: the model preset's recipe where it has one, e.g. 11,264 x 4,096 "
               "tokens for marin-535b-a23b, else DeepSeek LLM's batch law for the compute budget; planner.batch)")
@@ -19,9 +21,10 @@ BATCH_HELP = ("global batch in sequences (default: the model preset's recipe whe
 def add_common(parser) -> None:
     """Arguments shared by `plan` and `size`."""
     parser.add_argument("--topology", required=True, help="topology preset or YAML path (e.g. gb200-nvl72)")
-    parser.add_argument("--racks", type=int, default=None, metavar="N",
+    parser.add_argument("--racks", type=bounded(TopologyRef, "domains", int), default=None, metavar="N",
                         help="domains (racks or nodes) in the job (default: the preset's)")
-    parser.add_argument("--tokens", type=float, required=True, metavar="T", help="token budget, e.g. 18e12")
+    parser.add_argument("--tokens", type=bounded(Plan, "tokens"), required=True, metavar="T",
+                        help="token budget, e.g. 18e12")
     parser.add_argument("--start", default="", metavar="DATE", help="start date, YYYY-MM-DD")
     parser.add_argument("--deadline", default="", metavar="DATE", help="deadline, YYYY-MM-DD (needs --start)")
     parser.add_argument("--objective", choices=("days", "mfu"), default="days",
@@ -49,11 +52,12 @@ def register(sub) -> None:
     parser.add_argument("--parquet", default="", metavar="FILE", help="write every candidate to Parquet")
     parser.add_argument("--explain", action="store_true", help="say why the winner wins and why others lost")
     batch = parser.add_mutually_exclusive_group()
-    batch.add_argument("--global-batch", type=int, default=0, metavar="N", help=BATCH_HELP)
+    batch.add_argument("--global-batch", type=bounded(BatchSpec, "global_batch", int), default=0, metavar="N",
+                       help=BATCH_HELP)
     batch.add_argument("--global-batch-range", default="", metavar="MIN:MAX",
                        help="try global batches in MIN..MAX (per layout the smallest and largest multiples of "
                             "data x fsdp x micro-batch inside the range)")
-    parser.add_argument("--usable-gpus", type=int, default=None, metavar="N",
+    parser.add_argument("--usable-gpus", type=bounded(TopologyRef, "usable_gpus", int), default=None, metavar="N",
                         help="GPUs used per domain (e.g. 64 or 72 on NVL72; default: search both the preset's "
                              "default and the whole domain)")
     parser.add_argument("--rows", type=int, default=10, metavar="N", help="rows of the ranked table (default 10)")
