@@ -32,10 +32,7 @@ from torch import nn
 from rackcast.capabilities import refusals
 from rackcast.errors import RackcastError
 from rackcast.plan import Plan
-
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "zb_h1": "ScheduleInterleavedZeroBubble", "dualpipev": "ScheduleDualPipeV"}
-
+from rackcast.vocab import SPLIT_BACKWARD_SCHEDULES
 
 def validate_trainable(plan: Plan, where: str = "") -> None:
     """Refuse, in one line naming the field, what the plan asks for that this trainer does not implement (the
@@ -190,7 +187,3 @@ def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer
         if dense_grads:
             _allreduce_flat(dense_grads, groups.dp, layout.dp)
     timer.add("exposed_dp_comm", timer.now() - t0)
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    return module.module if hasattr(module, "module") and isinstance(module.module, nn.Module) else module

@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rackcast.atomic import write_json_atomic
 from rackcast.backend import checkpoint, memprof, record
-from rackcast.backend.balancing import DEFAULT_BINS, QuantileBalancer
+from rackcast.backend.balancing import QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
 from rackcast.backend.launch import exit_with_parent
@@ -50,9 +51,11 @@ from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distribu
 from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.backend.recompute import apply_recompute
+from rackcast.backend.cpu_runtime import configure_cpu_process
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import inputs_hash, load_plan
+from rackcast.vocab import BALANCE_BINS, MEASURED_PHASES
 
 EVAL_SEQUENCES = 16
 MEMORY_STEP = 2  # index, among this process's steps, of the step whose peak live tensor bytes are measured on CPU
@@ -75,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data-dir", default="runs/.data")
     ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end only)")
     ap.add_argument("--log-every", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per process (0: backend.cpu_runtime.default_threads)")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args(argv)
 
@@ -119,9 +123,9 @@ class Trainer:
             raise RackcastError(f"parallel: the plan needs {self.plan.parallel.gpus} processes, the launcher "
                                 f"started {launched}", where=args.plan)
         self.rank, self.world, self.device = init_distributed()
+        self.threads = 0
         if self.device.type == "cpu":
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local))
+            self.threads = configure_cpu_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), args.threads)
         self.cuda = self.device.type == "cuda"
         self.layout = lay = Layout.of(self.plan, self.rank)
         self.groups = Groups(lay, self.device) if self.world > 1 else None
@@ -166,7 +170,7 @@ class Trainer:
         dp_group = self.groups.dp if self.groups else None
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
         reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)) if dp_group else None
-        self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else DEFAULT_BINS,
+        self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else BALANCE_BINS,
                                          reduce_counts=reduce_sum, reduce_max=reduce_max)
         self.microbatches = self.plan.microbatches
         self.pipe = None
@@ -209,6 +213,10 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _to_device(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Host batch -> device: on CUDA through pinned memory, copied without blocking the host."""
+        return tokens.pin_memory().to(self.device, non_blocking=True) if self.cuda else tokens
+
     def _cpp_storages(self) -> list[tuple[int, int]]:
         """(address, bytes) of storages only C++ holds between steps: DDP's gradient buckets (backend.parallel)."""
         return [st for w in self.wrapped for st in getattr(w, "gradient_buckets", {}).values()]
@@ -217,8 +225,8 @@ class Trainer:
         lay = self.layout
         for w in self.wrapped:
             getattr(w, "gradient_buckets", {}).clear()  # refilled by this step's backward
-        tokens = torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp))
-        tokens = tokens.to(self.device)
+        tokens = self._to_device(
+            torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp)))
         targets = _targets(tokens)
         loss_sum = ce_sum = z_sum = 0.0
         count = 0
@@ -268,7 +276,7 @@ class Trainer:
         if self.pipe is not None:
             return math.nan
         lay = self.layout
-        tokens = torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)).to(self.device)
+        tokens = self._to_device(torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)))
         self.local.eval()
         with self._autocast():
             loss, _ = self._loss(self.chunks[0](tokens), tokens, _targets(tokens))
@@ -316,10 +324,10 @@ class Trainer:
     def resume(self) -> None:
         folder = checkpoint.latest_complete(self.out)
         if folder is None:
-            raise RackcastError(f"--resume: {self.out} holds no complete checkpoint to continue from")
+            raise RackcastError(f"resume: {self.out} holds no complete checkpoint to continue from", option="resume")
         problem = checkpoint.resume_problem(folder, self.plan)
         if problem:
-            raise RackcastError(f"--resume: {folder} {problem}", where=self.args.plan)
+            raise RackcastError(f"resume: {folder} {problem}", where=self.args.plan, option="resume")
         own_rng = f"rng.{self.rank}"
         wanted = {"step": 0, "routing": torch.zeros_like(self.routing), own_rng: torch.get_rng_state(),
                   "rng.0": torch.get_rng_state()}
@@ -342,7 +350,7 @@ class Trainer:
 
     def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time) -> dict:
         dropped, assigned = pop_drop_counts(self.moes)
-        names = list(record.PHASES)
+        names = list(MEASURED_PHASES)
         # Every rank's figures, one row per rank (a sum of rows that are zero elsewhere), so the record keeps the
         # slowest rank's step and phases (the critical path) beside the means.
         per_rank = torch.zeros(self.world, 7 + len(names), dtype=torch.float64)
@@ -448,14 +456,14 @@ class Trainer:
                            "virtual": p.virtual, "schedule": self.plan.schedule,
                            "expert_transport": self.plan.expert_transport.mode,
                            "data_parallel": "ddp" if p.pipeline == 1 else "flat all-reduce"},
-                "torch": torch.__version__, "tokens_per_step": self.tokens_per_step,
+                "torch": torch.__version__, "threads": self.threads, "tokens_per_step": self.tokens_per_step,
                 "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,
                 "memory_measure": self.memory_measure, "param_dtype": self.param_dtype,
                 "peak_memory_per_rank_bytes": [int(v) if v >= 0 else math.nan for v in per_rank.tolist()],
                 "activation_dtype": self.peak_dtype,
                 "routing_histogram": "routing.parquet" if self.spec.moe is not None else ""}
-        record.write_json_atomic(self.out / "record.json", record.summary(self.rows, **info))
+        write_json_atomic(self.out / "record.json", record.summary(self.rows, **info))
 
 
 def main(argv=None) -> int:

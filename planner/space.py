@@ -28,13 +28,11 @@ from rackcast.modelspec import FlopsConvention, ModelSpec, Recipe
 from rackcast.simulator.schedule_formulas import peak_in_flight
 from rackcast.plan import (BatchSpec, ExpertTransport, OptimizerSpec, ParallelSpec, Plan, TopologyRef,
                            validate)
+from rackcast.vocab import PLAN_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES
 
-# Marin's fixed-capacity transport ran at capacity factor 1.15 (shared/reference/marin-535b.md).
+# Marin's fixed-capacity transport ran at capacity factor 1.15 (https://github.com/marin-community/marin/issues/8435).
 CAPACITY_FACTOR = 1.15
-# Default tokens per GPU per step: Marin's 11,264 sequences x 4,096 tokens on 11 racks x 64 GPUs = 65,536.
-DEFAULT_TOKENS_PER_GPU = 65536
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 OPT_LOCATIONS = ("hbm", "host")
 TRANSPORTS = ("dropless", "capacity")
@@ -112,7 +110,7 @@ class SpaceOptions:
     expert_tensors: tuple[int, ...] = (1, 2)
     max_micro_batch: int = 16
     micro_batches: tuple[int, ...] = ()  # empty: every power of two up to max_micro_batch
-    schedules: tuple[str, ...] = PIPELINE_SCHEDULES
+    schedules: tuple[str, ...] = PLAN_SCHEDULES
     recompute: tuple[str, ...] = RECOMPUTE
     opt_locations: tuple[str, ...] = OPT_LOCATIONS
     transports: tuple[str, ...] = TRANSPORTS
@@ -134,11 +132,15 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def default_global_batch(spec: ModelSpec, default_usable: int, domains: int) -> int:
-    """Sequences per step giving DEFAULT_TOKENS_PER_GPU tokens on every GPU of the preset's default count per
-    domain (11,264 for Marin's 4,096-token sequences on 11 racks of 64). It does not change with --usable-gpus,
-    so 64- and 72-GPU layouts train on the same batch."""
-    return max(1, DEFAULT_TOKENS_PER_GPU * default_usable * domains // spec.seq_len)
+def default_global_batch(spec: ModelSpec, default_usable: int, domains: int, tokens: float = 0.0) -> int:
+    """The default global batch (planner.batch.default_batch: the preset's recipe, else DeepSeek LLM's batch law for
+    the token budget), counted on the preset's default GPUs per domain, so 64- and 72-GPU layouts train on the same
+    batch."""
+    from rackcast.planner.batch import default_batch
+
+    if not (spec.recipe and spec.recipe.global_batch) and tokens <= 0:
+        raise ValueError(f"{spec.name} has no recipe batch; the batch law needs the token budget")
+    return default_batch(spec, default_usable * domains, tokens).global_batch
 
 
 def global_batches(options: SpaceOptions, replicas: int, micro: int, fallback: int) -> list[int]:
@@ -161,13 +163,13 @@ def _schedules(options: SpaceOptions, pipeline: int, layers: int) -> list[tuple[
         return [("1f1b", 1)]
     out = []
     for name in options.schedules:
-        if name in ("1f1b", "gpipe"):
+        if name in SINGLE_CHUNK_SCHEDULES:
             out.append((name, 1))
         elif name == "zb_h1":
             out.append((name, 1))
         elif name == "interleaved_1f1b":
             out += [(name, v) for v in options.virtuals]
-        elif name == "dualpipev":
+        elif name in V_SHAPED_SCHEDULES:
             out.append((name, 2))
     return out
 
@@ -278,12 +280,12 @@ class Enumeration:
 
 
 def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_size: int,
-                    options: SpaceOptions) -> Enumeration:
+                    options: SpaceOptions, tokens: float = 0.0) -> Enumeration:
     """Every layout of the space, split into those validate accepts and those it refuses. A structure refused for
     a reason no knob can change (heads, layers, experts, expert width, sequence) is one rejected row, not one row per
     knob combination."""
     out = Enumeration()
-    fallback = default_global_batch(spec, default_usable, domains)
+    fallback = options.global_batch or default_global_batch(spec, default_usable, domains, tokens)
     for u in usable_options(options, default_usable, domain_size):
         for d, f, t, c, p, e, et in structures(spec, domains, u, options):
             pars = {v: ParallelSpec(data=d, fsdp=f, tensor=t, pipeline=p, virtual=v, expert=e, expert_tensor=et,

@@ -23,27 +23,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Annotated, Literal
 
 from rackcast.errors import RackcastError
+from rackcast.vocab import BALANCE_BINS
+from rackcast.bounds import Items, Range, Text
 
 ConvSite = Literal["k", "v", "attn", "mlp"]
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    heads: int
-    head_dim: int
-    kv_heads_local: int
-    kv_heads_global: int
-    kv_heads_stored: int = 0  # 0: each layer stores its own KV heads; >0: every layer stores this many
-    window: int = 0  # sliding window of local layers, in tokens; 0 means every layer attends globally
-    global_every: int = 1  # layer i is global when (i + 1) % global_every == 0; the last layer always is
+    heads: Annotated[int, Range(1, 1024)]
+    head_dim: Annotated[int, Range(1, 1024)]
+    kv_heads_local: Annotated[int, Range(1, 1024)]
+    kv_heads_global: Annotated[int, Range(1, 1024)]
+    # 0: each layer stores its own KV heads; >0: every layer stores this many
+    kv_heads_stored: Annotated[int, Range(0, 1024)] = 0
+    # sliding window of local layers, in tokens; 0 means every layer attends globally
+    window: Annotated[int, Range(0, 2**22)] = 0
+    # layer i is global when (i + 1) % global_every == 0; the last layer always is
+    global_every: Annotated[int, Range(1, 1024)] = 1
     output_gate: bool = False  # per-head 2*sigmoid(x W_g) output gate, W_g: d_model x heads
     exclusive: bool = False  # exclusive self-attention (removes each head output's component along its value)
-    rope_fraction: float = 1.0  # fraction of each head's dims rotated on local layers
+    rope_fraction: Annotated[float, Range(0, 1)] = 1.0  # fraction of each head's dims rotated on local layers
     rope_on_global: bool = True
-    qk_multiplier: float = 1.0
+    qk_multiplier: Annotated[float, Range(0, 1000, above=True)] = 1.0
     bias: bool = False  # biases on Q, K, V and output projections (GPT/Megatron style)
 
     def __post_init__(self):
@@ -63,17 +68,20 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class MoESpec:
-    experts: int
-    top_k: int
-    expert_ffn: int  # intermediate width of each routed SwiGLU expert
-    latent_dim: int = 0  # 0: experts see d_model-wide tokens; >0: latent MoE (down-project, RMSNorm, experts, up)
-    shared_experts: int = 0
-    shared_ffn: int = 0  # intermediate width of each shared SwiGLU expert (full width input)
-    dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP (width ModelSpec.ffn) instead
+    experts: Annotated[int, Range(1, 16384)]
+    top_k: Annotated[int, Range(1, 1024)]
+    expert_ffn: Annotated[int, Range(1, 2**20)]  # intermediate width of each routed SwiGLU expert
+    # 0: experts see d_model-wide tokens; >0: latent MoE (down-project, RMSNorm, experts, up)
+    latent_dim: Annotated[int, Range(0, 2**17)] = 0
+    shared_experts: Annotated[int, Range(0, 64)] = 0
+    # intermediate width of each shared SwiGLU expert (full width input)
+    shared_ffn: Annotated[int, Range(0, 2**20)] = 0
+    # layers with a dense MLP (width ModelSpec.ffn) instead
+    dense_layers: Annotated[list[Annotated[int, Range(0, 1023)]], Items(1024)] = field(default_factory=list)
     router_bias: bool = True  # a per-expert balancing bias (no gradient in Marin, but a stored parameter)
     # Quantile balancing sets that bias every step from a histogram of router margins, this many bins per expert,
-    # pooled over the ranks that see different tokens (Marin's qb_hist_bins; 1,000 by default).
-    balance_bins: int = 1000
+    # pooled over the ranks that see different tokens (rackcast.vocab.BALANCE_BINS by default).
+    balance_bins: Annotated[int, Range(1, 2**20)] = BALANCE_BINS
 
     def __post_init__(self):
         for name in ("experts", "top_k", "expert_ffn"):
@@ -91,8 +99,8 @@ class MoESpec:
 
 @dataclass(frozen=True)
 class ConvSpec:
-    kernel: int
-    sites: list[ConvSite]
+    kernel: Annotated[int, Range(1, 64)]
+    sites: Annotated[list[ConvSite], Items(4)]
 
     def __post_init__(self):
         if self.kernel <= 0:
@@ -103,21 +111,25 @@ class ConvSpec:
 
 @dataclass(frozen=True)
 class Recipe:
-    """A model's training recipe: `rackcast plan` copies it into the plan it writes (the optimizer block, plus
-    z_loss_weight and combine_sum) and the trainer runs it. The learning-rate schedule is a linear warmup over
-    warmup_fraction of the steps, then a linear decay to lr_floor x lr (backend.optim.marin_lr_lambda)."""
+    """A model's published (or documented) training recipe. `rackcast plan` takes its default global batch from it
+    (planner.batch; 0: none published, the batch law decides) and copies the rest into the plan it writes (the
+    optimizer block, plus z_loss_weight and combine_sum), which the trainer runs. The learning-rate schedule is a
+    linear warmup over warmup_fraction of the steps, then a linear decay to lr_floor x lr
+    (backend.optim.marin_lr_lambda)."""
 
+    global_batch: Annotated[int, Range(0, 2**24)] = 0  # sequences per optimizer step; 0: not published
+    source: Annotated[str, Text()] = ""  # where the figures come from (paper, issue, config file)
     optimizer: Literal["adamw", "muonh"] = "adamw"
-    lr: float = 3e-4  # AdamW's rate; MuonH: the MuonH and AdamH groups' rate
-    adam_lr: float = 3e-4  # MuonH: the Adam groups' rate
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8  # Adam epsilon
-    momentum: float = 0.95  # MuonH Nesterov momentum
-    weight_decay: float = 0.1  # AdamW only (MuonH has none)
-    warmup_fraction: float = 0.01
-    lr_floor: float = 0.05
-    z_loss_weight: float = 1e-4  # logit z-loss weight
-    combine_sum: float = 1.0  # per-token sum of the MoE combine weights
+    lr: Annotated[float, Range(0, 10, above=True)] = 3e-4  # AdamW's rate; MuonH: the MuonH and AdamH groups' rate
+    adam_lr: Annotated[float, Range(0, 10, above=True)] = 3e-4  # MuonH: the Adam groups' rate
+    betas: tuple[Annotated[float, Range(0, 1)], Annotated[float, Range(0, 1)]] = (0.9, 0.95)
+    eps: Annotated[float, Range(0, 1, above=True)] = 1e-8  # Adam epsilon
+    momentum: Annotated[float, Range(0, 1)] = 0.95  # MuonH Nesterov momentum
+    weight_decay: Annotated[float, Range(0, 10)] = 0.1  # AdamW only (MuonH has none)
+    warmup_fraction: Annotated[float, Range(0, 1)] = 0.01
+    lr_floor: Annotated[float, Range(0, 1)] = 0.05
+    z_loss_weight: Annotated[float, Range(0, 10)] = 1e-4  # logit z-loss weight
+    combine_sum: Annotated[float, Range(0, 1024, above=True)] = 1.0  # per-token sum of the MoE combine weights
 
     def __post_init__(self):
         for name in ("lr", "adam_lr", "eps"):
@@ -127,6 +139,10 @@ class Recipe:
             raise ValueError(f"recipe.betas must lie in [0, 1), got {self.betas}")
         if not 0.0 <= self.warmup_fraction < 1.0 or not 0.0 <= self.lr_floor <= 1.0:
             raise ValueError("recipe.warmup_fraction must lie in [0, 1) and recipe.lr_floor in [0, 1]")
+        if self.global_batch < 0:
+            raise ValueError(f"recipe.global_batch must not be negative, got {self.global_batch}")
+        if self.global_batch and not self.source.strip():
+            raise ValueError("recipe.source must name where the recipe's global batch comes from")
 
 
 @dataclass(frozen=True)
@@ -185,24 +201,26 @@ class LayerInfo:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str
-    layers: int
-    d_model: int
-    vocab: int
-    seq_len: int
+    name: Annotated[str, Text()]
+    layers: Annotated[int, Range(1, 1024)]
+    d_model: Annotated[int, Range(1, 2**17)]
+    vocab: Annotated[int, Range(1, 2**22)]
+    seq_len: Annotated[int, Range(1, 2**22)]
     attention: AttentionSpec
-    ffn: int = 0  # dense MLP intermediate width (dense models, and dense layers of MoE models)
+    # dense MLP intermediate width (dense models, and dense layers of MoE models)
+    ffn: Annotated[int, Range(0, 2**20)] = 0
     activation: Literal["swiglu", "gelu"] = "swiglu"
     mlp_bias: bool = False
     moe: MoESpec | None = None
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     embed_norm: bool = False  # a norm (and gated norm, if any) right after the embedding
-    gated_norm_rank: int = 0  # 0: none; r: after each norm, x * sigmoid(silu(x W_down) W_up), W_down: d x r
+    # 0: none; r: after each norm, x * sigmoid(silu(x W_down) W_up), W_down: d x r
+    gated_norm_rank: Annotated[int, Range(0, 2**17)] = 0
     conv: ConvSpec | None = None
     tied_embeddings: bool = False
     positional: Literal["rope", "learned", "none"] = "rope"
-    rope_theta: float = 10000.0
-    family: str = ""
+    rope_theta: Annotated[float, Range(0, 1e12, above=True)] = 10000.0
+    family: Annotated[str, Text()] = ""
     description: str = ""
     recipe: Recipe | None = None  # the training recipe plans of this model carry (None: the optimizer defaults)
 

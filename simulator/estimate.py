@@ -35,6 +35,7 @@ from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
 from rackcast.simulator.schedule_formulas import bubble_fraction
 from rackcast.topologies.spec import Topology
+from rackcast.vocab import PHASES
 
 HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble_backward", "op_optimizer")
 
@@ -196,10 +197,6 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
         "expert_a2a_total": m * a2a_t,
         "dp_comm_total": dp_t,
     }
-
-
-PHASES = ("compute", "exposed_expert_a2a", "exposed_tensor_comm", "exposed_fsdp_gather", "pipeline_p2p",
-          "pipeline_bubble", "exposed_dp_comm", "optimizer", "host_transfer")
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator.activations import INDEX_BYTES
 from rackcast.simulator.memory import BYTES, RankParams, optimizer_state_bytes
-
-NEWTON_SCHULZ_STEPS = 5
+from rackcast.vocab import NEWTON_SCHULZ_STEPS
 
 
 def balancing_reductions(spec: ModelSpec, layers: list[int]) -> tuple[int, float, float]:
