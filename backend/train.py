@@ -48,6 +48,7 @@ from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
+from rackcast.backend.fsdp import set_gradient_sync, shard_model
 from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.backend.recompute import apply_recompute
@@ -157,7 +158,12 @@ class Trainer:
         del model
         self.view = checkpoint.global_view(self.chunks)  # this rank's parameters under the full model's names
         self.saver = checkpoint.Saver(self.out, asynchronous=args.async_checkpoint)
-        self.wrapped = self.chunks if lay.pp > 1 else [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
+        self.fsdp = lay.fsdp > 1
+        self.experts_sharded = self.fsdp and shard_model(self.chunks, self.groups, lay, self.plan, self.device)
+        if self.fsdp or lay.pp > 1:
+            self.wrapped = self.chunks
+        else:
+            self.wrapped = [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
         o = self.plan.optimizer
         self.optimizer = build_optimizer(self.local, o.name, lr=o.lr, adam_lr=o.adam_lr if o.name == "muonh" else None,
                                          betas=tuple(o.betas), eps=o.eps, momentum=o.momentum,
@@ -244,6 +250,8 @@ class Trainer:
             module = self.wrapped[0]
             for i, (x, y) in enumerate(zip(tokens.chunk(self.microbatches), targets.chunk(self.microbatches))):
                 sync = i == self.microbatches - 1 or not hasattr(module, "no_sync")
+                if self.fsdp:
+                    set_gradient_sync(self.chunks, i == self.microbatches - 1)
                 with (contextlib.nullcontext() if sync else module.no_sync()), self._autocast():
                     loss, parts = self._loss(module(x), x, y)
                 (loss / self.microbatches).backward()
@@ -252,7 +260,8 @@ class Trainer:
                 count += 1
             self.timer.add("fwd_bwd", self.timer.now() - t0)
         if self.groups is not None:
-            reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None)
+            reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None and not self.fsdp,
+                         experts=not self.experts_sharded)
         t1 = self.timer.now()
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * self.lr_factor(step)
@@ -455,7 +464,7 @@ class Trainer:
                 "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
                            "virtual": p.virtual, "schedule": self.plan.schedule,
                            "expert_transport": self.plan.expert_transport.mode,
-                           "data_parallel": "ddp" if p.pipeline == 1 else "flat all-reduce"},
+                           "data_parallel": "fsdp2" if p.fsdp > 1 else "ddp" if p.pipeline == 1 else "flat all-reduce"},
                 "torch": torch.__version__, "threads": self.threads, "tokens_per_step": self.tokens_per_step,
                 "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,

@@ -118,7 +118,7 @@ class Recipe:
     (backend.optim.marin_lr_lambda)."""
 
     global_batch: Annotated[int, Range(0, 2**24)] = 0  # sequences per optimizer step; 0: not published
-    source: Annotated[str, Text()] = ""  # where the figures come from (paper, issue, config file)
+    source: str = ""  # where the figures come from (paper, issue, config file)
     optimizer: Literal["adamw", "muonh"] = "adamw"
     lr: Annotated[float, Range(0, 10, above=True)] = 3e-4  # AdamW's rate; MuonH: the MuonH and AdamH groups' rate
     adam_lr: Annotated[float, Range(0, 10, above=True)] = 3e-4  # MuonH: the Adam groups' rate
