@@ -2,14 +2,15 @@
 
 Per layer: grouped-query attention whose K/V projections store `spec.kv_heads_stored(layer)` heads and attend with
 the first `spec.kv_heads(layer)` of them (Marin scans one uniform block and slices global layers' heads at run
-time); a sliding window on local layers (a query at position i sees keys j with 0 <= i - j < window) and the whole
-causal prefix on global layers; RoPE on `rope_fraction` of each head's dims (none on global layers unless
-rope_on_global); optional parameter-free RMS q/k norm and a q multiplier; exclusive self-attention (each head's
-output loses its component along the token's own value vector, "XSA" in Marin's CausalSelfAttention); the per-head
-2*sigmoid(x W_g) output gate, zero-initialised so it starts as the identity; causal short convolutions after the K
-and/or V projections. GPT models get biases on Q, K, V and O instead. Frontier options from the spec: learned
-per-head RMS q/k norms (ModelSpec.qk_norm, Qwen3) and a learned sink logit per head that joins every softmax
-(attention.sinks, GPT-OSS; backend.sinks).
+time); a sliding window on local layers (a query at position i sees keys j with 0 <= i - j < window), computed
+blockwise so a local layer does window-sized work (banded_attention), and the whole causal prefix on global layers;
+RoPE on `rope_fraction` of each head's dims (none on global layers unless rope_on_global); optional parameter-free
+RMS q/k norm and a q multiplier; exclusive self-attention (each head's output loses its component along the token's
+own value vector, "XSA" in Marin's CausalSelfAttention); the per-head 2*sigmoid(x W_g) output gate, zero-initialised
+so it starts as the identity; causal short convolutions after the K and/or V projections. GPT models get biases on
+Q, K, V and O instead. Frontier options from the spec: learned per-head RMS q/k norms
+(ModelSpec.qk_norm, Qwen3) and a learned sink logit per head that joins every softmax (attention.sinks, GPT-OSS;
+backend.sinks).
 
     .venv/bin/pytest -q tests/test_backend_model.py -k mask
 """
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 from rackcast.backend.layers import Normal, RMSNorm, ShortConv, apply_rope, rms_norm, rotary_dims
 from rackcast.backend.sinks import SinkLogits, attention_with_sinks
 from rackcast.modelspec import ModelSpec
+from rackcast.simulator.activations import window_query_block
 
 XSA_EPS = 1e-6  # Marin: z = y - (y.v / (|v|^2 + 1e-6)) v
 
@@ -39,17 +41,51 @@ class HeadGate(nn.Linear):
         nn.init.zeros_(self.weight)
 
 
-_MASK_CACHE: dict[tuple, Tensor] = {}
+_BAND_CACHE: dict[tuple, Tensor] = {}
 
 
 def window_mask(seq: int, window: int, device: torch.device) -> Tensor:
-    """Boolean [seq, seq] mask, True where query i may attend key j: 0 <= i - j < window."""
-    key = (seq, window, str(device))
-    if key not in _MASK_CACHE:
-        i = torch.arange(seq, device=device)[:, None]
-        j = torch.arange(seq, device=device)[None, :]
-        _MASK_CACHE[key] = (j <= i) & (i - j < window)
-    return _MASK_CACHE[key]
+    """Boolean [seq, seq] mask, True where query i may attend key j: 0 <= i - j < window (the dense reference)."""
+    i = torch.arange(seq, device=device)[:, None]
+    j = torch.arange(seq, device=device)[None, :]
+    return (j <= i) & (i - j < window)
+
+
+def band_mask(blocks: int, block: int, window: int, device: torch.device) -> Tensor:
+    """Boolean [blocks, 1, block, window + block - 1] mask of banded_attention, cached: query a of block n sees key
+    slot b (absolute position n*block - window + 1 + b) when a <= b < a + window and that position is >= 0."""
+    key = (blocks, block, window, str(device))
+    if key not in _BAND_CACHE:
+        a = torch.arange(block, device=device)[:, None]
+        b = torch.arange(window + block - 1, device=device)[None, :]
+        first = torch.arange(blocks, device=device)[:, None, None] * block - window + 1
+        _BAND_CACHE[key] = ((b >= a) & (b < a + window) & (first + b >= 0))[:, None]
+    return _BAND_CACHE[key]
+
+
+def banded_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    """Sliding-window causal attention (query i sees keys j with 0 <= i - j < window) of q, k, v [B, H, S, D] that
+    does window-sized work: queries in blocks of window_query_block(window) (rackcast.simulator.activations, whose
+    eager memory count follows these tensors), each block against only the window + block - 1
+    keys it can see (an unfold of the left-padded keys), as one SDPA call with the blocks as its batch; a layer
+    costs S x (window + block - 1) scores instead of S x S."""
+    b, h, s, d = q.shape
+    block = window_query_block(window)
+    blocks = -(-s // block)
+    tail = blocks * block - s
+    span = window + block - 1
+    if tail:
+        q = F.pad(q, (0, 0, 0, tail))
+
+    def windows(t: Tensor) -> Tensor:  # [B, H, S, D] -> [blocks, B*H, span, D]: block n's keys
+        t = F.pad(t, (0, 0, window - 1, tail)).unfold(2, span, block)  # [B, H, blocks, D, span]
+        return t.permute(2, 0, 1, 4, 3).reshape(blocks, b * h, span, d)
+
+    qb = q.view(b, h, blocks, block, d).permute(2, 0, 1, 3, 4).reshape(blocks, b * h, block, d)
+    y = F.scaled_dot_product_attention(qb, windows(k), windows(v), attn_mask=band_mask(blocks, block, window, q.device))
+    # One copy into [B, S, H, D] (what the output projection reads), returned as the [B, H, S, D] view SDPA gives.
+    y = y.view(blocks, b, h, block, d).permute(1, 0, 3, 2, 4).reshape(b, blocks * block, h, d)
+    return (y[:, :s] if tail else y).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -106,7 +142,7 @@ class Attention(nn.Module):
         if self.sinks is not None:
             y = attention_with_sinks(qt, kt, vt, self.sinks.logits, window_mask(s, self.window or s, x.device))
         elif self.window and self.window < s:
-            y = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=window_mask(s, self.window, x.device))
+            y = banded_attention(qt, kt, vt, self.window)
         else:
             y = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
         y = y.transpose(1, 2)  # [B, S, H, hd]

@@ -1,4 +1,5 @@
-"""Quantile balancing (QB) of MoE router biases, Marin 535B-A23B's balancer (shared/reference/marin-535b.md).
+"""Quantile balancing (QB) of MoE router biases, Marin 535B-A23B's balancer
+(https://github.com/marin-community/marin/issues/8435; marin experiments/grug/moe_hero_ep/model.py).
 
 Per token t and expert e, with router logit s_te and bias b_e (no gradient):
 1. the top K+1 of s_te + b_e: the first K are the chosen experts, the (K+1)-th biased value is the threshold a_t;
@@ -33,10 +34,10 @@ import torch
 from torch import Tensor, nn
 
 from rackcast.backend.moe import MoE
+from rackcast.vocab import BALANCE_BINS
 
 Reduce = Callable[[Tensor], object]  # reduces its argument in place (a return value, if a tensor, is used instead)
 
-DEFAULT_BINS = 1000  # Marin's qb_hist_bins default (the 535B run used 10,000)
 RANGE_EPS = 1e-6  # Marin: hi = max(hi, lo + 1e-6) guards an all-equal range
 
 
@@ -51,7 +52,7 @@ def histogram_upper_quantile(
     margins: Tensor,
     top_k: int,
     *,
-    bins: int = DEFAULT_BINS,
+    bins: int = BALANCE_BINS,
     reduce_counts: Reduce | None = None,
     reduce_max: Reduce | None = None,
 ) -> Tensor:
@@ -90,7 +91,7 @@ class QuantileBalancer:
         self,
         model: nn.Module,
         *,
-        bins: int = DEFAULT_BINS,
+        bins: int = BALANCE_BINS,
         reduce_counts: Reduce | None = None,
         reduce_max: Reduce | None = None,
     ):

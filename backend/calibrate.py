@@ -7,20 +7,17 @@ machine; rank 0's figures are kept. Collectives: all_reduce, all_gather (size = 
 way, from a ping-pong) over group sizes 2 and `world` (when larger), at several message sizes; the reported time is
 rank 0's median per call. Results are plain data (JSON-able); validation.calibration turns them into a topology.
 
-    .venv/bin/python -m rackcast.backend.calibrate --quick            # measure and print the JSON
+    rackcast calibrate --quick --save-measurements meas.json      # measure, write the topology and the raw JSON
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import platform
 import queue as queue_mod
 import socket
 import statistics
-import sys
 import time
 import traceback
 
@@ -28,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from rackcast.backend.calibrate_compute import run_compute, task_count
+from rackcast.units import KIB, MIB
+from rackcast.backend.cpu_runtime import configure_cpu_process, default_threads
 
 # torch 2.13 renamed the tensor forms; older versions only have the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -71,7 +70,7 @@ def _machine(device: torch.device) -> dict:
         try:
             for line in open("/proc/meminfo"):
                 if line.startswith("MemTotal:"):
-                    info["host_memory_bytes"] = int(line.split()[1]) * 1024
+                    info["host_memory_bytes"] = int(line.split()[1]) * KIB  # /proc/meminfo counts kB
         except OSError:
             pass
     return info
@@ -134,7 +133,7 @@ class _CommBench:
                     fn = self._op(kind, n, nbytes, group) if member else None
                     t = self._time(fn, member)
                     results.append({"kind": kind, "group": n, "bytes": nbytes, "seconds": t})
-                    self.tick(f"{kind} n={n} {nbytes / 2**20:.3g} MiB")
+                    self.tick(f"{kind} n={n} {nbytes / MIB:.3g} MiB")
         return results
 
     def _op(self, kind: str, n: int, nbytes: int, group):
@@ -183,7 +182,7 @@ def _worker(rank: int, world: int, port: int, quick: bool, q, threads: int = 0) 
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
+            configure_cpu_process(world, threads)
         if world > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                     init_method=f"tcp://127.0.0.1:{port}",
@@ -204,7 +203,8 @@ def _worker(rank: int, world: int, port: int, quick: bool, q, threads: int = 0) 
 
 
 def measure(world: int, quick: bool = False, on_tick=None, threads: int = 0) -> dict:
-    """Run every benchmark on `world` processes (CPU: `threads` torch threads each, default cores / world);
+    """Run every benchmark on `world` processes (CPU: `threads` torch threads each, by default what the trainer
+    takes for as many processes, backend.cpu_runtime.default_threads);
     on_tick(label, done, total) reports progress."""
     import torch.multiprocessing as mp
 
@@ -243,20 +243,6 @@ def measure(world: int, quick: bool = False, on_tick=None, threads: int = 0) -> 
             if p.is_alive():
                 p.terminate()
     result.update(world=world, quick=quick, device=device.type, machine=_machine(device),
-                  threads=threads or max(1, (os.cpu_count() or 1) // world) if device.type == "cpu" else 0,
+                  threads=(threads or default_threads(world)) if device.type == "cpu" else 0,
                   started_utc=started.isoformat(timespec="seconds"), wall_s=time.perf_counter() - t0)
     return result
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="rackcast.backend.calibrate", description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    res = measure(args.world, args.quick, on_tick=lambda label, d, t: print(f"[{d}/{t}] {label}", file=sys.stderr))
-    print(json.dumps(res, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,6 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from rackcast.units import MIB
+
 
 class Timer:
     """Median seconds per call of fn(), each sample an inner loop of calls lasting about target_s."""
@@ -146,7 +148,7 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
         tick(f"attention {b}x{h}x{seq}x{d}")
     for elems in s["mem"]:
         out["memory"].append(_memory(timer, rand, elems, barrier))
-        tick(f"memory {elems * torch.tensor([], dtype=dt).element_size() / 2**20:.2f} MiB")
+        tick(f"memory {elems * torch.tensor([], dtype=dt).element_size() / MIB:.2f} MiB")
     out["memory_stream"] = _memory(timer, rand, s["stream"], barrier, stream_only=True)
     tick("memory bandwidth")
     barrier()

@@ -14,7 +14,7 @@ of a permutation seeded by (seed, e). Optimizer step s takes stream positions [s
 data-parallel rank r of D takes positions r, r+D, r+2D, ... of those, so ranks never overlap and the union of all
 ranks is exactly what one process with the same global batch sees.
 
-    .venv/bin/python -m rackcast.backend.data runs/.data      # build (or find) the cache and print its size
+    folder = prepare("runs/.data")      # build (or find) the cache; `rackcast train` calls it
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import sysconfig
 import zlib
 from pathlib import Path
 
 import numpy as np
+
+from rackcast.atomic import atomic_path, write_json_atomic
 
 EVAL_EVERY = 50  # about 2% of files are held out
 SHARD_TOKENS = 1 << 22
@@ -57,13 +58,6 @@ def text_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, Path]]:
     return out
 
 
-def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.uname().nodename}-{os.getpid()}")  # machines sharing one cache
-    with open(tmp, "wb") as fh:
-        np.save(fh, arr)
-    os.replace(tmp, path)
-
-
 def prepare(data_dir: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
     """Build the token shards if they are not cached yet; return the cache folder (holding manifest.json)."""
     files = text_files(max_bytes)
@@ -83,12 +77,12 @@ def prepare(data_dir: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
         names = []
         for i, start in enumerate(range(0, max(len(tokens), 1), SHARD_TOKENS)):
             name = f"{split}-{i:05d}.npy"
-            _save_npy_atomic(folder / name, tokens[start:start + SHARD_TOKENS].copy())
+            with atomic_path(folder / name) as tmp, open(tmp, "wb") as fh:
+                np.save(fh, tokens[start:start + SHARD_TOKENS].copy())
             names.append(name)
         manifest["shards"][split] = {"files": names, "tokens": int(len(tokens))}
-    tmp = folder / f"manifest.json.tmp-{os.uname().nodename}-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, folder / "manifest.json")  # written last: its presence means the cache is complete
+    # written last: its presence means the cache is complete
+    write_json_atomic(folder / "manifest.json", manifest, indent=1)
     return folder
 
 
@@ -127,10 +121,3 @@ class TokenData:
         count = min(count, self.num_sequences)
         rows = [self.tokens[j * self.seq_len:(j + 1) * self.seq_len] for j in range(rank, count, ranks)]
         return np.stack(rows).astype(np.int64)
-
-
-if __name__ == "__main__":
-    where = prepare(sys.argv[1] if len(sys.argv) > 1 else "runs/.data")
-    info = json.loads((where / "manifest.json").read_text())
-    print(f"{where}: {info['files']} files, train {info['shards']['train']['tokens']:,} tokens, "
-          f"eval {info['shards']['eval']['tokens']:,} tokens")

@@ -76,7 +76,7 @@ class ExpertParallelMoE(MoE):
         x_sorted = tokens.index_select(0, order // self.top_k)
         local = self.num_experts // self.ep
         if self.ep == 1:
-            y_sorted = self.experts(x_sorted, counts.tolist())
+            y_sorted = self.experts(x_sorted, counts)
             return self.combine(y_sorted, order, weights, tokens.shape[0])
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.ep_group)  # [source rank, local expert]
@@ -88,7 +88,7 @@ class ExpertParallelMoE(MoE):
         seg_expert = torch.arange(local, device=counts.device).repeat(self.ep)
         row_expert = torch.repeat_interleave(seg_expert, recv_matrix.reshape(-1))
         regroup = torch.argsort(row_expert, stable=True)
-        y = self.experts(x_recv.index_select(0, regroup), recv_matrix.sum(0).tolist())
+        y = self.experts(x_recv.index_select(0, regroup), recv_matrix.sum(0))
         y_back = torch.empty_like(y).index_copy(0, regroup, y)
         y_sorted = _AllToAll.apply(y_back, recv_splits, send_splits, self.ep_group, self.timer)
         return self.combine(y_sorted, order, weights, tokens.shape[0])

@@ -43,6 +43,12 @@ SUPERVISE_POLL_S = 0.5  # how often the launcher looks at torchrun while it runs
 PARENT_POLL_S = 1.0  # how often a worker checks that its parent is alive where PR_SET_PDEATHSIG is unavailable
 PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The trainer measures one step's memory with torch's profiler (backend.memprof), which made every run print three
+# lines: kineto announces each profiler start and stop at its USDT log level (5, its highest, so only
+# KINETO_LOG_LEVEL=6 silences it), and c10's CPU allocator warns that frees of blocks allocated before profiling are
+# not reported, which memprof expects and accounts for (a c10 LOG(WARNING); TORCH_CPP_LOG_LEVEL=ERROR keeps errors).
+# Both are read when torch loads, so they go in the worker's environment; set them yourself to see the lines again.
+QUIET_PROFILER_ENV = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
 @dataclass(frozen=True)
@@ -98,11 +104,11 @@ def worker_command(plan_path: str, worker_args: list[str]) -> list[str]:
 
 def worker_env(extra: dict[str, str] | None = None, override: bool = False, *, ifname: str | None = None,
                nnodes: int = 1) -> dict[str, str]:
-    """The environment a worker runs in: one OpenMP thread and, on one node, gloo on loopback, unless the caller's
-    environment already says otherwise (override=True forces them, as the measurement suite does). `ifname` names
+    """The environment a worker runs in: one OpenMP thread, quiet profiler logging (QUIET_PROFILER_ENV) and, on one
+    node, gloo on loopback, unless the caller's environment already says otherwise (override=True forces them, as the measurement suite does). `ifname` names
     the network interface for gloo and NCCL (it wins over the environment)."""
     env = dict(os.environ)
-    defaults = {"OMP_NUM_THREADS": "1"}
+    defaults = {"OMP_NUM_THREADS": "1", **QUIET_PROFILER_ENV}
     if nnodes == 1 and ifname is None:
         defaults["GLOO_SOCKET_IFNAME"] = LOOPBACK_IFNAME
     for key, value in defaults.items():

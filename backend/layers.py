@@ -159,7 +159,7 @@ def apply_rope(x: Tensor, rot_dim: int, theta: float) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------------- init
 def default_init_std(d_model: int) -> float:
-    """Marin's init: truncated normal with std 0.5 / sqrt(hidden) (shared/reference/marin-535b.md)."""
+    """Marin's init: truncated normal with std 0.5 / sqrt(hidden) (marin experiments/grug/moe_hero_ep/model.py)."""
     return 0.5 / math.sqrt(d_model)
 
 

@@ -5,7 +5,8 @@
     logits = model(tokens)                                   # [B, S, vocab]
     loss, parts = next_token_loss(logits, tokens, z_loss_weight=1e-4)
 
-Structure (Marin 535B-A23B block, shared/reference/marin-535b.md; GPT models use the same skeleton):
+Structure (Marin 535B-A23B block: marin-community/marin issue 8435 and experiments/grug/moe_hero_ep/model.py;
+GPT models use the same skeleton):
     x = embed(tokens) [+ learned positions] [-> embed norm -> gated norm]
     per layer: x += conv_attn(attn(gnorm(norm(x))));  h = gnorm(norm(x));  x += conv_mlp(moe(h) or mlp(h))
     logits = head(gnorm(norm(x)))   (untied matrix, or the embedding when tied)

@@ -10,8 +10,9 @@ Forward, per token x (full width d_model):
 2. latent: the routed experts see RMSNorm(x W_down) (latent width, the RMSNorm has a gain); the weighted sum of
    their outputs is projected back with W_up (LatentMoE, arXiv 2601.18089). Without latent_dim they see x.
 3. `dispatch_compute_combine(tokens, expert_ids, weights)`: the seam. The default runs every expert locally: sort
-   the (token, expert) assignments by expert, run each expert over its contiguous slice (GroupedExperts), scale by
-   the combine weight and scatter-add back per token. An expert-parallel subclass overrides only this method
+   the (token, expert) assignments by expert once (argsort; counts by bincount), run the experts over their
+   contiguous slices as grouped GEMMs (GroupedExperts), scale by the combine weight and scatter back per token with
+   one index_add. An expert-parallel subclass overrides only this method
    (all_to_all_single the sorted rows with `counts` as split sizes, run its slice of GroupedExperts, send back) and
    reuses `sort_by_expert` / `combine`. Expert weights are stacked [E, ...] so a rank can own experts[e0:e1].
 4. shared experts: dense SwiGLU MLPs at full width applied to every token, added to the routed output.
@@ -37,6 +38,7 @@ from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.frontier_routing import group_limited, switch_aux_loss
 from rackcast.backend.layers import Mlp, Normal, RMSNorm
 from rackcast.modelspec import ModelSpec
+from rackcast.simulator.op_counts import GROUPED_MM_ALIGN_BYTES
 
 
 class Router(nn.Module):
@@ -62,12 +64,42 @@ class Router(nn.Module):
             return F.linear(x.float(), self.weight.float(), self.bias.float() if self.learned_bias else None)
 
 
+def _pad_to_alignment(t: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """Zero-pad `dims` of t so their length in bytes is a multiple of GROUPED_MM_ALIGN_BYTES (exact: the padded
+    rows and columns multiply by zeros); t itself when already aligned."""
+    unit = max(1, GROUPED_MM_ALIGN_BYTES // t.element_size())
+    pad = [0] * (2 * t.ndim)
+    for dim in dims:
+        pad[2 * (t.ndim - 1 - dim % t.ndim) + 1] = -t.shape[dim] % unit
+    return F.pad(t, pad) if any(pad) else t
+
+
+def grouped_matmul(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """Rows offs[e-1]..offs[e] of x [n, k] times w[e] [k, m] for every e, as one torch grouped_mm -> [n, m].
+
+    Computes in x's dtype (under autocast: the autocast dtype; grouped_mm is not on autocast's lists). Widths whose
+    rows are not a multiple of 16 bytes (structural twins, odd presets) are zero-padded first. grouped_mm's backward
+    needs a contiguous incoming gradient, so a hook makes it one.
+    """
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    k, m = w.shape[-2:]
+    xa = _pad_to_alignment(x.to(dtype), (1,))
+    wa = _pad_to_alignment(w.to(dtype), (1, 2))
+    y = F.grouped_mm(xa, wa, offs=offs)
+    if y.requires_grad:
+        y.register_hook(Tensor.contiguous)
+    return y[:, :m] if wa.shape[-1] != m else y
+
+
 class GroupedExperts(nn.Module):
     """E routed experts as stacked tensors: w_gate/w_up [E, dim, width], w_down [E, width, dim] (+ biases [E, .]).
 
-    forward(x_sorted, counts) runs expert e on rows sum(counts[:e]) .. sum(counts[:e+1]) of x_sorted, in a loop over
-    experts (a grouped GEMM kernel can replace the loop without changing the interface). len(counts) must equal the
-    number of experts this module holds, so an expert-parallel rank can hold a slice.
+    forward(x_sorted, counts) runs expert e on rows sum(counts[:e]) .. sum(counts[:e+1]) of x_sorted: each of the
+    MLP's matrices is one grouped GEMM over all experts (torch.nn.functional.grouped_mm with cumulative offsets;
+    empty experts are empty groups), as torchtitan's GroupedExperts. len(counts) must equal the number of experts
+    this module holds, so an expert-parallel rank can hold a slice. `reference_forward` is the per-expert Python
+    loop, kept as the test oracle.
     """
 
     OPTIM_GROUPS = {"b_gate": "adam", "b_up": "adam", "b_down": "adam"}  # biases are 2-D here; they are not matrices
@@ -94,6 +126,36 @@ class GroupedExperts(nn.Module):
             else:
                 nn.init.zeros_(p)
 
+    def _check(self, counts) -> Tensor:
+        counts = torch.as_tensor(counts)
+        if counts.numel() != self.num_experts:
+            raise ValueError(f"counts has {counts.numel()} entries for {self.num_experts} experts")
+        return counts
+
+    def forward(self, x_sorted: Tensor, counts: Tensor | list[int]) -> Tensor:
+        counts = self._check(counts).to(x_sorted.device)
+        if x_sorted.shape[0] == 0:  # no rows here: keep every expert weight in the graph so gradients exist (zeros)
+            anchor = sum(p.sum() for p in self.parameters(recurse=False)) * 0.0
+            return x_sorted.new_zeros(0, self.w_down.shape[-1]) + anchor
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        row_expert = None
+        if self.b_up is not None:  # per-expert biases: each row gathers its expert's
+            row_expert = torch.repeat_interleave(torch.arange(self.num_experts, device=counts.device), counts,
+                                                 output_size=x_sorted.shape[0])
+        up = grouped_matmul(x_sorted, self.w_up, offs)
+        if row_expert is not None:
+            up = up + self.b_up[row_expert]
+        if self.w_gate is not None:
+            gate = grouped_matmul(x_sorted, self.w_gate, offs)
+            if row_expert is not None:
+                gate = gate + self.b_gate[row_expert]
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(up)
+        y = grouped_matmul(h, self.w_down, offs)
+        return y + self.b_down[row_expert] if row_expert is not None else y
+
+    # ------------------------------------------------------------------------------------------------ oracle
     def _expert(self, e: int, x: Tensor) -> Tensor:
         up = x @ self.w_up[e]
         if self.b_up is not None:
@@ -108,15 +170,15 @@ class GroupedExperts(nn.Module):
         y = h @ self.w_down[e]
         return y + self.b_down[e] if self.b_down is not None else y
 
-    def forward(self, x_sorted: Tensor, counts: list[int]) -> Tensor:
-        if len(counts) != self.num_experts:
-            raise ValueError(f"counts has {len(counts)} entries for {self.num_experts} experts")
+    def reference_forward(self, x_sorted: Tensor, counts: Tensor | list[int]) -> Tensor:
+        """The same function as forward, one expert at a time in a Python loop (the test oracle; slow: each w[e]
+        index's backward materialises a full [E, ., .] gradient)."""
         outs, start = [], 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(self._check(counts).tolist()):
             if n:
                 outs.append(self._expert(e, x_sorted[start : start + n]))
                 start += n
-        if not outs:  # no rows here: keep every expert weight in the graph so gradients exist (as zeros)
+        if not outs:
             anchor = sum(p.sum() for p in self.parameters(recurse=False)) * 0.0
             return x_sorted.new_zeros(0, self.w_down.shape[-1]) + anchor
         return torch.cat(outs)
@@ -199,7 +261,7 @@ class MoE(nn.Module):
         """
         order, counts = self.sort_by_expert(expert_ids)
         x_sorted = tokens.index_select(0, order // self.top_k)
-        y_sorted = self.experts(x_sorted, counts.tolist())
+        y_sorted = self.experts(x_sorted, counts)
         return self.combine(y_sorted, order, weights, tokens.shape[0])
 
     # ------------------------------------------------------------------------------------------------ forward

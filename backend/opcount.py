@@ -1,33 +1,33 @@
 """Count the framework ops (aten calls, as torch's dispatcher sees them) the backend runs for one micro-batch of a
 model, split by where they run, and for one optimizer step. With the measured host time per op
 (EfficiencyProfile.host_op_s, from `rackcast calibrate`), simulator.host_overhead turns the counts into the host
-overhead of a plan's step: the cost that dominates when kernels are tiny (small models on a CPU). simulator.op_counts
-runs this module's CLI in a subprocess and caches its output (the simulator does not import torch).
+overhead of a plan's step: the cost that dominates when kernels are tiny (small models on a CPU). The simulator reads
+the counts as data (simulator.op_counts): this module writes them, into the op-count cache (`count_into_cache`, for a
+model of one's own) or into the table packaged with the simulator (`write_count_table`, its TABLE_MODELS).
 
 Counts (one micro-batch, forward; backward as one ratio, since autograd runs outside module hooks): embed
 (embedding and its norms), per layer (including its routed experts), per layer the routed experts alone (the
-GroupedExperts loop, which a rank holding E/ep experts runs for E/ep of them), head (final norm, head and loss);
+GroupedExperts grouped GEMMs, the same ops whatever the number of experts a rank holds), head (final norm, head and
+loss);
 bwd_over_fwd; optimizer ops for one step with the plan's optimizer and the parameter tensors. Op counts do not
 depend on sizes (only on the structure), so a short sequence (simulator.op_counts.COUNT_SEQ tokens) is counted on
 the model's structural twin (simulator.op_counts.structural_twin: the same structure at widths of a few units, so a
-535B preset counts in about ten seconds; twin=False counts the model as given). The loop runs over every expert, as in a
-training micro-batch of thousands of tokens: each MoE layer's routing is replaced, after it has run, by a balanced
-assignment (token t's k-th choice is expert (t K + k) mod E) over enough sequences that every expert gets a row, so
-the count does not depend on which experts a few random tokens happen to reach.
+535B preset counts in about ten seconds; twin=False counts the model as given). Every expert gets rows (no empty
+grouped-GEMM group), as in a training micro-batch of thousands of tokens: each MoE layer's routing is replaced,
+after it has run, by a balanced assignment (token t's k-th choice is expert (t K + k) mod E) over enough sequences
+that every expert gets a row, so the count does not depend on which experts a few random tokens happen to reach.
 
-    .venv/bin/python -m rackcast.backend.opcount tiny-moe            # prints the counts as JSON
-    .venv/bin/python -m rackcast.backend.opcount path/to/model.yaml --optimizer adamw
-    .venv/bin/python -m rackcast.backend.opcount - < spec.json       # a ModelSpec's data (JSON or YAML) on stdin
+    rackcast calibrate --op-counts path/to/model.yaml       # count_into_cache, both optimizers
+    rackcast calibrate --op-counts-table                     # write_count_table: regenerate simulator/op_counts.json
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import statistics
-import sys
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,6 +37,7 @@ from rackcast.backend.moe import GroupedExperts, MoE
 from rackcast.backend.optim import build_optimizer
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import load_model
+from rackcast.simulator import op_counts as data
 from rackcast.simulator.op_counts import COUNT_SEQ, structural_twin
 
 
@@ -179,22 +180,28 @@ def host_seconds_per_op(model: str = "tiny-moe", optimizer: str = "muonh", seq: 
             "host_op_s": {p: seconds[p] / ops[p] for p in parts}}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="rackcast.backend.opcount", description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="model preset name, model YAML path, or - for a ModelSpec's data on stdin")
-    ap.add_argument("--optimizer", default="muonh", choices=("muonh", "adamw"))
-    args = ap.parse_args(argv)
-    model = args.model
-    if model == "-":
-        import yaml
-
-        from rackcast.strict import from_data
-
-        model = from_data(ModelSpec, yaml.safe_load(sys.stdin.read()), where="<stdin>")
-    torch.set_num_threads(1)
-    print(json.dumps(count_ops(model, args.optimizer)))
-    return 0
+OPTIMIZERS = ("muonh", "adamw")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def count_into_cache(model, optimizers: tuple[str, ...] = OPTIMIZERS) -> list[Path]:
+    """Count a model (preset name, YAML path or ModelSpec) with each optimizer and write the counts into the op-count
+    cache, where the simulator reads them (simulator.op_counts.store); returns the files written."""
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    return [data.store(spec, opt, count_ops(spec, opt)) for opt in optimizers]
+
+
+def write_count_table(models: list[str], optimizers: tuple[str, ...] = OPTIMIZERS, path: Path = data.TABLE_PATH,
+                      progress: Callable[[str], None] | None = None) -> int:
+    """Count every model (preset names or YAML paths) with each optimizer and write the simulator's packaged table
+    (simulator.op_counts.write_table); models of one structure are counted once. Returns the entries written."""
+    entries: dict[str, dict] = {}
+    for name in models:
+        spec = load_model(name)
+        for opt in optimizers:
+            key = data.cache_key(spec, opt)
+            if key not in entries:
+                if progress:
+                    progress(f"{spec.name} ({opt})")
+                entries[key] = count_ops(spec, opt)
+    data.write_table(entries, torch.__version__, path)
+    return len(entries)

@@ -10,11 +10,14 @@ Groups, assigned by `param_groups(model)`; the first rule that matches wins:
    dense MLPs, latent down/up projections, gated-norm matrices) -> muonh.
 Tied weights appear once (the tied head is the embedding: adam).
 
-Rules (shared/reference/marin-535b.md, marin experiments/grug/moe_hero_ep/optimizer.py):
-- muonh: Nesterov momentum (buf = mu*buf + g; u = g + mu*buf), then 5 quintic Newton-Schulz steps with the
-  coefficients (3.4445, -4.7750, 2.0315) (Jordan et al., Muon), then the hyperball step.
+Rules (Marin 535B-A23B, https://github.com/marin-community/marin/issues/8435 and its
+experiments/grug/moe_hero_ep/optimizer.py):
+- muonh: Nesterov momentum (buf = mu*buf + g; u = g + mu*buf), then NEWTON_SCHULZ_STEPS (rackcast.vocab)
+  quintic Newton-Schulz steps with the coefficients (3.4445, -4.7750, 2.0315) (Jordan et al., Muon), then the
+  hyperball step; the matrices of one shape
+  (expert stacks split into their matrices) run both as one batch (muonh_update_).
 - adamh: the Adam direction m_hat / (sqrt(v_hat) + eps), then the hyperball step, at the MuonH learning rate.
-- adam: plain Adam at adam_lr.
+- adam: plain Adam at adam_lr. Moments and steps over a group run as foreach ops (one call per op for all tensors).
 - hyperball: W' = W - lr * U * |W|_F / max(|U|_F, 1e-10); W_new = W' * |W|_F / max(|W'|_F, 1e-10), per matrix,
   and per expert (norms over the last two dims) for [E, ., .] stacks, so each matrix keeps its Frobenius norm.
 No weight decay and no gradient clipping in MuonH (Marin). State: one momentum buffer per muonh parameter, two
@@ -31,6 +34,8 @@ from typing import Callable, Literal
 
 import torch
 from torch import Tensor, nn
+
+from rackcast.vocab import NEWTON_SCHULZ_STEPS
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan's Muon)
 NORM_FLOOR = 1e-10  # Marin: max(|U|_F, 1e-10)
@@ -79,7 +84,7 @@ def param_groups(model: nn.Module) -> dict[GroupName, list[nn.Parameter]]:
 
 
 # -------------------------------------------------------------------------------------------------- MuonH
-def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+def newton_schulz(g: Tensor, steps: int = NEWTON_SCHULZ_STEPS, eps: float = 1e-7) -> Tensor:
     """Approximately orthogonalise each matrix of g [..., m, n] (singular values pushed into about [0.7, 1.2]).
 
     The quintic iteration X <- aX + (b A + c A^2) X with A = X X^T, after scaling X to unit Frobenius norm; run on
@@ -97,6 +102,28 @@ def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     return x if wide else x.mT
 
 
+def orthogonalise(u: Tensor, steps: int = 5) -> Tensor:
+    """newton_schulz on whole matrices, also for FSDP2 shards (DTensors sharded along dim 0).
+
+    A 3-D expert stack [E, m, n] sharded along E holds whole matrices on each rank: orthogonalised locally, no
+    communication. A 2-D matrix sharded along its rows needs the whole matrix: its update is all-gathered
+    (full_tensor: (shards - 1) / shards of the matrix's fp32 bytes received per rank), orthogonalised on every rank
+    (the same result everywhere), and each rank keeps its own rows (no communication). The hyperball step that
+    follows needs the Frobenius norms of W, U and W' over the whole matrix: DTensor reduces them (three scalar
+    all-reduces per matrix).
+    """
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if not isinstance(u, DTensor):
+        return newton_schulz(u, steps)
+    within_matrices = any(isinstance(pl, Shard) and pl.dim >= u.ndim - 2 for pl in u.placements)
+    if not within_matrices:
+        local = newton_schulz(u.to_local(), steps)
+        return DTensor.from_local(local, u.device_mesh, u.placements, shape=u.shape, stride=u.stride())
+    return distribute_tensor(newton_schulz(u.full_tensor(), steps), u.device_mesh, u.placements,
+                             src_data_rank=None)
+
+
 def _fro(t: Tensor) -> Tensor:
     """Frobenius norm of each matrix (over the last two dims), kept broadcastable; whole-tensor for 1-D."""
     if t.ndim < 2:
@@ -104,14 +131,20 @@ def _fro(t: Tensor) -> Tensor:
     return torch.linalg.matrix_norm(t, keepdim=True)
 
 
-@torch.no_grad()
-def hyperball_step_(p: Tensor, update: Tensor, lr: float) -> None:
-    """Move p along `update` by lr of its own norm, then project back onto its Frobenius sphere (per matrix)."""
-    w = p.float()
+def hyperball(w: Tensor, update: Tensor, lr: float) -> Tensor:
+    """W moved along `update` by lr of its own norm, then projected back onto its Frobenius sphere (per matrix),
+    in fp32."""
+    w = w.float()
     u = update.float()
     w_norm = _fro(w)
     moved = w - lr * u * (w_norm / _fro(u).clamp(min=NORM_FLOOR))
-    p.copy_(moved * (w_norm / _fro(moved).clamp(min=NORM_FLOOR)))
+    return moved * (w_norm / _fro(moved).clamp(min=NORM_FLOOR))
+
+
+@torch.no_grad()
+def hyperball_step_(p: Tensor, update: Tensor, lr: float) -> None:
+    """Move p along `update` by lr of its own norm, then project back onto its Frobenius sphere (per matrix)."""
+    p.copy_(hyperball(p, update, lr))
 
 
 class MuonH(torch.optim.Optimizer):
@@ -126,7 +159,7 @@ class MuonH(torch.optim.Optimizer):
         eps: float = 1e-8,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_steps: int = 5,
+        ns_steps: int = NEWTON_SCHULZ_STEPS,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
         super().__init__(groups, defaults)
@@ -143,40 +176,115 @@ class MuonH(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if group["kind"] == "muonh":
-                    self._muonh(p, group)
-                else:
-                    self._adam(p, group)
+            has_grad = [p.grad is not None for p in group["params"]]
+            params = [p for p, g in zip(group["params"], has_grad) if g]
+            if not params:
+                continue
+            if group["kind"] == "muonh":
+                roles = group.get("roles") or [""] * len(has_grad)
+                self._muonh(params, [r for r, g in zip(roles, has_grad) if g], group)
+            else:
+                self._adam(params, group)
         return loss
 
-    def _muonh(self, p: Tensor, group: dict) -> None:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        buf, mu = state["momentum_buffer"], group["momentum"]
-        buf.mul_(mu).add_(p.grad)
-        u = p.grad.add(buf, alpha=mu) if group["nesterov"] else buf
-        hyperball_step_(p, newton_schulz(u, group["ns_steps"]), group["lr"])
+    def _muonh(self, params: list[Tensor], roles: list[str], group: dict) -> None:
+        """Nesterov momentum over the group with foreach ops, then Newton-Schulz and the hyperball step: batched
+        over the matrices of one role and shape (muonh_update_) for plain tensors, one matrix at a time through
+        orthogonalise for FSDP2 shards (DTensors), whose whole matrices must be gathered first."""
+        grads = [p.grad for p in params]
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            bufs.append(state["momentum_buffer"])
+        mu = group["momentum"]
+        plain, sharded = _split_sharded(range(len(params)), params)
+        for idx in (plain, sharded):  # foreach ops take lists of one tensor kind
+            if idx:
+                torch._foreach_mul_([bufs[i] for i in idx], mu)
+                torch._foreach_add_([bufs[i] for i in idx], [grads[i] for i in idx])
+        updates = [g.add(b, alpha=mu) if group["nesterov"] else b for g, b in zip(grads, bufs)]
+        if plain:
+            muonh_update_([params[i] for i in plain], [updates[i] for i in plain], group["lr"], group["ns_steps"],
+                          [roles[i] for i in plain] if roles else None)
+        for i in sharded:
+            hyperball_step_(params[i], orthogonalise(updates[i], group["ns_steps"]), group["lr"])
 
-    def _adam(self, p: Tensor, group: dict) -> None:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
-        (b1, b2), t, g = group["betas"], state["step"], p.grad
-        state["exp_avg"].lerp_(g, 1 - b1)
-        state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-        denom = (state["exp_avg_sq"] / (1 - b2**t)).sqrt_().add_(group["eps"])
-        direction = (state["exp_avg"] / (1 - b1**t)) / denom
-        if group["kind"] == "adamh":
-            hyperball_step_(p, direction, group["lr"])
-        else:
-            p.add_(direction, alpha=-group["lr"])
+    def _adam(self, params: list[Tensor], group: dict) -> None:
+        """Adam moments and direction m_hat / (sqrt(v_hat) + eps) over the group with foreach ops (one kernel per
+        op for all its tensors), then the Adam step or, for adamh, the hyperball step."""
+        for p in params:
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+        by_step: dict[tuple, list[Tensor]] = {}  # bias corrections differ only where a parameter missed steps
+        for p in params:  # foreach ops take lists of one tensor kind (plain or FSDP2 DTensor)
+            by_step.setdefault((self.state[p]["step"], _is_sharded(p)), []).append(p)
+        (b1, b2), eps = group["betas"], group["eps"]
+        for (t, _), ps in by_step.items():
+            grads = [p.grad for p in ps]
+            exp_avg = [self.state[p]["exp_avg"] for p in ps]
+            exp_avg_sq = [self.state[p]["exp_avg_sq"] for p in ps]
+            torch._foreach_lerp_(exp_avg, grads, 1 - b1)
+            torch._foreach_mul_(exp_avg_sq, b2)
+            torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - b2)
+            denom = torch._foreach_div(exp_avg_sq, 1 - b2**t)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            direction = torch._foreach_div(exp_avg, 1 - b1**t)
+            torch._foreach_div_(direction, denom)
+            if group["kind"] == "adamh":
+                for p, u in zip(ps, direction):
+                    hyperball_step_(p, u, group["lr"])
+            else:
+                torch._foreach_add_(ps, direction, alpha=-group["lr"])
+
+
+def _is_sharded(t: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _split_sharded(indices, params: list[Tensor]) -> tuple[list[int], list[int]]:
+    """The indices of plain tensors and of FSDP2 DTensors among `params`."""
+    plain = [i for i in indices if not _is_sharded(params[i])]
+    return plain, [i for i in indices if _is_sharded(params[i])]
+
+
+def _matrices(t: Tensor) -> Tensor:
+    """t [..., m, n] as a stack of matrices [N, m, n] (a view: copies back into it reach the parameter)."""
+    return t.view(-1, *t.shape[-2:])
+
+
+def parameter_role(name: str) -> str:
+    """A parameter's name without its layer and chunk indices ("layers.3.attn.q.weight" -> "layers.attn.q.weight"):
+    the same matrix in every layer."""
+    return ".".join(part for part in name.split(".") if not part.isdigit())
+
+
+@torch.no_grad()
+def muonh_update_(params: list[Tensor], updates: list[Tensor], lr: float, ns_steps: int,
+                  roles: list[str] | None = None) -> None:
+    """For every matrix of `params` (2-D ones, and each [m, n] of a stacked [E, m, n]): orthogonalise its update
+    with newton_schulz and take the hyperball step. The matrices of one role (parameter_role: the same parameter of
+    every layer) and shape go through both as one batch (one chain of batched matmuls per batch, not one per
+    matrix), then are copied back into their parameters. Batching by role rather than by shape alone keeps the
+    number of batches, and so the op count, a matter of the model's structure, not of which of its widths happen to
+    be equal (simulator.op_counts counts on a twin with other widths)."""
+    batches: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        batches.setdefault((roles[i] if roles else "", tuple(p.shape[-2:])), []).append(i)
+    for idx in batches.values():
+        ws = [_matrices(params[i]) for i in idx]
+        u = torch.cat([_matrices(updates[i]) for i in idx]) if len(idx) > 1 else _matrices(updates[idx[0]])
+        w = torch.cat(ws) if len(idx) > 1 else ws[0]
+        new = hyperball(w, newton_schulz(u, ns_steps), lr)
+        torch._foreach_copy_(ws, list(new.split([m.shape[0] for m in ws])))
 
 
 # -------------------------------------------------------------------------------------------------- factory
@@ -190,7 +298,7 @@ def build_optimizer(
     eps: float = 1e-8,
     momentum: float = 0.95,
     nesterov: bool = True,
-    ns_steps: int = 5,
+    ns_steps: int = NEWTON_SCHULZ_STEPS,
     weight_decay: float = ADAMW_WEIGHT_DECAY,
 ) -> torch.optim.Optimizer:
     """MuonH (lr: MuonH/AdamH rate, adam_lr: the Adam group's; Marin's run values by default) or AdamW (lr only).
@@ -202,8 +310,9 @@ def build_optimizer(
     if name == "muonh":
         lr = MARIN_LR if lr is None else lr
         adam_lr = MARIN_ADAM_LR if adam_lr is None else adam_lr
+        roles = [parameter_role(n) for n, g in param_group_names(model).items() if g == "muonh"]  # params' order
         spec = [
-            {"params": groups["muonh"], "kind": "muonh", "lr": lr},
+            {"params": groups["muonh"], "kind": "muonh", "lr": lr, "roles": roles},
             {"params": groups["adamh"], "kind": "adamh", "lr": lr},
             {"params": groups["adam"], "kind": "adam", "lr": adam_lr},
         ]
@@ -215,7 +324,7 @@ def build_optimizer(
             {"params": groups["muonh"] + groups["adamh"], "kind": "decay", "weight_decay": weight_decay},
             {"params": groups["adam"], "kind": "no_decay", "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW([g for g in spec if g["params"]], lr=lr, betas=betas, eps=eps)
+        return torch.optim.AdamW([g for g in spec if g["params"]], lr=lr, betas=betas, eps=eps, foreach=True)
     raise ValueError(f"unknown optimizer {name!r} (use 'muonh' or 'adamw')")
 
 

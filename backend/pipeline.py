@@ -18,8 +18,9 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from rackcast.backend.parallel import SCHEDULES, Layout, PhaseTimer
+from rackcast.backend.parallel import Layout, PhaseTimer
 from rackcast.layout import rank_chunks
+from rackcast.vocab import TORCH_SCHEDULE_CLASSES
 
 
 class StageChunk(nn.Module):
@@ -101,7 +102,7 @@ class Pipeline:
             for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, method, _timed(getattr(stage, method), timer, "pipeline_stage_work"))
             self.stages.append(stage)
-        cls = getattr(schedules, SCHEDULES[schedule])
+        cls = getattr(schedules, TORCH_SCHEDULE_CLASSES[schedule])
         single = issubclass(cls, schedules.PipelineScheduleSingle)
         target = self.stages[0] if single else self.stages
         self.schedule = cls(target, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -2,8 +2,8 @@
 
 Files in the run folder:
 - metrics.parquet: one row per optimizer step: step, loss, ce, z_loss, eval_loss (NaN except at eval steps), lr,
-  step_time_s, tokens_per_s, mfu, phase_<name>_s for every simulator phase (simulator.estimate.PHASES, plus
-  "other"), peak_memory_bytes (largest over ranks so far; NaN on CPU until the measured step), peak_rss_bytes,
+  step_time_s, tokens_per_s, mfu, phase_<name>_s for every simulator phase (rackcast.vocab.MEASURED_PHASES:
+  the simulator's phases plus "other"), peak_memory_bytes (largest over ranks so far; NaN on CPU until the measured step), peak_rss_bytes,
   memory_profiled (the step whose memory the profiler measured, slowed down by it), drop_fraction, plan_hash
   (rackcast.plan.inputs_hash). step_time_s and the phases are means over ranks; slowest_rank is the rank whose step
   took longest, step_time_slowest_s its step time and phase_<name>_slowest_s its phases (the critical path).
@@ -30,30 +30,21 @@ Python and torch runtime (about 220 MiB) and allocator slack.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
 from pathlib import Path
 
-KIB = 1024  # ru_maxrss is in KiB on Linux
-PHASES = ("compute", "exposed_expert_a2a", "exposed_tensor_comm", "exposed_fsdp_gather", "pipeline_p2p",
-          "pipeline_bubble", "exposed_dp_comm", "optimizer", "host_transfer", "other")
-
-
-def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+from rackcast.atomic import atomic_path
+from rackcast.units import KIB
+from rackcast.vocab import MEASURED_PHASES
 
 
 def write_parquet_atomic(path: Path, columns: dict[str, list]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tmp = path.with_name(f"{path.name}.tmp")
-    pq.write_table(pa.table(columns), tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.table(columns), tmp)
 
 
 def write_metrics(run_dir: Path, rows: list[dict]) -> None:
@@ -95,7 +86,7 @@ def _critical_path(steady: list[dict]) -> dict:
     """Medians of the slowest rank's step time and phases, and the rank that was slowest most often."""
     ranks = [r["slowest_rank"] for r in steady if r.get("slowest_rank") is not None]
     return {"step_time_s": _median(steady, "step_time_slowest_s"),
-            "phases_s": {p: _median(steady, f"phase_{p}_slowest_s") for p in PHASES},
+            "phases_s": {p: _median(steady, f"phase_{p}_slowest_s") for p in MEASURED_PHASES},
             "slowest_rank": statistics.mode(ranks) if ranks else None}
 
 
@@ -103,7 +94,7 @@ def summary(rows: list[dict], **info) -> dict:
     """record.json's content from the metric rows (medians skip the first step, which includes warm-up, and the
     memory-profiled step)."""
     steady = steady_rows(rows)
-    phases = {p: _median(steady, f"phase_{p}_s") for p in PHASES}
+    phases = {p: _median(steady, f"phase_{p}_s") for p in MEASURED_PHASES}
     evals = [r for r in rows if not math.isnan(r["eval_loss"])]
     out = {
         **info,
@@ -139,4 +130,4 @@ def peak_rss_bytes() -> int:
     """The process's peak resident set (includes the Python and torch runtime)."""
     import resource
 
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * KIB
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * KIB  # ru_maxrss is in KiB on Linux

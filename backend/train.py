@@ -38,9 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rackcast.atomic import write_json_atomic
 from rackcast.backend import checkpoint, memprof, record
 from rackcast.backend.attached_loss import AttachedLoss
-from rackcast.backend.balancing import DEFAULT_BINS, AuxFreeBiasBalancer, QuantileBalancer
+from rackcast.backend.balancing import AuxFreeBiasBalancer, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
 from rackcast.backend.launch import exit_with_parent
@@ -48,10 +49,15 @@ from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
+from rackcast.backend.fsdp import set_gradient_sync, shard_model
+from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
+from rackcast.backend.recompute import apply_recompute
+from rackcast.backend.cpu_runtime import configure_cpu_process
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import inputs_hash, load_plan
+from rackcast.vocab import BALANCE_BINS, MEASURED_PHASES
 
 EVAL_SEQUENCES = 16
 MEMORY_STEP = 2  # index, among this process's steps, of the step whose peak live tensor bytes are measured on CPU
@@ -74,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data-dir", default="runs/.data")
     ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end only)")
     ap.add_argument("--log-every", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per process (0: backend.cpu_runtime.default_threads)")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args(argv)
 
@@ -118,9 +125,9 @@ class Trainer:
             raise RackcastError(f"parallel: the plan needs {self.plan.parallel.gpus} processes, the launcher "
                                 f"started {launched}", where=args.plan)
         self.rank, self.world, self.device = init_distributed()
+        self.threads = 0
         if self.device.type == "cpu":
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local))
+            self.threads = configure_cpu_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), args.threads)
         self.cuda = self.device.type == "cuda"
         self.layout = lay = Layout.of(self.plan, self.rank)
         self.groups = Groups(lay, self.device) if self.world > 1 else None
@@ -130,7 +137,11 @@ class Trainer:
         self.plan_hash = inputs_hash(self.plan)
         torch.manual_seed(self.plan.seed)
 
-        model = build_model(spec, seed=self.plan.seed, device=self.device)
+        if self.plan.attention_kernel == "materialized":  # SDPA's math backend only: the score matrix is held
+            for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp,
+                           torch.backends.cuda.enable_cudnn_sdp):
+                enable(False)  # these flags pick the SDPA kernel on CPU too (what nn.attention.sdpa_kernel sets)
+        model = build_model(spec, seed=self.plan.seed, device=self.device, combine_sum=self.plan.combine_sum)
         et = self.plan.expert_transport
         capacity = et.capacity_factor if et.mode == "capacity" else None
         self.moes = []
@@ -138,6 +149,7 @@ class Trainer:
             self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
                                       self.timer)
         self.chunks = build_chunks(model, lay, self.plan.schedule)
+        apply_recompute(self.chunks, self.plan.recompute)
         self.chunk_index = chunk_ids(lay, self.plan.schedule)
         self.local = nn.ModuleList(self.chunks)
         # Keep only the MoE layers this rank's stages hold: a reference to the others would keep the whole model's
@@ -147,33 +159,50 @@ class Trainer:
         del model
         self.view = checkpoint.global_view(self.chunks)  # this rank's parameters under the full model's names
         self.saver = checkpoint.Saver(self.out, asynchronous=args.async_checkpoint)
-        self.wrapped = self.chunks if lay.pp > 1 else [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
+        self.fsdp = lay.fsdp > 1
+        self.experts_sharded = self.fsdp and shard_model(self.chunks, self.groups, lay, self.plan, self.device)
+        # FSDP2 shards each rank's expert-parallel slice again; DCP would need both splits of the expert dimension
+        # recorded (an expert-parallel Shard inside an FSDP Shard), which checkpoint._globalise does not build yet.
+        self.can_checkpoint = not (self.experts_sharded and lay.ep > 1)
+        if not self.can_checkpoint and (args.checkpoint_every or args.resume):
+            raise RackcastError("checkpoint_every/resume: checkpoints of FSDP-sharded expert stacks with expert "
+                                "parallelism are not supported yet (fsdp > 1 with expert > 1)", option="checkpoint_every")
+        if not self.can_checkpoint and self.rank == 0 and not args.quiet:
+            print("note: no checkpoint is written (FSDP-sharded expert stacks with expert parallelism)", flush=True)
+        if self.fsdp or lay.pp > 1:
+            self.wrapped = self.chunks
+        else:
+            self.wrapped = [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
         o = self.plan.optimizer
-        self.optimizer = build_optimizer(self.local, o.name, lr=o.lr, adam_lr=o.adam_lr if o.name == "muonh" else None)
+        self.optimizer = build_optimizer(self.local, o.name, lr=o.lr, adam_lr=o.adam_lr if o.name == "muonh" else None,
+                                         betas=tuple(o.betas), eps=o.eps, momentum=o.momentum,
+                                         weight_decay=o.weight_decay)
+        if o.state_location == "host":
+            self.optimizer = HostOptimizer(self.optimizer)
         for g in self.optimizer.param_groups:
             g["initial_lr"] = g["lr"]
-        self.lr_factor = marin_lr_lambda(args.steps)
+        self.lr_factor = marin_lr_lambda(args.steps, o.warmup_fraction, o.lr_floor)
         dp_group = self.groups.dp if self.groups else None
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
         reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)) if dp_group else None
         if spec.moe is not None and spec.moe.balance_method == "aux_free_bias":
             self.balancer = AuxFreeBiasBalancer(self.local, spec.moe.bias_update_rate, reduce_counts=reduce_sum)
         else:
-            self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else DEFAULT_BINS,
+            self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else BALANCE_BINS,
                                              reduce_counts=reduce_sum, reduce_max=reduce_max)
         self.microbatches = self.plan.microbatches
         AttachedLoss.backward_scale = 1.0 / self.microbatches  # MTP and auxiliary losses, as the main loss is scaled
         self.pipe = None
         if lay.pp > 1:
             self.pipe = Pipeline(self.wrapped, self.chunk_index, lay, self.plan.schedule, self.microbatches,
-                                 lambda out, tgt: next_token_loss(out, None, targets=tgt)[0], self.groups.pp,
+                                 lambda out, tgt: self._loss(out, None, tgt)[0], self.groups.pp,
                                  self.device, self.timer)
         self.has_last = lay.pp * lay.virtual - 1 in self.chunk_index
         self.routing = torch.zeros(spec.layers, spec.moe.experts if spec.moe else 1, dtype=torch.int64)
         self.rows: list[dict] = []
         self.start_step = 0
         topo = self.plan.topology_spec()
-        self.peak_dtype = "bf16" if self.cuda else "fp32"  # the dtype matmuls run in (CUDA: bf16 autocast)
+        self.peak_dtype = "bf16" if self.plan.precision == "bf16" else "fp32"  # the dtype matmuls run in
         self.param_dtype = DTYPE_NAMES.get(next(self.local.parameters()).dtype, "other")
         self.memory_measure = "cuda max_memory_allocated" if self.cuda else "torch profiler live tensor bytes"
         self.memory_peak = -1.0  # CPU: the measured peak live tensor bytes of this rank (-1: not measured yet)
@@ -194,8 +223,18 @@ class Trainer:
         self.eval_data = TokenData(folder, "eval", self.spec.seq_len, seed=self.plan.seed)
 
     # ------------------------------------------------------------------------------------------------ step
+    def _loss(self, logits, tokens, targets):
+        return next_token_loss(logits, tokens, targets=targets, z_loss_weight=self.plan.z_loss_weight)
+
     def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
+        """The plan's precision: bf16 autocast on CUDA or CPU, none for fp32."""
+        if self.plan.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _to_device(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Host batch -> device: on CUDA through pinned memory, copied without blocking the host."""
+        return tokens.pin_memory().to(self.device, non_blocking=True) if self.cuda else tokens
 
     def _cpp_storages(self) -> list[tuple[int, int]]:
         """(address, bytes) of storages only C++ holds between steps: DDP's gradient buckets (backend.parallel)."""
@@ -205,8 +244,8 @@ class Trainer:
         lay = self.layout
         for w in self.wrapped:
             getattr(w, "gradient_buckets", {}).clear()  # refilled by this step's backward
-        tokens = torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp))
-        tokens = tokens.to(self.device)
+        tokens = self._to_device(
+            torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp)))
         targets = _targets(tokens)
         loss_sum = ce_sum = z_sum = 0.0
         count = 0
@@ -224,15 +263,18 @@ class Trainer:
             module = self.wrapped[0]
             for i, (x, y) in enumerate(zip(tokens.chunk(self.microbatches), targets.chunk(self.microbatches))):
                 sync = i == self.microbatches - 1 or not hasattr(module, "no_sync")
+                if self.fsdp:
+                    set_gradient_sync(self.chunks, i == self.microbatches - 1)
                 with (contextlib.nullcontext() if sync else module.no_sync()), self._autocast():
-                    loss, parts = next_token_loss(module(x), x, targets=y)
+                    loss, parts = self._loss(module(x), x, y)
                 (loss / self.microbatches).backward()
                 loss_sum, ce_sum, z_sum = loss_sum + loss.item(), ce_sum + parts["ce"].item(), \
                     z_sum + parts["z_loss"].item()
                 count += 1
             self.timer.add("fwd_bwd", self.timer.now() - t0)
         if self.groups is not None:
-            reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None)
+            reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None and not self.fsdp,
+                         experts=not self.experts_sharded)
         t1 = self.timer.now()
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * self.lr_factor(step)
@@ -256,10 +298,10 @@ class Trainer:
         if self.pipe is not None:
             return math.nan
         lay = self.layout
-        tokens = torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)).to(self.device)
+        tokens = self._to_device(torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)))
         self.local.eval()
         with self._autocast():
-            loss, _ = next_token_loss(self.chunks[0](tokens), tokens, targets=_targets(tokens))
+            loss, _ = self._loss(self.chunks[0](tokens), tokens, _targets(tokens))
         self.local.train()
         for chunk in self.chunks:
             for layer in chunk.layers.values():
@@ -296,7 +338,7 @@ class Trainer:
         extra = {"step": step, "routing": routing, f"rng.{self.rank}": torch.get_rng_state()}
         if self.rank == 0:
             extra["rows"] = json.dumps(self.rows)  # one string: exact floats, NaN kept
-        self.saver.save(step, self.view, self.optimizer, extra, self._checkpoint_info(), self._shard_of(),
+        self.saver.save(step, self.view, getattr(self.optimizer, "inner", self.optimizer), extra, self._checkpoint_info(), self._shard_of(),
                         fail_hook=lambda where: self.fail(where))
         if self.rank == 0:
             record.write_metrics(self.out, self.rows)
@@ -304,16 +346,19 @@ class Trainer:
     def resume(self) -> None:
         folder = checkpoint.latest_complete(self.out)
         if folder is None:
-            raise RackcastError(f"--resume: {self.out} holds no complete checkpoint to continue from")
+            raise RackcastError(f"resume: {self.out} holds no complete checkpoint to continue from", option="resume")
         problem = checkpoint.resume_problem(folder, self.plan)
         if problem:
-            raise RackcastError(f"--resume: {folder} {problem}", where=self.args.plan)
+            raise RackcastError(f"resume: {folder} {problem}", where=self.args.plan, option="resume")
         own_rng = f"rng.{self.rank}"
         wanted = {"step": 0, "routing": torch.zeros_like(self.routing), own_rng: torch.get_rng_state(),
                   "rng.0": torch.get_rng_state()}
         if self.rank == 0:
             wanted["rows"] = ""
-        got = checkpoint.load(folder, self.view, self.optimizer, wanted, self._shard_of())
+        got = checkpoint.load(folder, self.view, getattr(self.optimizer, "inner", self.optimizer), wanted,
+                              self._shard_of())
+        if hasattr(self.optimizer, "sync_from_device"):
+            self.optimizer.sync_from_device()  # host copies of the loaded weights
         torch.set_rng_state(got.get(own_rng, got["rng.0"]))  # a rank the saving run did not have takes rank 0's
         self.routing = got["routing"] if self.rank == 0 else torch.zeros_like(self.routing)
         self.rows = json.loads(got["rows"]) if self.rank == 0 else []
@@ -327,7 +372,7 @@ class Trainer:
 
     def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time) -> dict:
         dropped, assigned = pop_drop_counts(self.moes)
-        names = list(record.PHASES)
+        names = list(MEASURED_PHASES)
         # Every rank's figures, one row per rank (a sum of rows that are zero elsewhere), so the record keeps the
         # slowest rank's step and phases (the critical path) beside the means.
         per_rank = torch.zeros(self.world, 7 + len(names), dtype=torch.float64)
@@ -406,7 +451,7 @@ class Trainer:
                 print(f"step {step + 1:>5}/{args.steps}  loss {row['loss']:.4f}{ev}  "
                       f"tok/s {row['tokens_per_s']:,.0f}  mfu {100 * row['mfu']:.2f}%  "
                       f"step {row['step_time_s']:.3f}s", flush=True)
-            if last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0):
+            if self.can_checkpoint and (last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
                 self.save(step + 1)
         if profiler is not None:
             profiler.stop()
@@ -432,15 +477,15 @@ class Trainer:
                 "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
                            "virtual": p.virtual, "schedule": self.plan.schedule,
                            "expert_transport": self.plan.expert_transport.mode,
-                           "data_parallel": "ddp" if p.pipeline == 1 else "flat all-reduce"},
-                "torch": torch.__version__, "tokens_per_step": self.tokens_per_step,
+                           "data_parallel": "fsdp2" if p.fsdp > 1 else "ddp" if p.pipeline == 1 else "flat all-reduce"},
+                "torch": torch.__version__, "threads": self.threads, "tokens_per_step": self.tokens_per_step,
                 "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,
                 "memory_measure": self.memory_measure, "param_dtype": self.param_dtype,
                 "peak_memory_per_rank_bytes": [int(v) if v >= 0 else math.nan for v in per_rank.tolist()],
                 "activation_dtype": self.peak_dtype,
                 "routing_histogram": "routing.parquet" if self.spec.moe is not None else ""}
-        record.write_json_atomic(self.out / "record.json", record.summary(self.rows, **info))
+        write_json_atomic(self.out / "record.json", record.summary(self.rows, **info))
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,7 @@ from rackcast.backend.model import build_model
 from rackcast.backend.optim import build_optimizer
 from rackcast.backend.pipeline import build_chunks
 from rackcast.presets import load_model
+from rackcast.units import MIB
 
 TINY_MODEL = "tiny-moe"
 LARGE_WIDTH = 2048  # square layers of the larger synthetic model
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
         for name, build in ((TINY_MODEL, lambda: _tiny(args.device)),
                             (f"{args.large_params:.0e} params", lambda: _large(args.large_params, args.device))):
             state = build()
-            print(f"{name}: {_bytes(state) / 2**20:,.1f} MiB of model + optimizer state on {args.device}")
+            print(f"{name}: {_bytes(state) / MIB:,.1f} MiB of model + optimizer state on {args.device}")
             for label, times in _measure(state, Path(tmp), args.repeats).items():
                 print(f"  {label:<24} median {statistics.median(times) * 1e3:8.1f} ms   "
                       f"min {min(times) * 1e3:8.1f}   max {max(times) * 1e3:8.1f}   ({len(times)} repeats)")

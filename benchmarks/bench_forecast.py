@@ -17,6 +17,7 @@ from pathlib import Path
 from rackcast.planner.forecast import best_interval, forecast, prepare, run_many
 from rackcast.planner.forecast_sim import simulate_reference
 from rackcast.plan import load_plan
+from rackcast.units import SECONDS_PER_DAY
 
 PLAN = Path(__file__).resolve().parent.parent / "examples" / "plans" / "marin-535b-hero.yaml"
 RUNS = 10_000
@@ -38,7 +39,7 @@ def main() -> None:
     _timed("SimPy reference, 20 runs", lambda: simulate_reference(setup.inputs, 0, 20))
     result = _timed(f"forecast() as the CLI calls it ({RUNS:,} runs + search)",
                     lambda: forecast(plan, 18e12, "2026-09-01", "2026-11-20", runs=RUNS))
-    print(f"mean {times[:, 0].mean() / 86400:.2f} days over {RUNS:,} runs; P50 {result.p50_days:.2f} days; "
+    print(f"mean {times[:, 0].mean() / SECONDS_PER_DAY:.2f} days over {RUNS:,} runs; P50 {result.p50_days:.2f} days; "
           f"steady state {setup.steady_days:.2f} days")
 
 

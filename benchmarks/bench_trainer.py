@@ -18,11 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from trainer_helpers import run_worker, write_plan  # noqa: E402
+from rackcast.backend.tiny_runs import run_worker, write_plan
 
 LAYOUTS = [
     ("1 proc", {}, "1f1b"),

@@ -49,6 +49,7 @@ run() {  # name steps
 plan gpu-tiny tiny-moe 64 16
 run gpu-tiny 30
 plan gpu-d768 marin-ladder-d768 8 2
+"${CLI[@]}" calibrate --op-counts marin-ladder-d768   # its op counts (the packaged table holds the tiny presets)
 run gpu-d768 12 || echo "gpu-d768 failed (exit $?)"
 "${CLI[@]}" calibrate --from-run "$OUT/gpu-tiny-run" --from-run "$OUT/gpu-d768-run" --out "$OUT/fitted.yaml" \
     || echo "fit failed (exit $?)"

@@ -24,19 +24,28 @@ import numpy as np
 
 from rackcast.planner.forecast_formulas import daly_interval_s, young_interval_s
 from rackcast.planner.forecast_sim import CAUSES, CLASSES, SHRINK, WAIT_POLICY, SimInputs, simulate
+from rackcast.bounds import parse_date
 from rackcast.errors import RackcastError
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import ParallelSpec, Plan, validate
 from rackcast.simulator.estimate import Estimate, estimate
-from rackcast.simulator.metrics import SECONDS_PER_DAY
 from rackcast.simulator.memory import BYTES, FP32, rank_params
 from rackcast.topologies.reliability import SPARES_POLICIES, ReliabilitySpec, load_reliability
 from rackcast.topologies.spec import Topology
+from rackcast.units import SECONDS_PER_DAY, SECONDS_PER_HOUR
 
 CHUNK_RUNS = 1000  # runs per numba call, so progress shows and Ctrl-C is seen between calls
 SEARCH_RUNS = 2000  # runs per interval in the checkpoint-interval search
 SEARCH_POINTS = 21  # intervals in the search grid, geometric around Young's interval
 SEARCH_SPAN = 2.5  # the grid spans Young's interval x 2^-SPAN .. x 2^+SPAN
+
+# Work bounds, checked before the Monte Carlo starts: the steady-state run it forecasts, the events (checkpoints and
+# failures) one run goes through, and the runs; beyond them a forecast would not finish in minutes.
+MAX_STEADY_DAYS = 3650.0  # ten years of steady-state training
+MAX_EVENTS_PER_RUN = 1_000_000
+MAX_RUNS = 1_000_000
+MAX_TOTAL_EVENTS = 5e9  # runs x events per run (the numba model does ~1e8-1e9 events/s)
+MAX_EXACT_SHRINK = 256  # shrunk layouts estimated one by one (each estimate takes milliseconds)
 
 Progress = Callable[[int, int], None]
 
@@ -69,7 +78,9 @@ def _replicas_with(plan: Plan, topo: Topology, domains_in_job: int) -> tuple[int
 
 def shrink_factors(plan: Plan, spec: ModelSpec, topo: Topology, full: Estimate) -> list[float]:
     """Speed (tokens/s over the full layout's) with n = 0..domains healthy domains in the job; 0 where the layout
-    cannot run. Each replica keeps its share of the global batch, so steps carry fewer tokens."""
+    cannot run. Each replica keeps its share of the global batch, so steps carry fewer tokens. The MAX_EXACT_SHRINK
+    largest n are estimated; below them (that many domains out at once: a state runs almost never reach) the speed
+    scales with the replicas left, as `prepare(exact_shrink=False)` does for all, so the work stays bounded."""
     factors = []
     per_replica_batch = plan.batch.global_batch // plan.parallel.data
     for n in range(topo.domains + 1):
@@ -79,6 +90,9 @@ def shrink_factors(plan: Plan, spec: ModelSpec, topo: Topology, full: Estimate) 
         replicas, used = _replicas_with(plan, topo, n)
         if replicas < 1 or replicas >= plan.parallel.data:
             factors.append(0.0 if replicas < 1 else 1.0)
+            continue
+        if n < topo.domains - MAX_EXACT_SHRINK:
+            factors.append(replicas / plan.parallel.data)
             continue
         small = replace(plan, parallel=replace(plan.parallel, data=replicas),
                         batch=replace(plan.batch, global_batch=per_replica_batch * replicas),
@@ -129,10 +143,14 @@ def prepare(plan: Plan, tokens: float | None = None, reliability: ReliabilitySpe
         raise RackcastError(f"checkpoint interval must be >= 0 (0: no checkpoints), got {interval_s}")
     tokens = plan.tokens if tokens is None else float(tokens)
     if not math.isfinite(tokens) or tokens <= 0:
-        raise RackcastError("a positive token budget is needed (--tokens, or tokens: in the plan)")
+        raise RackcastError("a positive token budget is needed (or tokens: in the plan)", option="tokens")
     spec, topo = plan.model_spec(), plan.topology_spec()
     est = est or estimate(plan, spec=spec, topo=topo)
     work_s = tokens / est.tokens_per_s
+    if work_s / SECONDS_PER_DAY > MAX_STEADY_DAYS:
+        raise RackcastError(f"tokens: {tokens:.3g} tokens at {est.tokens_per_s:.3g} tokens/s take "
+                            f"{work_s / SECONDS_PER_DAY:,.0f} days of steady-state training; the forecast covers at "
+                            f"most {MAX_STEADY_DAYS:,.0f} days")
     su = topo.scale_up
     domains, usable = topo.domains, su.usable_gpus
     spares = su.domain_size - usable
@@ -168,6 +186,12 @@ def prepare(plan: Plan, tokens: float | None = None, reliability: ReliabilitySpe
         class_units=(1, tray_gpus, 0, 0, 0), rate_factor=tuple(factors), checkpoint_s=tuple(checkpoint_s),
         policy=SHRINK if policy == "shrink" else WAIT_POLICY)
     job_rate_day = rate_domain_day * domains
+    events = expected_events(work_s, interval_s, job_rate_day)
+    if events > MAX_EVENTS_PER_RUN:
+        raise RackcastError(f"checkpoint interval: {events:,.0f} checkpoints and failures expected per run "
+                            f"({work_s / SECONDS_PER_DAY:,.1f} days, a checkpoint every {interval_s:g} s, "
+                            f"{job_rate_day:,.1f} failures per day); the forecast runs at most "
+                            f"{MAX_EVENTS_PER_RUN:,}")
     return Setup(
         tokens=tokens, tokens_per_s=est.tokens_per_s, steady_days=work_s / SECONDS_PER_DAY, gpus=topo.gpus,
         domains=domains, spares_per_domain=spares, checkpoint_bytes=ckpt, checkpoint_write_s=checkpoint_s[domains],
@@ -175,6 +199,22 @@ def prepare(plan: Plan, tokens: float | None = None, reliability: ReliabilitySpe
         job_failures_per_day={c: per_domain_day[c] * domains for c in CLASSES},
         mtbf_s=SECONDS_PER_DAY / job_rate_day if job_rate_day else math.inf, rate_factor=list(factors),
         policy=policy, interval_s=interval_s, inputs=inputs)
+
+
+def expected_events(work_s: float, interval_s: float, job_failures_per_day: float) -> float:
+    """Checkpoints plus failures one run goes through, about (the work bound of the Monte Carlo)."""
+    checkpoints = work_s / interval_s if interval_s > 0 else 0.0
+    return checkpoints + work_s / SECONDS_PER_DAY * job_failures_per_day
+
+
+def check_runs(runs: int, setup: Setup) -> None:
+    """Refuse a run count beyond the Monte Carlo's work bound (one line naming --runs)."""
+    if not 1 <= runs <= MAX_RUNS:
+        raise RackcastError(f"runs: {runs:,} is outside 1..{MAX_RUNS:,}")
+    per_run = expected_events(setup.inputs.work_s, setup.interval_s, sum(setup.job_failures_per_day.values()))
+    if runs * max(per_run, 1.0) > MAX_TOTAL_EVENTS:
+        raise RackcastError(f"runs: {runs:,} runs x {per_run:,.0f} events each exceed the forecast's "
+                            f"{MAX_TOTAL_EVENTS:.0e} events; fewer runs")
 
 
 def run_many(inputs: SimInputs, seed: int, runs: int, progress: Progress | None = None):
@@ -235,13 +275,6 @@ def search_intervals(inputs: SimInputs, checkpoint_s: float, mtbf_s: float, seed
                           grid_expected_days=means, runs=runs)
 
 
-def parse_date(text: str, what: str) -> dt.date:
-    try:
-        return dt.date.fromisoformat(str(text))
-    except ValueError:
-        raise RackcastError(f"{what}: expected an ISO date YYYY-MM-DD, got {text!r}") from None
-
-
 @dataclass(frozen=True)
 class Forecast:
     setup: Setup
@@ -271,7 +304,7 @@ class Forecast:
             "gpus": s.gpus, "domains": s.domains, "spares_per_domain": s.spares_per_domain,
             "spares_policy": s.policy, "checkpoint_interval_s": s.interval_s,
             "checkpoint_bytes": s.checkpoint_bytes, "checkpoint_write_s": s.checkpoint_write_s,
-            "restart_s": s.restart_s, "reload_s": s.reload_s, "job_mtbf_hours": s.mtbf_s / 3600.0,
+            "restart_s": s.restart_s, "reload_s": s.reload_s, "job_mtbf_hours": s.mtbf_s / SECONDS_PER_HOUR,
             "job_failures_per_day": s.job_failures_per_day, "speed_with_n_domains": s.rate_factor,
             "runs": self.runs, "seed": self.seed,
             "start": self.start.isoformat() if self.start else None,
@@ -303,8 +336,8 @@ def forecast(plan: Plan, tokens: float | None = None, start: str | dt.date | Non
     """Monte Carlo forecast of the whole run (see the module docstring); deterministic for a seed."""
     if runs < 1:
         raise RackcastError(f"runs must be >= 1, got {runs}")
-    if seed < 0:
-        raise RackcastError(f"seed must be >= 0, got {seed}")
+    if not 0 <= seed < 2**32:
+        raise RackcastError(f"seed: {seed} is outside 0..2^32-1")
     start_d = parse_date(start, "start") if isinstance(start, str) else start
     deadline_d = parse_date(deadline, "deadline") if isinstance(deadline, str) else deadline
     if deadline_d is not None and start_d is None:
@@ -312,6 +345,7 @@ def forecast(plan: Plan, tokens: float | None = None, start: str | dt.date | Non
     if deadline_d is not None and deadline_d <= start_d:
         raise RackcastError(f"deadline {deadline_d} is not after the start {start_d}")
     setup = setup or prepare(plan, tokens, reliability, interval_s, policy)
+    check_runs(runs, setup)
     times, fails, unfinished = run_many(setup.inputs, seed, runs, progress)
     days = times[:, 0] / SECONDS_PER_DAY
     days[unfinished] = math.inf

@@ -6,18 +6,16 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 
-from rackcast.plan import Plan, save_plan, with_prediction
 from rich.table import Table
 
+from rackcast.atomic import atomic_path
+from rackcast.plan import Plan, save_plan, with_prediction
 from rackcast.planner.search import Result, Row, predicted_for
 from rackcast.planner.space import LAYOUT_COLUMNS
-from rackcast.simulator.estimate import PHASES
-
-GIB = 2 ** 30
+from rackcast.units import GIB
+from rackcast.vocab import PHASES
 MEMORY_PARTS = ("weights", "gradients", "master", "optimizer", "activations", "buffers", "total", "host")
 
 
@@ -43,27 +41,109 @@ def deadline_cell(result: Result, row: Row) -> str:
     return ("yes" if meets else "no") + tail
 
 
-def ranked_table(result: Result, n: int = 10) -> Table:
-    r = result.request
-    table = Table(title=f"{result.spec.name} on {r.racks} x {result.topo.name}, {r.tokens:.3g} tokens: best "
-                        f"{min(n, len(result.ranked))} of {len(result.ranked)} ranked layouts (objective: {r.objective})",
-                  title_justify="left")
-    ranges = r.options.batch_range is not None
-    cols = ["#", "parallel", *(["batch"] if ranges else []), "mb", "schedule", "recompute", "opt state", "a2a",
-            "GPUs", "tokens/s", "MFU", "mem/GPU", "days", "deadline", "src"]
-    for i, col in enumerate(cols):
-        table.add_column(col, justify="left" if col in ("parallel", "schedule", "recompute", "opt state", "a2a")
-                         else "right", no_wrap=True)
+KNOB_COLUMNS = (("batch", "global_batch"), ("mb", "micro_batch"), ("schedule", "schedule"),
+                ("recompute", "recompute"), ("opt state", "opt_location"), ("a2a", "transport"), ("GPUs", "usable"))
+
+
+def knob_text(lay: Layout, field: str, domain_label: str = "dom") -> str:
+    """One knob of a layout as the table shows it."""
+    if field == "schedule":
+        return lay.schedule + (f" v{lay.parallel.virtual}" if lay.parallel.virtual > 1 else "") \
+            if lay.parallel.pipeline > 1 else "-"
+    if field == "usable":
+        return f"{lay.usable}/{domain_label}"
+    return str(getattr(lay, field))
+
+
+def varying_knobs(layouts: list[Layout]) -> list[str]:
+    """The knob fields (KNOB_COLUMNS) whose values differ between these layouts."""
+    return [f for _, f in KNOB_COLUMNS if len({knob_text(lay, f) for lay in layouts}) > 1]
+
+
+def distinct_label(lay: Layout, fields: list[str]) -> str:
+    """The parallel degrees plus every knob in `fields` (the ones that differ between the rows shown), compactly, so
+    no two different layouts read alike: e.g. 'd16 f44 e64 mb16 rc:full cap u64' (cap/drop: capacity or dropless
+    all-to-all; u64: GPUs used per domain)."""
+    parts = [lay.parallel_label]
+    for f in fields:
+        if f == "schedule":
+            if lay.parallel.pipeline > 1:
+                parts.append(lay.schedule)  # the virtual stages are in the parallel label (p2v2)
+        elif f == "transport":
+            parts.append(lay.transport[:4] if lay.transport == "dropless" else lay.transport[:3])
+        elif f == "usable":
+            parts.append(f"u{lay.usable}")
+        else:
+            prefix = {"global_batch": "gb", "micro_batch": "mb", "recompute": "rc:", "opt_location": "opt:"}[f]
+            parts.append(f"{prefix}{getattr(lay, f)}")
+    return " ".join(parts)
+
+
+def _figure_cells(result: Result, row: Row) -> list[str]:
+    return [fmt_rate(row.best_tokens_per_s), f"{100 * row.best_mfu:.1f}%",
+            f"{fmt_gib(row.peak_memory)}/{fmt_gib(result.hbm_bytes)} GiB", fmt_days(result.p50_days(row)),
+            fmt_days(row.best_days), deadline_cell(result, row), source_cell(row)]
+
+
+def source_cell(row: Row) -> str:
+    return "sim" if row.sim else "est"
+
+
+def display_groups(result: Result, n: int) -> list[list[Row]]:
+    """The best n ranked rows in groups: neighbours whose figures read the same and whose layouts differ only in
+    knobs (same parallel degrees) are one group, shown once with their ranks (e.g. dropless and capacity transport
+    when the all-to-all is hidden)."""
+    groups: list[list[Row]] = []
     for row in result.ranked[:n]:
-        lay = row.layout
-        table.add_row(str(row.rank), lay.parallel_label, *([str(lay.global_batch)] if ranges else []),
-                      str(lay.micro_batch), lay.schedule + (f" v{lay.parallel.virtual}" if lay.parallel.virtual > 1
-                                                            else "")
-                      if lay.parallel.pipeline > 1 else "-", lay.recompute, lay.opt_location, lay.transport,
-                      f"{lay.usable}/{result.topo.domain_label}", fmt_rate(row.best_tokens_per_s),
-                      f"{100 * row.best_mfu:.1f}%", f"{fmt_gib(row.peak_memory)}/{fmt_gib(result.hbm_bytes)} GiB",
-                      fmt_days(result.days_for(row)), deadline_cell(result, row), "sim" if row.sim else "est")
+        last = groups[-1][-1] if groups else None
+        if last is not None and last.layout.parallel_label == row.layout.parallel_label and \
+                _figure_cells(result, last) == _figure_cells(result, row):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def ranked_table(result: Result, n: int = 10) -> Table:
+    """The best n rows. A knob gets a column only where it differs between the rows shown; the knobs they share are
+    in the title. Rows that differ only in knobs and read the same are one line (display_groups)."""
+    r = result.request
+    groups = display_groups(result, n)
+    shown = [row.layout for g in groups for row in g]
+    varying = varying_knobs(shown)
+    common = ", ".join("no pipeline" if f == "schedule" and shown[0].parallel.pipeline == 1 else
+                       f"{title} {knob_text(shown[0], f, result.topo.domain_label)}" for title, f in KNOB_COLUMNS
+                       if f not in varying) if shown else ""
+    table = Table(title=f"{result.spec.name} on {r.racks} x {result.topo.name}, {r.tokens:.3g} tokens: best "
+                        f"{min(n, len(result.ranked))} of {len(result.ranked)} ranked layouts "
+                        f"(objective: {r.objective})" + (f"\nevery row: {common}" if common else ""),
+                  title_justify="left")
+    knobs = [(title, f) for title, f in KNOB_COLUMNS if f in varying]
+    cols = ["#", "parallel", *(t for t, _ in knobs), "tokens/s", "MFU", "mem/GPU", "days P50", "days steady",
+            "deadline", "src"]
+    left = {"parallel", "schedule", "recompute", "opt state", "a2a"}
+    for col in cols:
+        table.add_column(col, justify="left" if col in left else "right", no_wrap=True)
+    for group in groups:
+        head = group[0]
+        ranks = str(head.rank) if len(group) == 1 else f"{head.rank}-{group[-1].rank}"
+        cells = []
+        for _, f in knobs:
+            values = list(dict.fromkeys(knob_text(x.layout, f, result.topo.domain_label) for x in group))
+            cells.append(" | ".join(values))
+        table.add_row(ranks, head.layout.parallel_label, *cells, *_figure_cells(result, head))
     return table
+
+
+def table_notes(result: Result, n: int = 10) -> list[str]:
+    """What the columns mean, and which rows were merged."""
+    merged = [g for g in display_groups(result, n) if len(g) > 1]
+    lines = ["days P50: with failures and restarts (planner.forecast), for the rows it was run on ('-' for the "
+             "others); days steady: at the row's tokens/s without failures"]
+    if merged:
+        lines.append("rows with the same figures that differ only in the knobs shown with '|' are one line "
+                     f"(ranks {', '.join(f'{g[0].rank}-{g[-1].rank}' for g in merged)})")
+    return lines
 
 
 def size_table(res) -> Table:
@@ -125,12 +205,12 @@ def size_json(res) -> dict:
             "pareto_front": [sh.spec.name for sh in res.shapes if sh.pareto]}
 
 
-def summary_lines(result: Result) -> list[str]:
+def summary_lines(result: Result, n: int = 10) -> list[str]:
     c = result.counts
     lines = [f"candidates: {c['enumerated']} enumerated, {c['invalid']} refused by the divisibility rules, "
              f"{c['no_fit']} over memory, {c['ranked']} ranked by the closed-form estimate, "
              f"{c['simulated']} simulated",
-             result.sim_note, result.days_note]
+             result.batch_note, result.sim_note, result.days_note, *table_notes(result, n)]
     if not math.isnan(result.available_days):
         lines.append(f"deadline: {result.request.deadline} is {result.available_days:.0f} days after "
                      f"{result.request.start}")
@@ -148,7 +228,9 @@ def row_data(result: Result, row: Row) -> dict:
     if row.sim:
         out["simulated"] = {k: v for k, v in row.sim.items() if k != "phases_s"}
     if row.status == "ranked":
+        out["source"] = "simulate" if row.sim else "estimate"
         out["days"] = result.days_for(row)
+        out["days_p50"] = result.p50_days(row)
         out["meets_deadline"] = result.meets_deadline(row)
         out["phases_s"] = row.sim.get("phases_s", row.phases)
     return out
@@ -160,7 +242,7 @@ def result_json(result: Result, n: int = 10) -> dict:
         "model": result.spec.name, "topology": result.topo.name, "racks": r.racks, "tokens": r.tokens,
         "objective": r.objective, "start": r.start, "deadline": r.deadline,
         "available_days": None if math.isnan(result.available_days) else result.available_days,
-        "counts": result.counts, "notes": [result.sim_note, result.days_note],
+        "counts": result.counts, "notes": [result.batch_note, result.sim_note, result.days_note],
         "ranked": [row_data(result, row) for row in result.ranked[:n]],
     }
 
@@ -203,14 +285,8 @@ def write_parquet(result: Result, path: str | Path) -> int:
         cols["meets_deadline"].append(result.meets_deadline(row) if row.status == "ranked" else None)
     table = pa.table(cols)
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return table.num_rows
 
 

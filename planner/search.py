@@ -1,20 +1,20 @@
-"""Layout search: enumerate, drop what does not divide or fit, rank with the vectorised closed form, simulate the top K.
+"""Layout search: enumerate, drop what does not divide or fit, rank with the closed form, verify by simulation.
 
 Stages:
 1. planner.space enumerates the layouts; rackcast.plan.validate refuses those that do not divide evenly.
 2. Memory (simulator.memory, HBM and host) per layout. Recomputation and optimizer-state location only trade time
    for memory in the estimate, so each layout keeps the lightest choices that fit: no recomputation before selective
    before full, HBM state before host; a heavier choice is kept only where no lighter one fits.
-3. simulator.estimate.plan_features per candidate (in a 2-process pool), stacked into numpy arrays; one call of
+3. simulator.estimate.plan_features per candidate (in a process pool), stacked into numpy arrays; one call of
    step_time ranks them all at once.
-4. The best K are run through the discrete-event simulator (simulator.step.simulate, 2 processes) when it is
-   importable, and re-ranked by its figures; otherwise the result says that they were not simulated.
+4. The verified ranking (planner.verify): candidates are simulated (simulator.step) best estimate first until no
+   unsimulated one could beat the best simulated one within the estimate's error band; simulated rows rank first.
+5. The failure forecast (planner.forecast) gives the table's rows their P50 days with failures and restarts.
 
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import math
 import multiprocessing
 import time
@@ -24,17 +24,21 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rackcast.errors import RackcastError
+from rackcast.bounds import parse_date
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan, Predicted, validate
 from rackcast.presets import load_model
 from rackcast.simulator import metrics
-from rackcast.simulator.estimate import PHASES, plan_features, step_time
+from rackcast.simulator.estimate import plan_features, step_time
 from rackcast.simulator.memory import MemoryBreakdown, attention_core_bytes_per_token, memory_breakdown
 from rackcast.topologies import load_topology
 from rackcast.topologies.spec import Topology
+from rackcast.units import GIB
+from rackcast.vocab import PHASES
 
 from rackcast.planner.space import (Enumeration, Layout, SpaceOptions, enumerate_space, fast_spec, make_plan,
                            optimizer_for)
+from rackcast.planner.verify import ESTIMATE_BAND, MAX_SIMULATED, default_workers, verify_ranking
 
 OBJECTIVES = ("days", "mfu")
 CHUNK = 256  # layouts per task handed to a worker
@@ -50,10 +54,12 @@ class Request:
     start: str = ""
     deadline: str = ""
     objective: str = "days"
-    top: int = 5
+    top: int = 1  # simulate at least the best `top` by estimate; 0: no simulation
     options: SpaceOptions = SpaceOptions()
-    workers: int = 2
+    workers: int = field(default_factory=default_workers)
     simulate: bool = True
+    band: float = ESTIMATE_BAND  # the estimate's error band the verified ranking allows (planner.verify)
+    max_simulate: int = MAX_SIMULATED
     command: str = ""
     forecast_rows: int = 10  # rows whose days get the failure allowance (the table's rows)
 
@@ -107,6 +113,7 @@ class Result:
     timings: dict[str, float]
     sim_note: str = ""
     days_note: str = ""
+    batch_note: str = ""  # which global batch the search used and why (planner.batch)
     forecast_days: dict[int, float] = field(default_factory=dict)  # id(row) -> P50 days with failures
     deadline_prob: dict[int, float] = field(default_factory=dict)  # id(row) -> P(finish by the deadline)
 
@@ -115,7 +122,12 @@ class Result:
         return self.ranked[0]
 
     def days_for(self, row: Row) -> float:
+        """P50 days with failures where the forecast ran on this row, else steady-state days."""
         return self.forecast_days.get(id(row), row.best_days)
+
+    def p50_days(self, row: Row) -> float:
+        """P50 days with failures and restarts (planner.forecast), NaN where the forecast did not run on the row."""
+        return self.forecast_days.get(id(row), math.nan)
 
     def meets_deadline(self, row: Row) -> bool | None:
         if math.isnan(self.available_days):
@@ -128,21 +140,15 @@ class Result:
                          deadline=r.deadline, name=name)
 
 
-def parse_date(text: str, what: str) -> dt.date:
-    try:
-        return dt.date.fromisoformat(text)
-    except ValueError:
-        raise RackcastError(f"--{what}: {text!r} is not an ISO date (YYYY-MM-DD)") from None
-
-
 def available_days(start: str, deadline: str) -> float:
     if not deadline:
         return math.nan
     if not start:
-        raise RackcastError("--deadline needs --start (the days available are deadline - start)")
-    days = (parse_date(deadline, "deadline") - parse_date(start, "start")).days
+        raise RackcastError("a deadline needs a start date (the days available are deadline - start)",
+                            option="start")
+    days = (parse_date(deadline, "deadline", option="deadline") - parse_date(start, "start", option="start")).days
     if days <= 0:
-        raise RackcastError(f"--deadline {deadline} is not after --start {start}")
+        raise RackcastError(f"deadline {deadline} is not after the start {start}", option="deadline")
     return float(days)
 
 
@@ -165,12 +171,12 @@ def _memory_choices(layout: Layout, spec, topos, r: Request) -> list[tuple[Layou
     opts = r.options
     topo = topos[layout.usable]
     out, host_kept, leanest = [], False, None
-    levels = [x for x in ("none", "selective", "full") if x in opts.recompute]
+    levels = [x for x in ("none", "selective", "full") if x in opts.recompute and x in opts.capabilities.recompute]
     if "none" in levels and "selective" in levels and not _selective_saves(spec, layout, r):
         levels.remove("selective")  # it would hold the same memory as no recomputation and only cost time
     for rc in levels:
         mem = memory_breakdown(spec, make_plan(replace(layout, recompute=rc), spec.name, r.topology, r.racks, spec))
-        for loc in [x for x in ("hbm", "host") if x in opts.opt_locations]:
+        for loc in [x for x in ("hbm", "host") if x in opts.opt_locations and x in opts.capabilities.optimizer_state]:
             if loc == "host" and host_kept:
                 continue  # a lighter recomputation with host state already fits: this one is slower
             m = offloaded(mem) if loc == "host" else mem
@@ -223,30 +229,53 @@ def _run_chunks(chunks, workers: int):
 
 
 # ---------------------------------------------------------------- search
+def batch_note(r: Request, spec: ModelSpec, default_usable: int) -> str:
+    """One line: the global batch the search used and the rule or option that set it."""
+    from rackcast.planner.batch import default_batch
+
+    o = r.options
+    if o.batch_range is not None:
+        return (f"global batch: per layout the smallest and largest multiples of data x fsdp x micro-batch in "
+                f"{o.batch_range[0]:,}..{o.batch_range[1]:,} sequences (--global-batch-range)")
+    if o.global_batch:
+        return (f"global batch {o.global_batch:,} x {spec.seq_len:,} tokens "
+                f"({o.global_batch * spec.seq_len / 1e6:.2f} M tokens per step): --global-batch")
+    return default_batch(spec, default_usable * r.racks, r.tokens).rule
+
+
 def resolve_spec(model: str | ModelSpec) -> ModelSpec:
     return model if isinstance(model, ModelSpec) else load_model(model)
 
 
-def search(r: Request) -> Result:
+def search(r: Request, progress=None) -> Result:
+    """progress(done, total, what), when given, hears each stage and each round of simulations."""
     if r.objective not in OBJECTIVES:
-        raise RackcastError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {r.objective!r}")
+        raise RackcastError(f"objective must be one of {', '.join(OBJECTIVES)}, got {r.objective!r}",
+                            option="objective")
     if r.racks <= 0:
-        raise RackcastError(f"--racks must be positive, got {r.racks}")
+        raise RackcastError(f"racks must be positive, got {r.racks}", option="racks")
     if r.tokens <= 0:
-        raise RackcastError(f"--tokens must be positive, got {r.tokens:g}")
+        raise RackcastError(f"token budget must be positive, got {r.tokens:g}", option="tokens")
     if r.top < 0:
-        raise RackcastError(f"--top must be >= 0, got {r.top}")
+        raise RackcastError(f"simulated top count must be >= 0, got {r.top}", option="top")
+    if not 0 <= r.band < 1:
+        raise RackcastError(f"band must lie in [0, 1), got {r.band:g}", option="band")
+    if r.max_simulate < 1:
+        raise RackcastError(f"simulated layouts must be >= 1, got {r.max_simulate}", option="max_simulate")
+    if progress:
+        progress(0, 0, "ranking layouts by the closed-form estimate")
     avail = available_days(r.start, r.deadline)
     spec = resolve_spec(r.model)
     base = load_topology(r.topology, r.racks)
     su = base.scale_up
     for u in r.options.usable:
         if not 0 < u <= su.domain_size:
-            raise RackcastError(f"--usable-gpus must lie in 1..{su.domain_size} for {base.name}, got {u}")
+            raise RackcastError(f"usable GPUs per domain must lie in 1..{su.domain_size} for {base.name}, got {u}",
+                                option="usable_gpus")
     timings = {}
     t0 = time.perf_counter()
     fspec = fast_spec(spec)
-    found: Enumeration = enumerate_space(fspec, r.racks, su.usable_gpus, su.domain_size, r.options)
+    found: Enumeration = enumerate_space(fspec, r.racks, su.usable_gpus, su.domain_size, r.options, r.tokens)
     timings["enumerate_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -265,19 +294,22 @@ def search(r: Request) -> Result:
     _sort(ranked, r.objective, simulated=False)
 
     result = Result(request=r, spec=spec, topo=base, rows=rows, ranked=ranked, hbm_bytes=base.accelerator.hbm_bytes,
-                    host_bytes=base.host.memory_bytes, available_days=avail, counts={}, timings=timings)
+                    host_bytes=base.host.memory_bytes, available_days=avail, counts={}, timings=timings,
+                    batch_note=batch_note(r, spec, su.usable_gpus))
     if not ranked:
         raise RackcastError(tightest_constraint(result))
     t0 = time.perf_counter()
     if r.simulate and r.top:
-        result.sim_note = simulate_top(result, r.top, r.workers)
+        result.sim_note = verify_ranking(result, progress)
     else:
-        result.sim_note = "not simulated (--top 0)" if not r.top else "not simulated"
+        result.sim_note = "not simulated (top 0)" if not r.top else "not simulated"
     timings["simulate_s"] = time.perf_counter() - t0
     _sort(ranked, r.objective, simulated=True)
     for i, row in enumerate(ranked, 1):
         row.rank = i
     t0 = time.perf_counter()
+    if progress:
+        progress(0, 0, "forecasting failures and restarts")
     result.days_note = apply_forecast(result, max(r.top, r.forecast_rows, 1))
     timings["forecast_s"] = time.perf_counter() - t0
     result.counts = {
@@ -321,10 +353,9 @@ def _refine_capacity(ranked: list[Row], rows: list[Row], spec: ModelSpec, base: 
 
 
 def _no_fit_reason(mem: dict, host_per_host: float, topo: Topology) -> str:
-    gib = 2 ** 30
     if mem["total"] > topo.accelerator.hbm_bytes:
-        return f"memory per GPU {mem['total'] / gib:.1f} GiB > HBM {topo.accelerator.hbm_bytes / gib:.1f} GiB"
-    return (f"host memory {host_per_host / gib:.1f} GiB per host > {topo.host.memory_bytes / gib:.1f} GiB "
+        return f"memory per GPU {mem['total'] / GIB:.1f} GiB > HBM {topo.accelerator.hbm_bytes / GIB:.1f} GiB"
+    return (f"host memory {host_per_host / GIB:.1f} GiB per host > {topo.host.memory_bytes / GIB:.1f} GiB "
             f"(offloaded optimizer state)")
 
 
@@ -363,38 +394,7 @@ def _sort(ranked: list[Row], objective: str, simulated: bool) -> None:
         ranked.sort(key=key)
 
 
-# ---------------------------------------------------------------- simulation and forecast
-def _simulate_one(plan: Plan) -> dict:
-    from rackcast.simulator.step import simulate
-
-    res = simulate(plan, seed=0)
-    return {"step_time_s": float(res.step_time_s), "tokens_per_s": float(res.tokens_per_s), "mfu": float(res.mfu),
-            "peak_memory_bytes": float(res.peak_memory_bytes),
-            "phases_s": {k: float(v) for k, v in dict(res.phases_s).items()}}
-
-
-def simulate_plans(plans: list[Plan], workers: int) -> list[dict]:
-    """Simulated figures of each plan (simulator.step), in a process pool when workers > 1."""
-    if workers > 1 and len(plans) > 1:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_simulate_one, plans))
-    return [_simulate_one(p) for p in plans]
-
-
-def attach_simulation(result: Result, row: Row, sim: dict) -> None:
-    sim["days"] = metrics.days_to_budget(result.request.tokens, sim["tokens_per_s"])
-    sim["fits"] = bool(metrics.fits_memory(sim["peak_memory_bytes"], row.memory.get("host", 0.0), result.topo))
-    row.sim = sim
-
-
-def simulate_top(result: Result, k: int, workers: int) -> str:
-    top = result.ranked[:k]
-    sims = simulate_plans([result.plan_for(row) for row in top], workers)
-    for row, sim in zip(top, sims):
-        attach_simulation(result, row, sim)
-    return f"the top {len(top)} were simulated (simulator.step) and re-ranked by their simulated figures"
-
-
+# ---------------------------------------------------------------- forecast
 def apply_forecast(result: Result, k: int) -> str:
     """Days with the failure and restart allowance (planner.forecast: P50 of its Monte Carlo) for the best k; the
     rest keep steady-state days."""
@@ -411,8 +411,8 @@ def apply_forecast(result: Result, k: int) -> str:
         days, prob = forecast_days(plan, result.request.tokens, avail, est=est)
         result.forecast_days[id(row)] = days
         result.deadline_prob[id(row)] = prob
-    return (f"days for the top {min(k, len(result.ranked))} are the P50 with failures and restarts "
-            "(planner.forecast); the others are steady-state")
+    return (f"the failure forecast (planner.forecast, P50 of its Monte Carlo) ran on the top "
+            f"{min(k, len(result.ranked))}")
 
 
 def predicted_for(result: Result, row: Row) -> Predicted:
@@ -426,7 +426,7 @@ def predicted_for(result: Result, row: Row) -> Predicted:
 # ---------------------------------------------------------------- infeasible requests
 def tightest_constraint(result: Result) -> str:
     """One line: why nothing fits, with numbers."""
-    rows, gib = result.rows, 2 ** 30
+    rows = result.rows
     mem_rows = [x for x in rows if x.memory]
     if not mem_rows:
         reasons = sorted({x.reason.partition(":")[0] for x in rows})
@@ -443,13 +443,13 @@ def tightest_constraint(result: Result) -> str:
     rest = m["total"] - state
     per_domain = lay.usable
     if m["total"] <= hbm:  # HBM fits, host memory does not
-        return (f"nothing fits: host memory {best.host_per_host / gib:.1f} GiB per host exceeds "
-                f"{result.host_bytes / gib:.1f} GiB for the leanest layout ({lay.label})")
+        return (f"nothing fits: host memory {best.host_per_host / GIB:.1f} GiB per host exceeds "
+                f"{result.host_bytes / GIB:.1f} GiB for the leanest layout ({lay.label})")
     if rest >= hbm:
         need = "no sharding helps: activations and buffers alone exceed HBM"
     else:
         gpus_needed = math.ceil(state * gpus_now / (hbm - rest))
         need = (f"a replica would need about {math.ceil(gpus_needed / per_domain)} {result.topo.domain_label}s "
                 f"({gpus_needed} GPUs) to shard model state, have {result.request.racks}")
-    return (f"nothing fits: the smallest memory per GPU any layout reaches is {m['total'] / gib:.1f} GiB "
-            f"({lay.label}) against {hbm / gib:.1f} GiB HBM; {need}")
+    return (f"nothing fits: the smallest memory per GPU any layout reaches is {m['total'] / GIB:.1f} GiB "
+            f"({lay.label}) against {hbm / GIB:.1f} GiB HBM; {need}")

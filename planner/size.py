@@ -28,7 +28,8 @@ from rackcast.layout import ParallelSpec
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import list_models, load_model
 
-from rackcast.planner.search import Request, Result, Row, apply_forecast, attach_simulation, search, simulate_plans
+from rackcast.planner.search import Request, Result, Row, apply_forecast, search
+from rackcast.planner.verify import attach_simulation, simulate_plans
 from rackcast.planner.space import SpaceOptions
 
 FAMILIES = ("marin-moe", "dense-gpt")
@@ -98,7 +99,7 @@ def family_shapes(family: str) -> list[ModelSpec]:
         return marin_shapes()
     if family == "dense-gpt":
         return dense_gpt_shapes()
-    raise RackcastError(f"--family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    raise RackcastError(f"model family must be one of {', '.join(FAMILIES)}, got {family!r}", option="family")
 
 
 @dataclass
@@ -134,11 +135,13 @@ class SizeResult:
     notes: list[str] = field(default_factory=list)
 
 
-def one_domain_replica(spec: ModelSpec, topology: str, racks: int, options: SpaceOptions) -> tuple[float, str]:
+def one_domain_replica(spec: ModelSpec, topology: str, racks: int, options: SpaceOptions,
+                       tokens: float = 0.0) -> tuple[float, str]:
     """Memory per GPU of Marin's layout style confined to one domain: experts split over the domain (the largest
     expert degree that divides both), non-expert state sharded over it (fsdp = GPUs per domain), data parallel
     across domains, the whole per-GPU batch as one micro-batch, full recomputation, optimizer state in HBM.
-    It is the check behind "~360B trains on one rack, ~707B needs two racks" (shared/reference/marin-535b.md)."""
+    It is the check behind "~360B trains on one rack, ~707B needs two racks" (Marin's sizing of the 535B run,
+    https://github.com/marin-community/marin/issues/7201)."""
     from rackcast.simulator.memory import memory_breakdown
     from rackcast.topologies import load_topology
 
@@ -146,7 +149,7 @@ def one_domain_replica(spec: ModelSpec, topology: str, racks: int, options: Spac
 
     topo = load_topology(topology, racks, options.usable[0] if options.usable else None)
     u = topo.scale_up.usable_gpus
-    gb = options.global_batch or default_global_batch(spec, load_topology(topology).scale_up.usable_gpus, racks)
+    gb = options.global_batch or default_global_batch(spec, load_topology(topology).scale_up.usable_gpus, racks, tokens)
     experts = math.gcd(spec.moe.experts, u) if spec.moe else 1
     mb = max(1, gb // (racks * u))
     lay = Layout(u, ParallelSpec(data=racks, fsdp=u, expert=experts), gb, mb, "1f1b", "full", "hbm", "dropless")
@@ -167,7 +170,7 @@ def size_search(family: str, topology: str, racks: int, tokens: float, start: st
     for spec in family_shapes(family):
         req = Request(model=spec, topology=topology, racks=racks, tokens=tokens, start=start, deadline=deadline,
                       objective=objective, top=0, options=options, workers=workers, simulate=False)
-        one_mem, one_label = one_domain_replica(spec, topology, racks, options)
+        one_mem, one_label = one_domain_replica(spec, topology, racks, options, tokens)
         try:
             res = search(req)
         except RackcastError as exc:
@@ -194,10 +197,9 @@ def size_search(family: str, topology: str, racks: int, tokens: float, start: st
     out.timings["simulate_s"] = time.perf_counter() - t0
     for s in feasible:
         s.result.forecast_days.clear()
-        note = apply_forecast(s.result, 1)
+        apply_forecast(s.result, 1)
     if feasible:
-        out.notes.append(note.replace("days for the top 1 are", "days of each shape's best layout are")
-                         .replace("; the others are steady-state", ""))
+        out.notes.append("days of each shape's best layout are the P50 with failures and restarts (planner.forecast)")
     _mark_pareto(out.shapes)
     return out
 

@@ -9,7 +9,9 @@ innermost ranks and must divide the GPUs used per domain, so tensor- and context
 NICs; expert, fsdp, data and pipeline groups may cross domains, and the estimate charges the scale-out link for it.
 Everything else about divisibility (heads, KV heads, layers, experts, expert width, sequence, batch, schedule) is
 decided by rackcast.plan.validate, the single authority: a layout it refuses is kept as a rejected row with the
-RackcastError text.
+RackcastError text. Only layouts the executor can run are offered (SpaceOptions.capabilities, by default
+rackcast.capabilities.TRAINER): its refusals reject the rest with the reason, and the search tries only the
+recomputation modes and optimizer-state locations it implements.
 
 """
 
@@ -20,18 +22,17 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Iterator
 
+from rackcast.capabilities import TRAINER, Capabilities, refusals
 from rackcast.errors import RackcastError
-from rackcast.modelspec import FlopsConvention, ModelSpec
+from rackcast.modelspec import FlopsConvention, ModelSpec, Recipe
 from rackcast.simulator.schedule_formulas import peak_in_flight
 from rackcast.plan import (BatchSpec, ExpertTransport, OptimizerSpec, ParallelSpec, Plan, TopologyRef,
                            validate)
+from rackcast.vocab import PLAN_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES
 
-# Marin's fixed-capacity transport ran at capacity factor 1.15 (shared/reference/marin-535b.md).
+# Marin's fixed-capacity transport ran at capacity factor 1.15 (https://github.com/marin-community/marin/issues/8435).
 CAPACITY_FACTOR = 1.15
-# Default tokens per GPU per step: Marin's 11,264 sequences x 4,096 tokens on 11 racks x 64 GPUs = 65,536.
-DEFAULT_TOKENS_PER_GPU = 65536
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 OPT_LOCATIONS = ("hbm", "host")
 TRANSPORTS = ("dropless", "capacity")
@@ -109,10 +110,12 @@ class SpaceOptions:
     expert_tensors: tuple[int, ...] = (1, 2)
     max_micro_batch: int = 16
     micro_batches: tuple[int, ...] = ()  # empty: every power of two up to max_micro_batch
-    schedules: tuple[str, ...] = PIPELINE_SCHEDULES
+    schedules: tuple[str, ...] = PLAN_SCHEDULES
     recompute: tuple[str, ...] = RECOMPUTE
     opt_locations: tuple[str, ...] = OPT_LOCATIONS
     transports: tuple[str, ...] = TRANSPORTS
+    # Only layouts this executor can run are offered (rackcast.capabilities); EVERYTHING plans beyond the trainer.
+    capabilities: Capabilities = TRAINER
 
     @classmethod
     def coarse(cls, **overrides) -> "SpaceOptions":
@@ -129,11 +132,15 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def default_global_batch(spec: ModelSpec, default_usable: int, domains: int) -> int:
-    """Sequences per step giving DEFAULT_TOKENS_PER_GPU tokens on every GPU of the preset's default count per
-    domain (11,264 for Marin's 4,096-token sequences on 11 racks of 64). It does not change with --usable-gpus,
-    so 64- and 72-GPU layouts train on the same batch."""
-    return max(1, DEFAULT_TOKENS_PER_GPU * default_usable * domains // spec.seq_len)
+def default_global_batch(spec: ModelSpec, default_usable: int, domains: int, tokens: float = 0.0) -> int:
+    """The default global batch (planner.batch.default_batch: the preset's recipe, else DeepSeek LLM's batch law for
+    the token budget), counted on the preset's default GPUs per domain, so 64- and 72-GPU layouts train on the same
+    batch."""
+    from rackcast.planner.batch import default_batch
+
+    if not (spec.recipe and spec.recipe.global_batch) and tokens <= 0:
+        raise ValueError(f"{spec.name} has no recipe batch; the batch law needs the token budget")
+    return default_batch(spec, default_usable * domains, tokens).global_batch
 
 
 def global_batches(options: SpaceOptions, replicas: int, micro: int, fallback: int) -> list[int]:
@@ -156,13 +163,13 @@ def _schedules(options: SpaceOptions, pipeline: int, layers: int) -> list[tuple[
         return [("1f1b", 1)]
     out = []
     for name in options.schedules:
-        if name in ("1f1b", "gpipe"):
+        if name in SINGLE_CHUNK_SCHEDULES:
             out.append((name, 1))
         elif name == "zb_h1":
             out.append((name, 1))
         elif name == "interleaved_1f1b":
             out += [(name, v) for v in options.virtuals]
-        elif name == "dualpipev":
+        elif name in V_SHAPED_SCHEDULES:
             out.append((name, 2))
     return out
 
@@ -222,12 +229,13 @@ def enumerated_transports(spec: ModelSpec, options: SpaceOptions) -> tuple[str, 
 
 
 def optimizer_for(spec: ModelSpec) -> str:
-    """MuonH for MoE models (the Marin recipe), AdamW for dense ones."""
+    """For a preset without a recipe: MuonH for MoE models (the Marin recipe), AdamW for dense ones."""
     return "muonh" if spec.moe is not None else "adamw"
 
 
 def make_plan(layout: Layout, model: str | ModelSpec, topology: str, domains: int, spec: ModelSpec, *,
               tokens: float = 0.0, start: str = "", deadline: str = "", name: str = "") -> Plan:
+    recipe = spec.recipe or Recipe(optimizer=optimizer_for(spec))
     transport = ExpertTransport(mode=layout.transport,
                                 capacity_factor=CAPACITY_FACTOR if layout.transport == "capacity" else 1.0)
     return Plan(
@@ -238,19 +246,24 @@ def make_plan(layout: Layout, model: str | ModelSpec, topology: str, domains: in
         batch=BatchSpec(global_batch=layout.global_batch, micro_batch=layout.micro_batch),
         schedule=layout.schedule,
         recompute=layout.recompute,
-        optimizer=OptimizerSpec(name=optimizer_for(spec), state_location=layout.opt_location),
+        optimizer=OptimizerSpec.from_recipe(recipe, state_location=layout.opt_location),
         expert_transport=transport,
+        z_loss_weight=recipe.z_loss_weight, combine_sum=recipe.combine_sum,
         tokens=tokens, start=start, deadline=deadline,
     )
 
 
-def check(layout: Layout, spec: ModelSpec, domains: int) -> str:
-    """'' when rackcast.plan.validate accepts the layout, else its RackcastError text."""
+def check(layout: Layout, spec: ModelSpec, domains: int, capabilities: Capabilities = TRAINER) -> str:
+    """'' when rackcast.plan.validate accepts the layout and the executor can run it (rackcast.capabilities), else
+    the first reason it cannot."""
     plan = make_plan(layout, spec.name, "", domains, spec)
     try:
         validate(plan, spec, layout.usable * domains)
     except RackcastError as exc:
         return str(exc)
+    unrunnable = refusals(plan, spec, capabilities)
+    if unrunnable:
+        return unrunnable[0]
     par = layout.parallel
     if par.pipeline > 1:
         try:  # the schedule formulas' own coverage rules (e.g. dualpipev needs 2 x stages micro-batches)
@@ -267,18 +280,18 @@ class Enumeration:
 
 
 def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_size: int,
-                    options: SpaceOptions) -> Enumeration:
+                    options: SpaceOptions, tokens: float = 0.0) -> Enumeration:
     """Every layout of the space, split into those validate accepts and those it refuses. A structure refused for
     a reason no knob can change (heads, layers, experts, expert width, sequence) is one rejected row, not one row per
     knob combination."""
     out = Enumeration()
-    fallback = default_global_batch(spec, default_usable, domains)
+    fallback = options.global_batch or default_global_batch(spec, default_usable, domains, tokens)
     for u in usable_options(options, default_usable, domain_size):
         for d, f, t, c, p, e, et in structures(spec, domains, u, options):
             pars = {v: ParallelSpec(data=d, fsdp=f, tensor=t, pipeline=p, virtual=v, expert=e, expert_tensor=et,
                                     context=c, sequence_parallel=t > 1) for v in {1, *options.virtuals, 2}}
             base = Layout(u, pars[1], options.global_batch or fallback, 1, "1f1b", "none", "hbm", "dropless")
-            reason = check(base, spec, domains)
+            reason = check(base, spec, domains, options.capabilities)
             if reason and not _knob_dependent(reason):
                 out.rejected.append((base, reason))
                 continue
@@ -286,13 +299,13 @@ def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_s
             for gb, mb, sched, v, tr in knob_variants(spec, options, d, f, p, fallback):
                 any_knobs = True
                 layout = Layout(u, pars[v], gb, mb, sched, "none", "hbm", tr)
-                reason = check(layout, spec, domains)
+                reason = check(layout, spec, domains, options.capabilities)
                 if reason:
                     out.rejected.append((layout, reason))
                 else:
                     out.layouts.append(layout)
             if not any_knobs:
-                out.rejected.append((base, check(base, spec, domains) or
+                out.rejected.append((base, check(base, spec, domains, options.capabilities) or
                                      f"batch.global_batch: {base.global_batch} sequences are not divisible by "
                                      f"data x fsdp = {d * f}"))
     return out

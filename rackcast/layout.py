@@ -24,14 +24,11 @@ slices (expert data parallelism), sharded ZeRO-3 style over the FSDP part of tho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Annotated, Callable
 
+from rackcast.bounds import Range
 from rackcast.modelspec import ModelSpec
-
-# Schedules that place exactly two chunks per rank in a V (rank r holds chunks r and 2p-1-r).
-V_SHAPED_SCHEDULES = frozenset({"zbv", "dualpipev"})
-# Schedules that accept more than one chunk per rank (virtual > 1).
-VIRTUAL_SCHEDULES = frozenset({"interleaved_1f1b", "zb_h1", "dualpipev"})
+from rackcast.vocab import V_SHAPED_SCHEDULES, VIRTUAL_SCHEDULES
 
 
 def chunk_ranks(schedule: str, pipeline: int, chunks_per_rank: int) -> list[int]:
@@ -54,14 +51,14 @@ def rank_chunks(schedule: str, pipeline: int, chunks_per_rank: int, rank: int) -
 class ParallelSpec:
     """Degrees of the plan's GPU grid (the plan file's `parallel:` block) and the sizes derived from them."""
 
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    pipeline: int = 1
-    virtual: int = 1  # model chunks per pipeline rank (interleaved / V schedules)
-    expert: int = 1
-    expert_tensor: int = 1
-    context: int = 1
+    data: Annotated[int, Range(1, 2**24)] = 1
+    fsdp: Annotated[int, Range(1, 2**24)] = 1
+    tensor: Annotated[int, Range(1, 2**24)] = 1
+    pipeline: Annotated[int, Range(1, 1024)] = 1
+    virtual: Annotated[int, Range(1, 1024)] = 1  # model chunks per pipeline rank (interleaved / V schedules)
+    expert: Annotated[int, Range(1, 2**24)] = 1
+    expert_tensor: Annotated[int, Range(1, 2**24)] = 1
+    context: Annotated[int, Range(1, 2**24)] = 1
     sequence_parallel: bool = False  # with tensor > 1: shard norms and dropout along the sequence
 
     # ------------------------------------------------------------------------------------------ dense groups

@@ -30,240 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Annotated, Literal
 
 from rackcast.errors import RackcastError
-
-ConvSite = Literal["k", "v", "attn", "mlp"]
-# Attention of one layer in an explicit per-layer pattern: "full" attends to the whole causal context, "window" to
-# the last `attention.window` tokens (a sliding window: GPT-3's and GPT-OSS's "locally banded" attention).
-LayerAttention = Literal["full", "window"]
-# How the router is kept balanced: Marin's quantile balancing (sets a bias each step from a histogram of router
-# margins), DeepSeek-V3's auxiliary-loss-free bias (nudges a bias by the sign of each expert's load error), an
-# auxiliary load-balancing loss (Switch/GShard style), or nothing.
-Balancing = Literal["quantile", "aux_free_bias", "aux_loss", "none"]
-
-
-@dataclass(frozen=True)
-class LatentAttentionSpec:
-    """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values pass through low-rank latents, and
-    each query/key head has `qk_nope_head_dim` dims without RoPE plus `qk_rope_head_dim` with it (the RoPE key part
-    is one shared head, projected from the input beside the KV latent). Values have `v_head_dim` per head.
-
-        q = W_qb RMSNorm(W_qa x)            W_qa: d x q_lora_rank, W_qb: q_lora_rank x heads (nope + rope)
-        [c_kv, k_rope] = W_kva x            W_kva: d x (kv_lora_rank + rope)
-        [k_nope, v] = W_kvb RMSNorm(c_kv)   W_kvb: kv_lora_rank x heads (nope + v_head_dim)
-        out = W_o attn                      W_o: heads v_head_dim x d
-    """
-
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    qk_nope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int = 0  # 0: queries projected at full rank (DeepSeek-V2-Lite)
-
-    def __post_init__(self):
-        for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"attention.mla.{name} must be positive, got {getattr(self, name)}")
-        if self.q_lora_rank < 0:
-            raise ValueError(f"attention.mla.q_lora_rank must be >= 0, got {self.q_lora_rank}")
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    heads: int
-    head_dim: int
-    kv_heads_local: int
-    kv_heads_global: int
-    kv_heads_stored: int = 0  # 0: each layer stores its own KV heads; >0: every layer stores this many
-    window: int = 0  # sliding window of local layers, in tokens; 0 means every layer attends globally
-    global_every: int = 1  # layer i is global when (i + 1) % global_every == 0; the last layer always is
-    output_gate: bool = False  # per-head 2*sigmoid(x W_g) output gate, W_g: d_model x heads
-    exclusive: bool = False  # exclusive self-attention (removes each head output's component along its value)
-    rope_fraction: float = 1.0  # fraction of each head's dims rotated on local layers
-    rope_on_global: bool = True
-    qk_multiplier: float = 1.0
-    bias: bool = False  # biases on Q, K, V and output projections (GPT/Megatron style)
-    mla: LatentAttentionSpec | None = None  # multi-head latent attention; head_dim is then the query/key head width
-    sinks: bool = False  # a learned sink logit per head joins every softmax (GPT-OSS): `heads` parameters per layer
-    # Explicit per-layer attention, repeated over the layers (layer i uses pattern[i % len]); empty: the
-    # window / global_every rule. GPT-OSS: [window, full].
-    pattern: list[LayerAttention] = field(default_factory=list)
-
-    def __post_init__(self):
-        for name in ("heads", "head_dim", "kv_heads_local", "kv_heads_global", "global_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"attention.{name} must be positive, got {getattr(self, name)}")
-        for name in ("kv_heads_local", "kv_heads_global"):
-            if self.heads % getattr(self, name):
-                raise ValueError(f"attention.{name}={getattr(self, name)} must divide heads={self.heads}")
-        if self.kv_heads_stored and self.kv_heads_stored < max(self.kv_heads_local, self.kv_heads_global):
-            raise ValueError("attention.kv_heads_stored must be at least the larger of the local and global counts")
-        if self.window < 0:
-            raise ValueError(f"attention.window must be >= 0, got {self.window}")
-        if not 0.0 <= self.rope_fraction <= 1.0:
-            raise ValueError(f"attention.rope_fraction must lie in [0, 1], got {self.rope_fraction}")
-        if self.pattern:
-            if self.global_every != 1:
-                raise ValueError("attention.pattern and attention.global_every are two ways to say the same thing; "
-                                 "give one")
-            if "window" in self.pattern and self.window <= 0:
-                raise ValueError("attention.pattern has window layers, so attention.window must be positive")
-        if self.mla is not None:
-            if self.head_dim != self.mla.qk_head_dim:
-                raise ValueError(f"attention.head_dim={self.head_dim} must equal mla.qk_nope_head_dim + "
-                                 f"mla.qk_rope_head_dim = {self.mla.qk_head_dim} under latent attention")
-            if self.kv_heads_local != self.heads or self.kv_heads_global != self.heads or self.kv_heads_stored:
-                raise ValueError("latent attention expands keys and values to every head: kv_heads_local and "
-                                 "kv_heads_global must equal heads, and kv_heads_stored stay 0")
-            if self.bias or self.output_gate or self.exclusive:
-                raise ValueError("latent attention is modelled without bias, output_gate and exclusive")
-
-    @property
-    def v_head_dim(self) -> int:
-        """Width of one head's values (and of the attention output per head)."""
-        return self.mla.v_head_dim if self.mla is not None else self.head_dim
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    experts: int
-    top_k: int
-    expert_ffn: int  # intermediate width of each routed SwiGLU expert
-    latent_dim: int = 0  # 0: experts see d_model-wide tokens; >0: latent MoE (down-project, RMSNorm, experts, up)
-    shared_experts: int = 0
-    shared_ffn: int = 0  # intermediate width of each shared SwiGLU expert (full width input)
-    dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP (width ModelSpec.ffn) instead
-    router_bias: bool = True  # a per-expert bias on the router logits (a stored parameter)
-    # Quantile balancing sets that bias every step from a histogram of router margins, this many bins per expert,
-    # pooled over the ranks that see different tokens (Marin's qb_hist_bins; 1,000 by default).
-    balance_bins: int = 1000
-    # How the router is balanced (see Balancing); quantile and aux_free_bias set router_bias (no gradient). Unset:
-    # quantile balancing when the router has a bias (Marin), else none, as before the field existed.
-    balancing: Balancing | None = None
-    aux_loss_weight: float = 0.0  # balancing: aux_loss, the loss's weight (Switch: alpha E sum_e f_e P_e)
-    bias_update_rate: float = 0.001  # balancing: aux_free_bias, the bias step per update (DeepSeek-V3's gamma)
-    first_k_dense: int = 0  # the first k layers have a dense MLP (width ModelSpec.ffn) before the MoE layers
-    # Node-limited routing (DeepSeek-V3): the experts form `expert_groups` equal groups (one per node when expert
-    # parallelism spans that many nodes) and each token picks its top_k experts inside at most `node_limit` groups.
-    expert_groups: int = 0
-    node_limit: int = 0  # 0: no limit
-
-    def __post_init__(self):
-        for name in ("experts", "top_k", "expert_ffn"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"moe.{name} must be positive, got {getattr(self, name)}")
-        if self.top_k >= self.experts:
-            raise ValueError(f"moe.top_k={self.top_k} must be below experts={self.experts}")
-        if self.latent_dim < 0 or self.shared_experts < 0 or self.shared_ffn < 0:
-            raise ValueError("moe.latent_dim, shared_experts and shared_ffn must be >= 0")
-        if self.balance_bins <= 0:
-            raise ValueError(f"moe.balance_bins must be positive, got {self.balance_bins}")
-        if self.shared_experts and not self.shared_ffn:
-            raise ValueError("moe.shared_ffn must be positive when shared_experts > 0")
-        if self.balance_method in ("quantile", "aux_free_bias") and not self.router_bias:
-            raise ValueError(f"moe.balancing={self.balancing} sets a router bias, so moe.router_bias must be true")
-        if self.aux_loss_weight < 0 or self.bias_update_rate <= 0:
-            raise ValueError("moe.aux_loss_weight must be >= 0 and moe.bias_update_rate positive")
-        if self.balance_method == "aux_loss" and not self.aux_loss_weight:
-            raise ValueError("moe.balancing=aux_loss needs a positive moe.aux_loss_weight")
-        if self.first_k_dense < 0:
-            raise ValueError(f"moe.first_k_dense must be >= 0, got {self.first_k_dense}")
-        if self.expert_groups < 0 or self.node_limit < 0:
-            raise ValueError("moe.expert_groups and moe.node_limit must be >= 0")
-        if self.node_limit:
-            if not self.expert_groups or self.experts % self.expert_groups:
-                raise ValueError(f"moe.node_limit needs moe.expert_groups dividing experts={self.experts}")
-            if self.node_limit > self.expert_groups:
-                raise ValueError(f"moe.node_limit={self.node_limit} exceeds expert_groups={self.expert_groups}")
-            if self.top_k > self.node_limit * (self.experts // self.expert_groups):
-                raise ValueError(f"moe.top_k={self.top_k} experts do not fit in node_limit={self.node_limit} groups")
-
-    @property
-    def balance_method(self) -> str:
-        """The balancing method in force (the field, or what an unset field means)."""
-        if self.balancing is not None:
-            return self.balancing
-        return "quantile" if self.router_bias else "none"
-
-    @property
-    def sets_router_bias(self) -> bool:
-        """The router bias is set by the balancing rule (no gradient, no optimizer state), not learned."""
-        return self.balance_method in ("quantile", "aux_free_bias")
-
-
-@dataclass(frozen=True)
-class MTPSpec:
-    """Multi-token prediction (DeepSeek-V3): `depth` sequential modules, module k predicting token i + k + 1.
-    Each module normalises its input hidden state and the embedding of token i + k (two norms), projects their
-    concatenation (2 d x d), runs one transformer block shaped like the model's last layer, normalises again and
-    shares the embedding and output head with the main model. Its loss is added with weight `loss_weight`."""
-
-    depth: int = 1
-    loss_weight: float = 0.3  # DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1
-
-    def __post_init__(self):
-        if self.depth <= 0:
-            raise ValueError(f"mtp.depth must be positive, got {self.depth}")
-        if self.loss_weight < 0:
-            raise ValueError(f"mtp.loss_weight must be >= 0, got {self.loss_weight}")
-
-
-@dataclass(frozen=True)
-class ConvSpec:
-    kernel: int
-    sites: list[ConvSite]
-
-    def __post_init__(self):
-        if self.kernel <= 0:
-            raise ValueError(f"conv.kernel must be positive, got {self.kernel}")
-        if len(set(self.sites)) != len(self.sites):
-            raise ValueError("conv.sites must not repeat")
-
-
-@dataclass(frozen=True)
-class FlopsConvention:
-    """How model FLOPs (the MFU numerator) count attention and the output head.
-
-    attention: "full" counts every query against its whole context (window or sequence); "causal" halves it as a
-    causal mask does on average. window: "window" counts a local layer's context as its window; "sequence" counts
-    it as the whole sequence (as frameworks that ignore sliding windows do). head: whether the output head counts.
-    """
-
-    attention: Literal["full", "causal"] = "full"
-    window: Literal["window", "sequence"] = "window"
-    head: bool = True
-
-    @property
-    def label(self) -> str:
-        return f"attention={self.attention},window={self.window},head={'in' if self.head else 'out'}"
-
-    @classmethod
-    def parse(cls, text: str) -> "FlopsConvention":
-        """Parse 'attention=causal,window=sequence,head=out' (any subset; 'default' for the defaults)."""
-        values: dict = {}
-        if text.strip() in ("", "default"):
-            return cls()
-        for part in text.split(","):
-            key, _, value = part.partition("=")
-            key, value = key.strip(), value.strip()
-            if key == "attention" and value in ("full", "causal"):
-                values["attention"] = value
-            elif key == "window" and value in ("window", "sequence"):
-                values["window"] = value
-            elif key == "head" and value in ("in", "out"):
-                values["head"] = value == "in"
-            else:
-                raise RackcastError(
-                    f"flops convention: cannot read {part!r} "
-                    "(use attention=full|causal, window=window|sequence, head=in|out)"
-                )
-        return cls(**values)
+from rackcast.bounds import Range, Text
+from rackcast.model_parts import (  # noqa: F401 - the parts, re-exported with the spec
+    AttentionSpec, Balancing, ConvSite, ConvSpec, FlopsConvention, LatentAttentionSpec, LayerAttention, MTPSpec,
+    MoESpec, Recipe)
 
 
 @dataclass(frozen=True)
@@ -282,27 +55,30 @@ class LayerInfo:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str
-    layers: int
-    d_model: int
-    vocab: int
-    seq_len: int
+    name: Annotated[str, Text()]
+    layers: Annotated[int, Range(1, 1024)]
+    d_model: Annotated[int, Range(1, 2**17)]
+    vocab: Annotated[int, Range(1, 2**22)]
+    seq_len: Annotated[int, Range(1, 2**22)]
     attention: AttentionSpec
-    ffn: int = 0  # dense MLP intermediate width (dense models, and dense layers of MoE models)
+    # dense MLP intermediate width (dense models, and dense layers of MoE models)
+    ffn: Annotated[int, Range(0, 2**20)] = 0
     activation: Literal["swiglu", "gelu"] = "swiglu"
     mlp_bias: bool = False
     moe: MoESpec | None = None
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     embed_norm: bool = False  # a norm (and gated norm, if any) right after the embedding
-    gated_norm_rank: int = 0  # 0: none; r: after each norm, x * sigmoid(silu(x W_down) W_up), W_down: d x r
+    # 0: none; r: after each norm, x * sigmoid(silu(x W_down) W_up), W_down: d x r
+    gated_norm_rank: Annotated[int, Range(0, 2**17)] = 0
     conv: ConvSpec | None = None
     tied_embeddings: bool = False
     positional: Literal["rope", "learned", "none"] = "rope"
-    rope_theta: float = 10000.0
+    rope_theta: Annotated[float, Range(0, 1e12, above=True)] = 10000.0
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3): 2 x head_dim gains per layer
     mtp: MTPSpec | None = None  # multi-token prediction modules
-    family: str = ""
+    family: Annotated[str, Text()] = ""
     description: str = ""
+    recipe: Recipe | None = None  # the training recipe plans of this model carry (None: the optimizer defaults)
 
     def __post_init__(self):
         for name in ("layers", "d_model", "vocab", "seq_len"):

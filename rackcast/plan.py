@@ -14,46 +14,66 @@ from __future__ import annotations
 import hashlib
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Annotated, Literal
 
 from rackcast import __version__
+from rackcast.bounds import IsoDate, Range, Text, parse_date
 from rackcast.errors import RackcastError
 from rackcast.layout import ParallelSpec
-from rackcast.modelspec import ModelSpec
+from rackcast.modelspec import ModelSpec, Recipe
 from rackcast.presets import load_model
-from rackcast.strict import dump_yaml, from_data, load_yaml, to_data, write_text_atomic
+from rackcast.atomic import write_text_atomic
+from rackcast.strict import dump_yaml, from_data, load_yaml, to_data
+from rackcast.vocab import STAGE_BOUND_SCHEDULES, PlanSchedule
 
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "dualpipev"]
 
 
 @dataclass(frozen=True)
 class TopologyRef:
-    name: str  # preset name or YAML path
-    domains: int = 1  # racks or nodes
-    usable_gpus: int = 0  # GPUs used per domain; 0 keeps the preset's default (64 of 72 on NVL72)
+    name: str  # preset name or YAML path (strict.is_file_reference)
+    domains: Annotated[int, Range(1, 65536)] = 1  # racks or nodes
+    # GPUs used per domain; 0 keeps the preset's default (64 of 72 on NVL72)
+    usable_gpus: Annotated[int, Range(0, 4096)] = 0
 
 
 @dataclass(frozen=True)
 class BatchSpec:
-    global_batch: int  # sequences per optimizer step
-    micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
+    global_batch: Annotated[int, Range(1, 2**24)]  # sequences per optimizer step
+    micro_batch: Annotated[int, Range(1, 2**20)] = 1  # sequences per micro-batch on one data-parallel rank
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
+    """The optimizer and its recipe (rackcast.modelspec.Recipe documents the fields; `rackcast plan` copies the
+    model preset's recipe here)."""
+
     name: Literal["adamw", "muonh"] = "adamw"
     state_location: Literal["hbm", "host"] = "hbm"  # optimizer state and fp32 master weights
     master_weights: bool = True  # keep an fp32 master copy
-    lr: float = 3e-4
-    adam_lr: float = 3e-4  # MuonH: the Adam groups' learning rate
+    lr: Annotated[float, Range(0, 10, above=True)] = 3e-4
+    adam_lr: Annotated[float, Range(0, 10, above=True)] = 3e-4  # MuonH: the Adam groups' learning rate
+    betas: tuple[Annotated[float, Range(0, 1)], Annotated[float, Range(0, 1)]] = (0.9, 0.95)
+    eps: Annotated[float, Range(0, 1, above=True)] = 1e-8
+    momentum: Annotated[float, Range(0, 1)] = 0.95
+    weight_decay: Annotated[float, Range(0, 10)] = 0.1
+    warmup_fraction: Annotated[float, Range(0, 1)] = 0.01
+    lr_floor: Annotated[float, Range(0, 1)] = 0.05
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, **overrides) -> "OptimizerSpec":
+        fields = dict(name=recipe.optimizer, lr=recipe.lr, adam_lr=recipe.adam_lr, betas=recipe.betas,
+                      eps=recipe.eps, momentum=recipe.momentum, weight_decay=recipe.weight_decay,
+                      warmup_fraction=recipe.warmup_fraction, lr_floor=recipe.lr_floor)
+        return cls(**{**fields, **overrides})
 
 
 @dataclass(frozen=True)
 class ExpertTransport:
     mode: Literal["dropless", "capacity"] = "dropless"
-    capacity_factor: float = 1.0  # capacity mode: slots per expert = factor x tokens x top_k / experts
+    # capacity mode: slots per expert = factor x tokens x top_k / experts
+    capacity_factor: Annotated[float, Range(0, 1024, above=True)] = 1.0
     routing: Literal["uniform", "zipf", "histogram"] = "uniform"
-    zipf_s: float = 1.0  # Zipf exponent for routing: zipf
+    zipf_s: Annotated[float, Range(0, 64)] = 1.0  # Zipf exponent for routing: zipf
     histogram: str = ""  # routing: histogram -> path to a recorded histogram (Parquet or YAML)
 
     def __post_init__(self):
@@ -66,14 +86,14 @@ class Predicted:
     """What a prediction said about this plan (estimate or simulation)."""
 
     source: Literal["estimate", "simulate", "plan"]
-    step_time_s: float
-    tokens_per_s: float
-    mfu: float
-    peak_memory_bytes: float
-    days_to_budget: float
-    phases_s: dict[str, float] = field(default_factory=dict)
+    step_time_s: Annotated[float, Range(0, 1e30)]
+    tokens_per_s: Annotated[float, Range(0, 1e30)]
+    mfu: Annotated[float, Range(0, 1e6)]
+    peak_memory_bytes: Annotated[float, Range(0, 1e30)]
+    days_to_budget: Annotated[float, Range(0, 1e30, allow_nan=True)]  # NaN: the plan has no token budget
+    phases_s: dict[str, Annotated[float, Range(0, 1e30)]] = field(default_factory=dict)
     flops_convention: str = ""
-    drop_fraction: float = 0.0
+    drop_fraction: Annotated[float, Range(0, 1)] = 0.0
     fits: bool = True
 
 
@@ -86,25 +106,31 @@ class Provenance:
 
 @dataclass(frozen=True)
 class Plan:
-    name: str
-    model: str | ModelSpec  # preset name, YAML path, or an inline spec
+    name: Annotated[str, Text()]
+    model: str | ModelSpec  # preset name, YAML path (strict.is_file_reference), or an inline spec
     topology: TopologyRef
     parallel: ParallelSpec
     batch: BatchSpec
-    schedule: Schedule = "1f1b"
+    schedule: PlanSchedule = "1f1b"
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     expert_transport: ExpertTransport = field(default_factory=ExpertTransport)
-    precision: Literal["bf16", "fp8"] = "bf16"
+    precision: Literal["bf16", "fp8", "fp32"] = "bf16"  # fp32: no autocast (exact CPU references)
     grad_dtype: Literal["bf16", "fp32"] = "fp32"  # gradient accumulation and reduction dtype
     attention_kernel: Literal["flash", "materialized"] = "flash"
     dropout: bool = False
-    tokens: float = 0.0  # token budget for days-to-budget (0: not set)
-    start: str = ""  # ISO date
-    deadline: str = ""  # ISO date
-    seed: int = 0
+    z_loss_weight: Annotated[float, Range(0, 10)] = 1e-4  # logit z-loss weight (Recipe)
+    combine_sum: Annotated[float, Range(0, 1024, above=True)] = 1.0  # per-token sum of the MoE combine weights (Recipe)
+    tokens: Annotated[float, Range(0, 1e18)] = 0.0  # token budget for days-to-budget (0: not set)
+    start: Annotated[str, IsoDate()] = ""  # ISO date
+    deadline: Annotated[str, IsoDate()] = ""  # ISO date, after start
+    seed: Annotated[int, Range(0, 2**32 - 1)] = 0
     predicted: Predicted | None = None
     provenance: Provenance | None = None
+
+    def __post_init__(self):
+        if self.start and self.deadline and parse_date(self.deadline, "deadline") <= parse_date(self.start, "start"):
+            raise RackcastError(f"deadline: {self.deadline} is not after the start {self.start}")
 
     def model_spec(self) -> ModelSpec:
         return self.model if isinstance(self.model, ModelSpec) else load_model(self.model)
@@ -146,7 +172,7 @@ def validate(plan: Plan, spec: ModelSpec, gpus_available: int, where: str = "") 
         fail("batch.global_batch", f"{b.global_batch} sequences are not divisible by data x fsdp x micro_batch "
                                    f"= {per_step}")
     m = plan.microbatches
-    if p.pipeline > 1 and plan.schedule in ("1f1b", "interleaved_1f1b", "zb_h1", "dualpipev") and m < p.pipeline:
+    if p.pipeline > 1 and plan.schedule in STAGE_BOUND_SCHEDULES and m < p.pipeline:
         fail("batch", f"{m} micro-batches per step are fewer than the {p.pipeline} pipeline stages that "
                       f"{plan.schedule} needs")
     if plan.schedule == "interleaved_1f1b" and p.pipeline > 1 and m % p.pipeline:
@@ -158,12 +184,11 @@ def validate(plan: Plan, spec: ModelSpec, gpus_available: int, where: str = "") 
 
 
 def _resolve(field_name: str, build, path: str):
-    """Build the plan's model or topology; an error that names no file is reported against this plan's field."""
+    """Build the plan's model or topology; an error is reported against this plan's field (and names the model or
+    topology file too when it lies there)."""
     try:
         return build()
     except RackcastError as exc:
-        if exc.where:
-            raise
         raise RackcastError(f"{field_name}: {exc}", where=str(path)) from None
 
 
@@ -203,13 +228,23 @@ def with_prediction(plan: Plan, predicted: Predicted, command: str = "") -> Plan
 
 
 def main(argv: list[str]) -> int:
-    """`python -m rackcast.plan FILE...`: validate plan files; one line per file, exit 2 at the first refusal."""
+    """`python -m rackcast.plan FILE...`: validate plan files; 'FILE: ok', or one line and exit code 2 at the first
+    refusal (1 for an unexpected error, whose traceback `rackcast --debug estimate FILE` shows)."""
+    from rackcast.errors import unexpected_error_line
+
+    if not argv:
+        print("usage: python -m rackcast.plan PLAN.yaml [PLAN.yaml ...]", file=sys.stderr)
+        return 2
     for plan_path in argv:
         try:
             load_plan(plan_path)
         except RackcastError as exc:
             print(f"rackcast.plan: error: {exc}", file=sys.stderr)
             return 2
+        except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+            print("rackcast.plan: " + unexpected_error_line(exc, "`rackcast --debug estimate FILE` shows the "
+                                                                 "traceback"), file=sys.stderr)
+            return 1
         print(f"{plan_path}: ok")
     return 0
 

@@ -14,7 +14,8 @@ storages; tests/test_activations.py checks it against one backend layer). On top
 tensors that count leaves out (the gated norm's sigmoid gate, the q/k norms' inputs and fp32 statistics, the output
 gate's other input, per routed copy its combine weight and int64 token indices, the embedding and final norms and
 the loss) and what eager PyTorch adds: RMSNorm keeps its normalised output, ShortConv a shifted copy of its input per
-tap, grouped-query attention K and V repeated to every query head (and SDPA an fp32 copy of a sliding-window mask),
+tap, grouped-query attention K and V repeated to every query head (a local layer's blocked windows of them, and SDPA
+an fp32 copy of the band mask),
 exclusive attention three per-head scalars, the output gate both sigmoid and 2*sigmoid, SwiGLU a fourth hidden
 tensor, the router its top-(k+1) indices and the normalisation of the combine weights, the loss a log-softmax and a
 copy of the logits (both fp32). `eager_*` below also gives what the backend holds besides saved tensors: the loss
@@ -41,6 +42,14 @@ BYTES = {"bf16": 2, "fp8": 1, "fp32": 4}
 FP32 = 4
 MASK_BYTES = 1  # dropout masks and boolean masks are stored as one byte per element
 INDEX_BYTES = 8  # token and expert indices are int64 (torch.argsort's, torch.topk's output)
+WINDOW_CHUNKS = 4  # the backend's windowed attention takes queries in blocks of window / WINDOW_CHUNKS
+
+
+def window_query_block(window: int) -> int:
+    """Queries per block of the backend's sliding-window attention (backend.attention.banded_attention): each
+    query reads window + block - 1 keys, so a smaller block wastes fewer masked scores and a larger one makes
+    fewer, larger kernel calls."""
+    return max(1, window // WINDOW_CHUNKS)
 
 
 def activation_bytes(dtype: str | None = None) -> int:
@@ -112,11 +121,24 @@ def _attention_eager(spec: ModelSpec, layer: int, plan: Plan, e: float) -> float
         # its convolution's output; the slice to the layer's heads is a view), and one fp32 rsqrt per head.
         total += e * (q_dim + spec.kv_heads_stored(layer) * a.head_dim) / t
         total += FP32 * (a.heads + spec.kv_heads(layer)) / t
-    total += 3 * e * q_dim / t  # SDPA's query, key and value: K and V repeat_interleave'd to every query head
-    total += e * q_dim / t + FP32 * a.heads / t  # SDPA's output and log-sum-exp
     if not spec.is_global(layer) and spec.context(layer) < spec.seq_len:
-        # SDPA's fp32 copy of the boolean sliding-window mask: one [seq, seq] per call of micro_batch sequences.
-        total += FP32 * spec.seq_len / plan.batch.micro_batch
+        # backend.attention.banded_attention: SDPA over query blocks keeps the blocked query copy, the keys and
+        # values left-padded by window - 1 (each block's window + block - 1 of them is a strided view into those),
+        # its output and log-sum-exp, and its fp32 copy of the boolean band mask ([blocks, block, span] per call of
+        # micro_batch sequences); the output is copied back to [B, S, H, hd] for what follows. Sequences pad to
+        # whole blocks.
+        window, s = spec.context(layer), spec.seq_len
+        block = window_query_block(window)
+        padded = -(-s // block) * block / s
+        span = window + block - 1
+        total += e * q_dim / t * (padded + 2 * (padded + (window - 1) / s))
+        total += (e * q_dim / t + FP32 * a.heads / t) * padded + e * q_dim / t
+        total += FP32 * padded * span / plan.batch.micro_batch
+        if a.exclusive:
+            total += e * q_dim / t
+    else:
+        total += 3 * e * q_dim / t  # SDPA's query, key and value: K and V repeat_interleave'd to every query head
+        total += e * q_dim / t + FP32 * a.heads / t  # SDPA's output and log-sum-exp
     if a.exclusive:  # y - (y.v / (v.v + eps)) v: the dot, the denominator and their ratio per head; the output
         total += 3 * e * a.heads / t + e * q_dim / t
     if a.output_gate:  # sigmoid(x W_g) (sigmoid's backward) and 2*sigmoid (the product's); the product (O's input)

@@ -2,12 +2,12 @@
 
     time = steps x alpha + factor x nbytes / (efficiency x bandwidth)
 
-with the nccl-tests bus-bandwidth factors (shared/reference/hardware.md, "Collective cost conventions"): all_reduce
-2(n-1)/n, all_gather / reduce_scatter / all_to_all (n-1)/n, send_recv 1; and the latency steps of the algorithms
-simulator.collectives runs: ring all_reduce 2(n-1), ring all_gather / reduce_scatter n-1, direct all_to_all 1 (all
-pairs at once), send_recv 1. Sizes follow nccl-tests (see simulator.collectives). `bandwidth_Bps` is the per-GPU,
-per-direction bandwidth of the slowest hop, `latency_s` one hop's route latency (alpha). Every argument may be an
-array; they broadcast.
+with the nccl-tests bus-bandwidth factors (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
+all_reduce 2(n-1)/n, all_gather / reduce_scatter / all_to_all (n-1)/n, send_recv 1; and the latency steps of the
+algorithms simulator.collectives runs: ring all_reduce 2(n-1), ring all_gather / reduce_scatter n-1, direct
+all_to_all 1 (all pairs at once), send_recv 1. Sizes follow nccl-tests (see simulator.collectives).
+`bandwidth_Bps` is the per-GPU, per-direction bandwidth of the slowest hop, `latency_s` one hop's route latency
+(alpha). Every argument may be an array; they broadcast.
 
     from rackcast.simulator.collective_formulas import collective_time
     t = collective_time("all_reduce", nbytes=np.logspace(6, 10, 5), n=64, bandwidth_Bps=bw, latency_s=alpha)

@@ -30,11 +30,13 @@ from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, reduction_groups
 from rackcast.simulator.host_overhead import host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
-from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
+from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather, newton_schulz_flops,
+                                               optimizer_traffic_bytes)
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
 from rackcast.simulator.schedule_formulas import bubble_fraction
 from rackcast.topologies.spec import Topology
+from rackcast.vocab import PHASES
 
 HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble_backward", "op_optimizer")
 
@@ -95,6 +97,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
     ns = newton_schulz_flops(spec, plan, layers)
     opt_bytes, host_bytes = optimizer_traffic_bytes(rp, plan)
     bal_count, bal_hist, bal_max = balancing_reductions(spec, layers)
+    muon_bytes, muon_norms = muon_gather(spec, plan, layers)
     return {
         "microbatches": plan.microbatches,
         "bubble_fraction": bubble_fraction(plan.schedule, par.pipeline, plan.microbatches, par.chunks_per_rank),
@@ -128,6 +131,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         "fsdp_bytes": rp.dense * w_bytes,
         "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": costs.newton_schulz_size(spec),
         "bal_count": bal_count, "bal_hist_bytes": bal_hist, "bal_max_bytes": bal_max,
+        "muon_gather_bytes": muon_bytes, "muon_norm_count": muon_norms,
         "host_bytes": host_bytes,
         "drop_fraction": drop,
         **host_op_features(spec, plan, topo),
@@ -171,7 +175,8 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
                for c in costs.gradient_reductions(f["dense_grad_bytes"], f["expert_grad_bytes"], f["inner_n"],
                                                   f["efsdp_n"]))
     dp_exposed = np.maximum(0.0, dp_t - 2 * fwd)
-    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], f["ns_size"], topo) + balancing_time(f, topo)
+    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], f["ns_size"], topo) + balancing_time(f, topo) + \
+        costs.muon_gather_time(f, topo)
     host_t = costs.host_link_time(f["host_bytes"], topo)
     # Host per-op overhead (features in ops; zero without measured host_op_s), blocking: added, not overlapped.
     h = eff.host_op_s
@@ -196,10 +201,6 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
         "expert_a2a_total": m * a2a_t,
         "dp_comm_total": dp_t,
     }
-
-
-PHASES = ("compute", "exposed_expert_a2a", "exposed_tensor_comm", "exposed_fsdp_gather", "pipeline_p2p",
-          "pipeline_bubble", "exposed_dp_comm", "optimizer", "host_transfer")
 
 
 @dataclass(frozen=True)

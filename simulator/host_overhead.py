@@ -27,8 +27,9 @@ from rackcast.topologies.spec import HostOpTimes
 
 
 def layer_forward_ops(counts: dict, plan: Plan, layer: int) -> float:
-    """Forward ops of one layer on a rank holding 1/ep of its routed experts (the expert loop runs over those)."""
-    return counts["fwd_layers"][layer] - counts["fwd_experts"][layer] * (1.0 - 1.0 / plan.parallel.expert)
+    """Forward ops of one layer on a rank holding 1/ep of its routed experts: the same as with all of them, since
+    the backend runs a rank's experts as grouped GEMMs (backend.moe.GroupedExperts), whatever their number."""
+    return counts["fwd_layers"][layer]
 
 
 def ops_per_microbatch(counts: dict, spec: ModelSpec, plan: Plan, stage: int) -> float:

@@ -15,8 +15,7 @@ from typing import NamedTuple
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.topologies.spec import Topology
-
-SECONDS_PER_DAY = 86400.0
+from rackcast.units import SECONDS_PER_DAY
 
 
 class StepMetrics(NamedTuple):

@@ -1,17 +1,24 @@
-"""Op counts of the backend model for the host per-op overhead (simulator.host_overhead), without importing torch.
+"""Op counts of the backend model, as data, for the host per-op overhead (simulator.host_overhead); no torch, no
+backend import, no subprocess.
 
-`op_counts(spec, optimizer)` returns backend.opcount.count_ops's dict (framework ops per micro-batch by where they
-run, backward/forward ratio, optimizer ops). Op counts depend on the model's structure, not on its widths, so they
-are counted on the spec's structural twin (`structural_twin`: the same layers, attention pattern, experts, shared
-experts and features, every width shrunk to a few units while keeping the branches the backend takes): under a
-second for marin-ladder-d768, about 10 s for marin-535b-a23b (its 48 layers x 384 experts' loop), where building
-the full model on a CPU takes minutes or runs out of memory. The result is cached: per process in memory, and on
-disk as one JSON file per key under $RACKCAST_CACHE/op-counts/ (else ~/.cache/rackcast/op-counts/). The key is a
-hash of the twin's data (rackcast.strict.to_data, less name, family and description), the optimizer and the
-installed torch version (read from the package metadata, no import): models of one structure share one count
-whatever their widths, while another structure, optimizer or torch counts again. A miss runs
-`python -m rackcast.backend.opcount - --optimizer X` in a subprocess with the twin as JSON on its stdin and writes the cache
-file atomically. A failure is one RackcastError line. The returned dict names the model asked for ("model").
+`op_counts(spec, optimizer)` returns the counts backend.opcount.count_ops made (framework ops per micro-batch by where
+they run, backward/forward ratio, optimizer ops). Op counts depend on the model's structure, not on its widths, so
+they are counted on the spec's structural twin (`structural_twin`: the same layers, attention pattern, experts,
+shared experts and features, every width shrunk to a few units while keeping the branches the backend takes) and
+stored under a key (`cache_key`): a hash of the twin's data (rackcast.strict.to_data, less name, family and
+description) and the optimizer. Models of one structure share one count whatever their widths.
+
+Where the counts are read from, first found wins:
+- this process's memory;
+- the op-count cache, one JSON file per key under $RACKCAST_CACHE/op-counts/ (else ~/.cache/rackcast/op-counts/),
+  which the backend's counter fills (backend.opcount.count_into_cache, run by the front end for models of the
+  user's own);
+- simulator/op_counts.json, committed with the package: the presets a measured (calibrated) machine trains,
+  TABLE_MODELS, with both optimizers, counted by the backend (backend.opcount.write_count_table) with the torch the
+  file names. tests/test_op_counts.py checks it against a fresh count, so a torch whose op mix differs fails that
+  test until the table is regenerated.
+A structure in neither raises OpCountsMissing (a RackcastError naming the model and optimizer); the front ends say
+how to count it. The returned dict names the model asked for ("model").
 
 Why a twin counts the same (see backend.model, layers, attention, moe, optim): an op count changes with a width only
 where the code branches on it. Those branches are kept: the rotary split of a head (nothing, part or all of it
@@ -29,25 +36,42 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from dataclasses import fields, replace
-from importlib import metadata
+from functools import lru_cache
 from pathlib import Path
 
+from rackcast.atomic import write_json_atomic, write_text_atomic
 from rackcast.errors import RackcastError
 from rackcast.modelspec import ModelSpec
-from rackcast.strict import to_data, write_text_atomic
+from rackcast.strict import to_data
 
-ROOT = Path(__file__).resolve().parent.parent
+TABLE_PATH = Path(__file__).with_name("op_counts.json")
+# The packaged table's models: the tiny presets that the examples, the tests and the validation suite train on a
+# CPU, where the host overhead matters; a larger model on a measured topology is counted once into the cache.
+TABLE_MODELS = ("tiny-dense", "tiny-moe", "tiny-moe-dense0")
 CACHE_ENV = "RACKCAST_CACHE"
 CACHE_SUBDIR = "op-counts"
 KEYS = ("fwd_embed", "fwd_layers", "fwd_experts", "fwd_head", "bwd_over_fwd", "optimizer_ops")
-UNKEYED = ("name", "family", "description")  # labels, not structure: left out of the cache key
+UNKEYED = ("name", "family", "description")  # labels, not structure: left out of the key
 COUNT_SEQ = 32  # tokens per counted sequence (backend.opcount): more than any preset's conv kernel, so every lag runs
+GROUPED_MM_ALIGN_BYTES = 16  # torch grouped_mm wants row strides of a multiple of 16 bytes (backend.moe pads others)
+COUNT_DTYPE_BYTES = 4  # counts run in fp32 (backend.opcount)
 MIN_WIDTH = 2  # a dimension of 1 can change which strides torch sees as contiguous (and so a reshape's or a
 # matmul's ops); 2 behaves like any larger size, so a twin width is 1 only where the full spec's is
 _MEMORY: dict[str, dict] = {}  # key -> counts, this process
+
+
+class OpCountsMissing(RackcastError):
+    """No op counts for this model's structure and optimizer, in the cache or the packaged table."""
+
+    def __init__(self, model: str, optimizer: str):
+        self.model, self.optimizer = model, optimizer
+        super().__init__(f"no op counts for model {model!r} with optimizer {optimizer}: its structure is in "
+                         f"neither {TABLE_PATH.name} nor the op-count cache ({cache_dir()}); the host per-op "
+                         "overhead (a measured efficiency.host_op_s) needs the backend to count them once")
+
+    def __reduce__(self):  # rebuilt from its fields when it crosses a process pool
+        return OpCountsMissing, (self.model, self.optimizer)
 
 
 def cache_dir() -> Path:
@@ -57,7 +81,7 @@ def cache_dir() -> Path:
 
 
 def spec_data(spec: ModelSpec) -> dict:
-    """The spec's plain data over ModelSpec's own fields (a planner subclass such as FastSpec counts the same)."""
+    """The spec's plain data over ModelSpec's own fields (a subclass carrying derived fields counts the same)."""
     return {f.name: to_data(getattr(spec, f.name)) for f in fields(ModelSpec) if f.init}
 
 
@@ -167,6 +191,7 @@ def structural_twin(spec: ModelSpec, seq: int = COUNT_SEQ) -> ModelSpec:
         if found is not None:
             head_dim, w = candidate, found
             break
+    w = _keep_expert_alignment(spec, w)
     seq_len = min(spec.seq_len, seq)
     try:
         moe = spec.moe and replace(spec.moe, expert_ffn=w["expert_ffn"], latent_dim=w.get("latent_dim", 0),
@@ -181,61 +206,91 @@ def structural_twin(spec: ModelSpec, seq: int = COUNT_SEQ) -> ModelSpec:
     return twin
 
 
-# ---------------------------------------------------------------------------------------------------- the cache
-def torch_version() -> str:
-    try:
-        return metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        raise RackcastError("the host per-op overhead (efficiency.host_op_s measured) needs op counts of the backend "
-                            "model, which need torch installed; set efficiency.host_op_s to zeros to leave the term out") from None
+def _keep_expert_alignment(spec: ModelSpec, twin: dict[str, int]) -> dict[str, int]:
+    """Round the twin's routed-expert widths (expert_ffn and the experts' input, the latent width else d_model) up
+    to grouped_mm's row alignment where the full spec's are aligned, so the twin takes the backend's unpadded
+    grouped GEMMs as the full model does; unchanged where that would break the orders of paired widths."""
+    if spec.moe is None:
+        return twin
+    unit = GROUPED_MM_ALIGN_BYTES // COUNT_DTYPE_BYTES
+    full = widths(spec)
+    inp = "latent_dim" if "latent_dim" in full else "d_model"
+    if full[inp] % unit or full["expert_ffn"] % unit:
+        return twin
+    out = dict(twin)
+    out[inp] = -(-twin[inp] // unit) * unit
+    order = (full["expert_ffn"] > full[inp]) - (full["expert_ffn"] < full[inp])  # expert_ffn against its input
+    out["expert_ffn"] = out[inp] + order * unit
+    kept = all(0 < out[k] <= full[k] for k in out) and all(
+        (full[a] > full[b]) - (full[a] < full[b]) == (out[a] > out[b]) - (out[a] < out[b])
+        for a, b in paired_widths(spec))
+    return out if kept else twin
 
 
+# ---------------------------------------------------------------------------------------------------- the data
 def cache_key(spec: ModelSpec, optimizer: str) -> str:
-    """Hash of the structural twin's data (labels left out), the optimizer and the torch version."""
+    """Hash of the structural twin's data (labels left out) and the optimizer."""
     data = {k: v for k, v in spec_data(structural_twin(spec)).items() if k not in UNKEYED}
-    text = json.dumps({"spec": data, "optimizer": optimizer, "torch": torch_version()}, sort_keys=True)
+    text = json.dumps({"spec": data, "optimizer": optimizer}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _valid(counts) -> bool:
+def valid(counts) -> bool:
     return isinstance(counts, dict) and all(k in counts for k in KEYS)
 
 
-def _count(spec: ModelSpec, optimizer: str) -> dict:
-    env = dict(os.environ)
-    proc = subprocess.run([sys.executable, "-m", "rackcast.backend.opcount", "-", "--optimizer", optimizer], cwd=ROOT,
-                          input=json.dumps(spec_data(structural_twin(spec))), capture_output=True, text=True, env=env)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        raise RackcastError(f"counting the ops of model {spec.name!r} (python -m rackcast.backend.opcount) failed: {why}")
+@lru_cache(maxsize=None)
+def _table(path: Path = TABLE_PATH) -> dict[str, dict]:
+    """The packaged table's counts by key (empty when the file is missing or unreadable)."""
     try:
-        counts = json.loads(lines[-1])
-    except json.JSONDecodeError:
-        counts = None
-    if not _valid(counts):
-        raise RackcastError(f"counting the ops of model {spec.name!r} (python -m rackcast.backend.opcount) printed no counts")
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {k: v for k, v in data.get("counts", {}).items() if valid(v)}
+
+
+def _cached(key: str) -> dict | None:
+    try:
+        counts = json.loads((cache_dir() / f"{key}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # absent or unreadable: the table's, or a recount, stands
+    return counts if valid(counts) else None
+
+
+def lookup(spec: ModelSpec, optimizer: str) -> dict | None:
+    """The counts for `spec`'s structure and `optimizer` (memory, then cache, then table), or None."""
+    key = cache_key(spec, optimizer)
+    counts = _MEMORY.get(key) or _cached(key) or _table().get(key)
+    if counts is not None:
+        _MEMORY[key] = counts
     return counts
 
 
 def op_counts(spec: ModelSpec, optimizer: str) -> dict:
-    """backend.opcount's counts for `spec` trained with `optimizer` (see the module docstring)."""
-    key = cache_key(spec, optimizer)
-    counts = _MEMORY.get(key)
-    path = cache_dir() / f"{key}.json"
-    if counts is None and path.exists():
-        try:
-            counts = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            counts = None  # unreadable: count again and overwrite it
-        if not _valid(counts):
-            counts = None
+    """The backend's counts for `spec` trained with `optimizer` (see the module docstring)."""
+    counts = lookup(spec, optimizer)
     if counts is None:
-        counts = _count(spec, optimizer)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(path, json.dumps(counts, sort_keys=True) + "\n")
-        except OSError:  # a read-only cache or a concurrent writer: the counts stand, the next process recounts
-            pass
-    _MEMORY[key] = counts
+        raise OpCountsMissing(spec.name, optimizer)
     return {**counts, "model": spec.name}  # a count shared by models of one structure names the one asked for
+
+
+def store(spec: ModelSpec, optimizer: str, counts: dict) -> Path:
+    """Write counts the backend made for `spec`'s structure into the op-count cache (atomically); returns the file."""
+    if not valid(counts):
+        raise RackcastError(f"op counts of model {spec.name!r} lack {', '.join(k for k in KEYS if k not in counts)}")
+    key = cache_key(spec, optimizer)
+    path = cache_dir() / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, counts, indent=None, sort_keys=True)
+    _MEMORY[key] = counts
+    return path
+
+
+def write_table(entries: dict[str, dict], torch_version: str, path: Path = TABLE_PATH) -> None:
+    """Write the packaged table: counts by key (cache_key), counted with `torch_version`."""
+    bad = [k for k, v in entries.items() if not valid(v)]
+    if bad:
+        raise RackcastError(f"op counts under {', '.join(bad)} lack fields")
+    rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(entries.items()))
+    write_text_atomic(path, f'{{"torch": {json.dumps(torch_version)}, "counts": {{\n{rows}\n}}}}\n')
+    _table.cache_clear()

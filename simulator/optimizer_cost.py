@@ -4,8 +4,12 @@ Shared by the closed-form estimate and the discrete-event workload so both price
 also runs quantile balancing's reductions (`balancing_reductions`; priced by simulator.estimate.balancing_time).
 MuonH orthogonalises every matrix with NEWTON_SCHULZ_STEPS quintic iterations (Jordan et al. 2024, "Muon");
 one iteration on an m x n matrix (m <= n) computes A = X X^T, B = bA + cA^2, X' = aX + BX: 4 m^2 n + 2 m^3 FLOPs.
-Dense matrices are split `tensor` ways and their orthogonalisation spread over the `fsdp` shards; expert matrices
-over the expert ranks and the experts' own FSDP shards.
+Dense matrices are split `tensor` ways; with fsdp > 1 every rank of the fsdp group orthogonalises each whole matrix
+(backend.optim.orthogonalise: the update is all-gathered in fp32 over the fsdp group, Newton-Schulz runs on every
+rank, each keeps its rows; `muon_gather`), and the hyperball step all-reduces three Frobenius norms (one fp32 scalar
+each) per dense matrix over that group. Expert stacks are sharded along the expert dimension, so each rank
+orthogonalises only its own experts (split over the expert ranks and the experts' own FSDP shards) without
+communication.
 """
 
 from __future__ import annotations
@@ -14,8 +18,7 @@ from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator.activations import INDEX_BYTES
 from rackcast.simulator.memory import BYTES, RankParams, optimizer_state_bytes
-
-NEWTON_SCHULZ_STEPS = 5
+from rackcast.vocab import NEWTON_SCHULZ_STEPS
 
 
 def balancing_reductions(spec: ModelSpec, layers: list[int]) -> tuple[int, float, float]:
@@ -39,28 +42,48 @@ def matrix_ns_flops(m: int, n: int) -> float:
     return 4 * m * m * n + 2 * m * m * m
 
 
+def _dense_matrices(spec: ModelSpec, layer: int) -> list[tuple[int, int]]:
+    """The MuonH matrices of one layer other than the routed experts (attention, shared experts, latent projections,
+    dense MLP)."""
+    d, a = spec.d_model, spec.attention
+    mlp_matrices = 3 if spec.activation == "swiglu" else 2
+    kv = spec.kv_heads_stored(layer) * a.head_dim
+    mats = [(d, a.heads * a.head_dim), (d, kv), (d, kv), (a.heads * a.head_dim, d)]
+    if spec.is_moe(layer):
+        mo = spec.moe
+        mats += [(d, mo.shared_ffn)] * mlp_matrices * mo.shared_experts
+        mats += [(d, mo.latent_dim)] * 2 if mo.latent_dim else []
+    else:
+        mats += [(d, spec.ffn)] * mlp_matrices
+    return mats
+
+
 def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float:
     """MuonH orthogonalisation FLOPs per step on one rank holding `layers` (0 for other optimizers)."""
     if plan.optimizer.name != "muonh":
         return 0.0
     par = plan.parallel
     efsdp = par.expert_fsdp
-    d, a = spec.d_model, spec.attention
     mlp_matrices = 3 if spec.activation == "swiglu" else 2
     total = 0.0
     for i in layers:
-        kv = spec.kv_heads_stored(i) * a.head_dim
-        mats = [(d, a.heads * a.head_dim), (d, kv), (d, kv), (a.heads * a.head_dim, d)]
         if spec.is_moe(i):
             mo = spec.moe
-            mats += [(d, mo.shared_ffn)] * mlp_matrices * mo.shared_experts
-            mats += [(d, mo.latent_dim)] * 2 if mo.latent_dim else []
             per_expert = mlp_matrices * matrix_ns_flops(spec.expert_input_dim, mo.expert_ffn)
             total += NEWTON_SCHULZ_STEPS * mo.experts / (par.expert * efsdp) * per_expert
-        else:
-            mats += [(d, spec.ffn)] * mlp_matrices
-        total += NEWTON_SCHULZ_STEPS * sum(matrix_ns_flops(*m) for m in mats) / (par.tensor * par.fsdp)
+        total += NEWTON_SCHULZ_STEPS * sum(matrix_ns_flops(*m) for m in _dense_matrices(spec, i)) / par.tensor
     return total
+
+
+def muon_gather(spec: ModelSpec, plan: Plan, layers: list[int]) -> tuple[float, int]:
+    """MuonH on fsdp-sharded dense matrices, per step on one rank holding `layers`: (bytes of the fp32 updates
+    all-gathered over the fsdp group, whole-matrix sizes, i.e. the all_gather's full output; number of fp32 scalar
+    norm all-reduces over that group). (0, 0) without fsdp or for other optimizers."""
+    par = plan.parallel
+    if plan.optimizer.name != "muonh" or par.fsdp == 1:
+        return 0.0, 0
+    mats = [m for i in layers for m in _dense_matrices(spec, i)]
+    return float(sum(m * n for m, n in mats) * BYTES["fp32"] / par.tensor), 3 * len(mats)
 
 
 def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from pathlib import Path
 
-from rackcast.strict import write_text_atomic
+from rackcast.atomic import atomic_path, write_text_atomic
 
 SIGNIFICANT = 12
 
@@ -58,7 +56,5 @@ def write_parquet(result, path: str) -> None:
 
     row = result_row(result)
     table = pa.Table.from_pylist([row])
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)

@@ -13,6 +13,7 @@ Dropless transport: every assignment is computed and the step waits for the most
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -37,18 +38,26 @@ def _histogram_probs(path: str, experts: int) -> tuple[float, ...]:
             raise RackcastError(f"cannot read routing histogram: {exc}", where=path) from None
         counts = np.zeros(experts)
         for e, c in zip(table["expert"], table["count"]):
-            if not 0 <= e < experts:
+            if not isinstance(e, int) or not 0 <= e < experts:
                 raise RackcastError(f"expert index {e} outside 0..{experts - 1}", where=path)
+            if not isinstance(c, (int, float)) or not 0 <= c < math.inf:
+                raise RackcastError(f"count: {c!r} for expert {e} is not a finite count >= 0", where=path)
             counts[e] += c
     else:
         data = load_yaml(p)
         if not isinstance(data, dict) or "counts" not in data:
             raise RackcastError("counts: required key is missing (a list of per-layer expert counts)", where=path)
-        rows = np.asarray(data["counts"], dtype=float)
+        try:
+            rows = np.asarray(data["counts"], dtype=float)
+        except (TypeError, ValueError):
+            raise RackcastError("counts: expected a list of per-layer lists of numbers, one per expert",
+                                where=path) from None
         if rows.ndim == 1:
             rows = rows[None, :]
-        if rows.shape[1] != experts:
-            raise RackcastError(f"counts: {rows.shape[1]} experts per row, the model has {experts}", where=path)
+        if rows.ndim != 2 or rows.shape[1] != experts:
+            raise RackcastError(f"counts: {rows.shape[-1]} experts per row, the model has {experts}", where=path)
+        if not np.all(np.isfinite(rows)) or np.any(rows < 0):
+            raise RackcastError("counts: every count must be a finite number >= 0", where=path)
         counts = rows.sum(axis=0)
     if counts.sum() <= 0:
         raise RackcastError("counts: the histogram is empty", where=path)

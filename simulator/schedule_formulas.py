@@ -39,6 +39,7 @@ on every rank (DualPipe README: PP + 1).
 from __future__ import annotations
 
 from rackcast.simulator.schedules import validate
+from rackcast.vocab import INTERLEAVED_SCHEDULES
 
 
 def _per_round(stages: int, microbatches: int) -> int:
@@ -49,7 +50,7 @@ def _per_round(stages: int, microbatches: int) -> int:
 def _check_covered(name: str, stages: int, microbatches: int, virtual: int) -> None:
     validate(name, stages, microbatches, virtual)
     # With fewer microbatches the pipeline never fills and these forms do not hold; use the executor.
-    if name in ("interleaved_1f1b", "zb_h1") and microbatches < stages:
+    if name in INTERLEAVED_SCHEDULES and microbatches < stages:
         raise ValueError(f"{name}: closed form needs microbatches >= stages, got {microbatches} < {stages}")
     if name == "zbv" and microbatches < 2 * stages:
         raise ValueError(f"zbv: closed form needs microbatches >= 2 x stages, got {microbatches} < {2 * stages}")
@@ -112,7 +113,7 @@ def peak_in_flight(name: str, stages: int, microbatches: int, virtual: int = 1, 
         return m
     if name == "1f1b":
         return min(m, p - rank)
-    if name in ("interleaved_1f1b", "zb_h1"):
+    if name in INTERLEAVED_SCHEDULES:
         per_hop = 2 if name == "interleaved_1f1b" else 1
         warmup = (v - 1) * _per_round(p, m) + per_hop * (p - 1 - rank)
         return min(v * m, warmup + 1)

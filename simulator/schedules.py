@@ -33,11 +33,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rackcast.layout import V_SHAPED_SCHEDULES, chunk_ranks
+from rackcast.layout import chunk_ranks
+from rackcast.vocab import SCHEDULES as SCHEDULE_NAMES
+from rackcast.vocab import INTERLEAVED_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
 ACTION_KINDS = ("F", "B", "W", "BW")
-V_SHAPED = V_SHAPED_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ def validate(name: str, stages: int, microbatches: int, virtual: int) -> None:
     for label, value in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {label} must be a positive integer, got {value!r}")
-    if name in ("gpipe", "1f1b") and virtual != 1:
+    if name in SINGLE_CHUNK_SCHEDULES and virtual != 1:
         raise ValueError(f"{name}: runs one model chunk per rank, so virtual must be 1, got {virtual}")
-    if name in V_SHAPED and virtual != 2:
+    if name in V_SHAPED_SCHEDULES and virtual != 2:
         raise ValueError(f"{name}: runs exactly 2 model chunks per rank (V shape), so virtual must be 2, got {virtual}")
     if name == "1f1b" and microbatches < stages:
         raise ValueError(f"1f1b: needs microbatches >= stages, got {microbatches} microbatches for {stages} stages")
@@ -81,7 +81,7 @@ def validate(name: str, stages: int, microbatches: int, virtual: int) -> None:
         raise ValueError(
             f"dualpipev: needs microbatches >= model chunks (2 x stages = {2 * stages}), got {microbatches}"
         )
-    if name in ("interleaved_1f1b", "zb_h1"):
+    if name in INTERLEAVED_SCHEDULES:
         rounds = max(1, microbatches // stages)
         if microbatches % rounds != 0:
             raise ValueError(

@@ -16,7 +16,7 @@ through the schedule, so the overhead's pipeline bubble comes out of the simulat
 After its last backward a rank waits for its gradient reductions, then runs the optimizer: the state comes in
 over the host link when it lives in host memory (NVLink-C2C on GB200), is updated, and goes back.
 
-Phases (estimate.PHASES names) are rank 0's timeline split by what it was doing: compute, or waiting for a given
+Phases (rackcast.vocab.PHASES names) are rank 0's timeline split by what it was doing: compute, or waiting for a given
 communication, for another stage (pipeline_bubble) or for a transfer from it (pipeline_p2p); they sum to the step
 time. Memory: allocation and release events give each rank's peak (static state, saved activations per layer and
 micro-batch, FSDP gather and gradient buffers, the recomputed layer).
@@ -29,15 +29,16 @@ from dataclasses import dataclass, field
 
 import simpy
 
+from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan, Predicted
 from rackcast.simulator import costs, metrics
-from rackcast.simulator.estimate import PHASES
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Reduce, Start, Wait
 from rackcast.simulator.schedules import pipeline_orders
 from rackcast.simulator.stepnet import StepNetwork
 from rackcast.simulator.workload import StageWork, Workload
 from rackcast.topologies.spec import Topology
+from rackcast.vocab import PHASES
 
 
 @dataclass
@@ -349,12 +350,38 @@ class _StepSim:
         return ranks, events
 
 
+# Work bounds, checked before a simulation starts (simulate's cost grows with the step it simulates): about 40-100
+# events per layer and micro-batch at ~40k events/s keeps a step under a minute or two; the routing draws are one
+# float64 array of micro-batches x MoE layers x expert ranks x (experts, or expert ranks when dropless).
+MAX_LAYER_PASSES = 2**15
+MAX_ROUTING_VALUES = 2**24
+
+
+def check_work(plan: Plan, spec: ModelSpec) -> None:
+    """Refuse (one line naming the field) a step too large to simulate in bounded time and memory."""
+    m = plan.microbatches
+    passes = m * spec.layers
+    if passes > MAX_LAYER_PASSES:
+        raise RackcastError(f"batch.global_batch: {m:,} micro-batches x {spec.layers} layers = {passes:,} layer passes "
+                            f"per step; simulate runs at most {MAX_LAYER_PASSES:,} (raise batch.micro_batch or lower "
+                            "batch.global_batch)")
+    if spec.moe is not None:
+        ep = plan.parallel.expert
+        width = spec.moe.experts if plan.expert_transport.mode == "capacity" else ep
+        values = m * spec.layers * ep * width
+        if values > MAX_ROUTING_VALUES:
+            raise RackcastError(f"parallel.expert: routing draws of {m:,} micro-batches x {spec.layers} layers x "
+                                f"{ep} expert ranks x {width} = {values:,} values; simulate draws at most "
+                                f"{MAX_ROUTING_VALUES:,}")
+
+
 def simulate(plan: Plan, seed: int = 0, spec: ModelSpec | None = None, topo: Topology | None = None, *,
              convention: FlopsConvention = FlopsConvention(), reduce: bool = True, record: bool = True) -> SimResult:
     """Simulate one training step of `plan` (see the module docstring). reduce=False simulates every GPU's
     traffic on the full cluster graph (slow; for checking the symmetry reduction). record=False skips the
     timeline (faster; the metrics are the same)."""
     spec = spec or plan.model_spec()
+    check_work(plan, spec)
     topo = topo or plan.topology_spec()
     sim = _StepSim(plan, spec, topo, seed, reduce, record)
     ranks, events = sim.run()

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 
-from rackcast.strict import write_text_atomic
-
-US = 1e6  # trace-event times are microseconds
+from rackcast.atomic import write_text_atomic
+from rackcast.units import GIB, US_PER_S
 
 
 def _us(t: float) -> float:
-    return round(t * US, 3)
+    return round(t * US_PER_S, 3)  # trace-event times are microseconds
 
 
 def trace_events(result) -> list[dict]:
@@ -40,7 +39,7 @@ def trace_events(result) -> list[dict]:
     for pid in sorted(tl.memory):
         last = None
         for t, nbytes in tl.memory[pid]:
-            point = (_us(t), round(nbytes / 2**30, 6))
+            point = (_us(t), round(nbytes / GIB, 6))
             if point != last:
                 events.append({"ph": "C", "name": "memory (GiB)", "pid": pid, "tid": 0, "ts": point[0],
                                "args": {"allocated": point[1]}})

@@ -19,7 +19,7 @@ from rackcast.planner.forecast_sim import SHRINK, WAIT_POLICY, SimInputs, simula
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
 from rackcast.simulator.estimate import estimate
-from rackcast.simulator.metrics import SECONDS_PER_DAY
+from rackcast.units import SECONDS_PER_DAY
 from rackcast.topologies.reliability import FailureRates, load_reliability
 
 from conftest import PLANS

@@ -21,8 +21,11 @@ def small_result():
     from rackcast.planner.search import Request, search
     from rackcast.planner.space import SpaceOptions
 
+    from rackcast.capabilities import EVERYTHING
+
+    # Everything the estimate prices (not only what the trainer runs): these tests check the estimate and memory.
     return search(Request(model="marin-535b-a23b", topology="gb200-nvl72", racks=2, tokens=1e12, top=0,
-                          simulate=False, options=SpaceOptions.coarse()))
+                          simulate=False, options=SpaceOptions.coarse(capabilities=EVERYTHING)))
 
 
 def test_vectorised_ranking_equals_scalar_estimate(small_result):
@@ -83,7 +86,8 @@ def test_default_global_batch_is_marins():
 def test_plan_marin_end_to_end(tmp_path, cli):
     out, parquet = tmp_path / "plan.yaml", tmp_path / "all.parquet"
     proc = cli("plan", "--model", "marin-535b-a23b", "--topology", "gb200-nvl72", "--racks", "11", "--tokens", "18e12",
-               "--start", "2026-09-01", "--deadline", "2026-11-20", "--top", "2", "--out", str(out),
+               "--start", "2026-09-01", "--deadline", "2026-11-20", "--top", "2", "--max-simulate", "2",
+               "--out", str(out),
                "--parquet", str(parquet), "--json", "--explain", timeout=170)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -167,3 +171,90 @@ def test_global_batch_range_tries_several_batches(cli):
     assert proc.returncode == 0, proc.stderr
     batches = {row["global_batch"] for row in json.loads(proc.stdout)["ranked"]}
     assert len(batches) > 1 and all(8 <= b <= 64 for b in batches)
+
+
+def test_verify_rule_simulates_in_estimate_order_until_none_can_beat_the_best():
+    from rackcast.planner.verify import verify
+
+    estimates = [10.0, 10.2, 10.4, 11.0, 12.0, 20.0]  # days, best first
+    truth = {0: 11.5, 1: 10.9, 2: 10.6, 3: 11.2, 4: 12.1, 5: 20.0}  # what the simulator says
+    v = verify(estimates, lambda i: {"days": truth[i]}, lambda sim: sim["days"], objective="days", band=0.05,
+               cap=10, minimum=1)
+    # 0: 11.5; 1 (10.2 x 0.95 < 11.5) -> 10.9; 2 (9.88 < 10.9) -> 10.6; 3 (10.45 < 10.6) -> 11.2;
+    # 4: 12.0 x 0.95 = 11.4 >= 10.6: stop.
+    assert v.simulated == [0, 1, 2, 3] and v.stop_index == 4 and v.reason == "verified"
+    capped = verify(estimates, lambda i: {"days": truth[i]}, lambda sim: sim["days"], objective="days", band=0.05,
+                    cap=2, minimum=1)
+    assert capped.simulated == [0, 1] and capped.reason == "cap"
+    mfu = verify([0.5, 0.49, 0.40], lambda i: {"mfu": [0.45, 0.47, 0.5][i]}, lambda sim: sim["mfu"],
+                 objective="mfu", band=0.05, cap=10, minimum=1)
+    assert mfu.simulated == [0, 1]  # 0.40 x 1.05 = 0.42 cannot beat 0.47
+
+
+def test_verified_ranking_simulates_a_candidate_whose_estimate_beats_the_best_simulated(monkeypatch):
+    from rackcast.planner import search as S
+    from rackcast.planner import verify as verify_module
+    from rackcast.simulator.estimate import estimate
+
+    request = S.Request(model="tiny-moe", topology="local-cpu", racks=1, tokens=1e9, top=0, simulate=False,
+                        workers=1, band=0.05)
+    by_estimate = S.search(request)
+    favourite, runner_up = (by_estimate.plan_for(row) for row in by_estimate.ranked[:2])
+
+    def simulator(plan):  # the simulator finds the estimate's favourite 30% slower than estimated
+        est = estimate(plan)
+        slow = 1.3 if plan == favourite else 1.0
+        return {"step_time_s": est.step_time_s * slow, "tokens_per_s": est.tokens_per_s / slow, "mfu": est.mfu / slow,
+                "peak_memory_bytes": est.memory.total, "phases_s": est.phases_s}
+
+    monkeypatch.setattr(verify_module, "_simulate_one", simulator)
+    res = S.search(replace(request, top=1, simulate=True))
+    simulated = [row for row in res.ranked if row.sim]
+    assert any(res.plan_for(row) == runner_up for row in simulated)  # its estimate beat the favourite's simulation
+    assert res.plan_for(res.winner) != favourite and res.winner.sim
+    best = min(row.sim["days"] for row in simulated)
+    assert all(row.days * (1 - 0.05) >= best for row in res.ranked if not row.sim)
+    assert res.ranked[:len(simulated)] == simulated  # simulated rows first, ranked by their simulated figures
+
+
+def test_default_batch_follows_the_recipe_else_the_batch_law():
+    from rackcast.planner.batch import default_batch, law_batch_tokens
+
+    gpt = default_batch(load_model("gpt-145b"), gpus=192 * 8, tokens=300e9)
+    assert gpt.global_batch == 2304 and "Narayanan" in gpt.rule  # the Megatron table's recipe, not ~100 M tokens
+    ladder = load_model("marin-ladder-d768")  # no recipe: the law for its compute budget
+    assert not ladder.recipe.global_batch  # its recipe publishes the optimizer, not a batch
+    choice = default_batch(ladder, gpus=64, tokens=1e11)
+    law = law_batch_tokens(ladder.flops_per_token_train() * 1e11)
+    assert choice.global_batch % 64 == 0 and 0.7 < choice.global_batch * ladder.seq_len / law < 1.42
+    assert "DeepSeek LLM" in choice.rule
+    bigger = default_batch(ladder, gpus=64, tokens=1e13)
+    assert bigger.global_batch > choice.global_batch  # more compute, larger batch
+
+
+def test_plan_from_a_measurement_fits_then_plans_in_one_command(tmp_path, cli):
+    import yaml
+
+    from conftest import PLANS
+    from rackcast.topologies import load_topology
+    from rackcast.validation.fit import synthetic
+
+    measured_plan = PLANS / "tiny-2proc-ep.yaml"  # one measured run on a part of the machine
+    m = synthetic([load_plan(str(measured_plan))], load_topology("local-cpu"), {"gemm": 0.5, "all_to_all": 0.5})[0]
+    mfile = tmp_path / "measured.yaml"
+    mfile.write_text(yaml.safe_dump({"plan": str(measured_plan), "step_time_s": m.step_time_s,
+                                     "phases_s": {k: v for k, v in m.phases_s.items() if v}}))
+    fitted_path = tmp_path / "fitted.yaml"
+    args = ["plan", "--model", "tiny-moe", "--topology", "local-cpu", "--tokens", "1e9", "--top", "0", "--json"]
+    plain = json.loads(cli(*args).stdout)
+    proc = cli(*args, "--measured", str(mfile), "--fitted-topology", str(fitted_path))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["measured"]["topology"] == str(fitted_path) and fitted_path.exists()
+    assert data["measured"]["fitted"] and data["measured"]["measurements"] == [f"{mfile}[0]"]
+    assert abs(data["measured"]["step_error_after"][0]) < 0.01 < abs(data["measured"]["step_error_before"][0])
+    assert data["topology"] == "fitted"
+    # half the GEMM efficiency: the same search is slower on the fitted profile
+    assert data["ranked"][0]["tokens_per_s"] < 0.9 * plain["ranked"][0]["tokens_per_s"]
+    text = cli(*args[:-1], "--measured", str(mfile), "--fitted-topology", str(fitted_path)).stdout
+    assert "fitted to 1 measurement(s)" in text and "gemm x" in text

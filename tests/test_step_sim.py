@@ -13,7 +13,8 @@ import pytest
 
 from conftest import PLANS
 from rackcast.plan import BatchSpec, ExpertTransport, ParallelSpec, TopologyRef, load_plan, validate
-from rackcast.simulator.estimate import PHASES, estimate
+from rackcast.simulator.estimate import estimate
+from rackcast.vocab import PHASES
 from rackcast.simulator.memory import memory_breakdown
 from rackcast.simulator.results import result_json, write_parquet
 from rackcast.simulator.step import simulate

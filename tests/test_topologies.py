@@ -129,9 +129,9 @@ def test_route_refuses_an_unknown_gpu():
         route(graph, gpu_name(0, 0), gpu_name(0, 8))
 
 
-def test_single_machine_preset_refuses_several_domains():
-    with pytest.raises(RackcastError, match="nics_per_gpu is 0"):
-        build_graph(load_topology("local-cpu", domains=2))
+def test_single_machine_preset_refuses_several_domains_at_load():
+    with pytest.raises(RackcastError, match="domains: local-cpu has no scale-out fabric"):
+        load_topology("local-cpu", domains=2)
 
 
 @pytest.mark.parametrize("name, domains, gpus, nic_Bps, hbm_bytes", [

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from rackcast.backend.checkpoint import full_model_state, latest_complete, step_dir
-from trainer_helpers import ROOT, losses, run_worker, write_plan
+from conftest import ROOT
+from trainer_helpers import losses, run_worker, write_plan
 
 pytestmark = pytest.mark.slow
 

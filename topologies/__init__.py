@@ -26,7 +26,10 @@ def load_topology(name_or_path: str, domains: int | None = None, usable_gpus: in
     if domains is not None:
         if domains <= 0:
             raise RackcastError(f"number of {topo.domain_label}s must be positive, got {domains}")
-        topo = topo.with_domains(domains)
+        try:
+            topo = topo.with_domains(domains)
+        except ValueError as exc:  # Topology's own checks (a preset without a fabric spans one domain only)
+            raise RackcastError(str(exc)) from None
     if usable_gpus is not None:
         if not 0 < usable_gpus <= topo.scale_up.domain_size:
             raise RackcastError(

@@ -15,7 +15,9 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Annotated, Literal
+
+from rackcast.bounds import Items, Range, Text
 
 Span = Literal["scale_up", "scale_out"]
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
@@ -26,8 +28,8 @@ COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter
 class CurvePoint:
     """One measured point of an efficiency curve: at `size` (bytes or FLOPs), `value` (fraction of peak)."""
 
-    size: float
-    value: float
+    size: Annotated[float, Range(0, 1e30, above=True)]
+    value: Annotated[float, Range(0, 1, above=True)]
 
     def __post_init__(self):
         if self.size <= 0:
@@ -63,8 +65,8 @@ def _check_curve(name: str, curve: list[CurvePoint]) -> None:
 class CollectiveCurves:
     """Achieved bus-bandwidth fraction of the slowest hop, by message size, inside and across scale-up domains."""
 
-    scale_up: list[CurvePoint]
-    scale_out: list[CurvePoint]
+    scale_up: Annotated[list[CurvePoint], Items(256)]
+    scale_out: Annotated[list[CurvePoint], Items(256)]
 
     def __post_init__(self):
         _check_curve("scale_up", self.scale_up)
@@ -77,9 +79,9 @@ class HostOpTimes:
     recording the autograd graph, a backward op is run by autograd's C++ engine, an optimizer op by the optimizer's
     per-tensor loop under no_grad. Measured apart because they differ by about 2x on a CPU (backend.opcount)."""
 
-    forward: float = 0.0
-    backward: float = 0.0
-    optimizer: float = 0.0
+    forward: Annotated[float, Range(0, 1)] = 0.0
+    backward: Annotated[float, Range(0, 1)] = 0.0
+    optimizer: Annotated[float, Range(0, 1)] = 0.0
 
     def __post_init__(self):
         for name in ("forward", "backward", "optimizer"):
@@ -96,13 +98,14 @@ class HostOpTimes:
 
 @dataclass(frozen=True)
 class EfficiencyProfile:
-    gemm: list[CurvePoint]  # size = FLOPs of one GEMM; value = fraction of dense peak achieved
-    grouped_gemm: list[CurvePoint]  # size = FLOPs of one expert's GEMM inside a grouped GEMM
-    attention: float  # fraction of dense peak achieved by attention kernels
-    memory_bound: float  # fraction of HBM bandwidth achieved by elementwise / norm kernels
-    host_link: float  # fraction of the host link bandwidth achieved by bulk copies
+    gemm: Annotated[list[CurvePoint], Items(256)]  # size = FLOPs of one GEMM; value = fraction of dense peak
+    grouped_gemm: Annotated[list[CurvePoint], Items(256)]  # size = FLOPs of one expert's GEMM in a grouped GEMM
+    attention: Annotated[float, Range(0, 1, above=True)]  # fraction of dense peak achieved by attention kernels
+    memory_bound: Annotated[float, Range(0, 1, above=True)]  # fraction of HBM bandwidth achieved by elementwise ops
+    host_link: Annotated[float, Range(0, 1, above=True)]  # fraction of the host link bandwidth achieved by copies
     collectives: dict[str, CollectiveCurves]
-    comm_compute_slowdown: float = 0.0  # compute slows by this fraction while communication kernels run
+    # compute slows by this fraction while communication kernels run
+    comm_compute_slowdown: Annotated[float, Range(0, 1)] = 0.0
     source: str = ""
     # Host seconds per framework op (eager dispatch, autograd, Python), measured by `rackcast calibrate`; zero where
     # not measured. It dominates when kernels are tiny (small models on a CPU). Where measured, the estimate and the
@@ -141,10 +144,10 @@ class EfficiencyProfile:
 
 @dataclass(frozen=True)
 class AcceleratorSpec:
-    name: str
-    peak_flops: dict[str, float]  # dense FLOP/s per dtype ("bf16", "fp8", "fp32", ...)
-    hbm_bytes: float  # usable device memory
-    hbm_bandwidth_Bps: float
+    name: Annotated[str, Text()]
+    peak_flops: dict[str, Annotated[float, Range(0, 1e18, above=True)]]  # dense FLOP/s per dtype (bf16, fp32..)
+    hbm_bytes: Annotated[float, Range(0, 2**50, above=True)]  # usable device memory
+    hbm_bandwidth_Bps: Annotated[float, Range(0, 1e15, above=True)]
 
     def __post_init__(self):
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
@@ -157,11 +160,11 @@ class AcceleratorSpec:
 class HostSpec:
     """The host memory tier (Grace LPDDR5X on GB200) and the GPU-host link (NVLink-C2C or PCIe)."""
 
-    memory_bytes: float  # per host
-    memory_bandwidth_Bps: float  # per host
-    gpus_per_host: int
-    link_bandwidth_Bps: float  # per GPU, per direction
-    link_latency_s: float
+    memory_bytes: Annotated[float, Range(0, 2**50, above=True)]  # per host
+    memory_bandwidth_Bps: Annotated[float, Range(0, 1e15, above=True)]  # per host
+    gpus_per_host: Annotated[int, Range(1, 4096)]
+    link_bandwidth_Bps: Annotated[float, Range(0, 1e15, above=True)]  # per GPU, per direction
+    link_latency_s: Annotated[float, Range(0, 1)]
 
     def __post_init__(self):
         if min(self.memory_bytes, self.memory_bandwidth_Bps, self.link_bandwidth_Bps) <= 0 or self.gpus_per_host <= 0:
@@ -172,12 +175,13 @@ class HostSpec:
 class ScaleUpSpec:
     """One NVLink (or shared-memory) domain: an NVL72 rack, an HGX node."""
 
-    domain_size: int  # GPUs physically in one domain
-    usable_gpus: int  # GPUs a plan may use per domain (64 of 72 on NVL72 leaves two trays spare)
-    bandwidth_Bps: float  # per GPU, per direction
-    latency_s: float
-    switches: int  # switch chips in the domain (non-blocking crossbar)
-    gpus_per_tray: int = 0  # GPUs per compute tray or board (0: the whole domain is one tray)
+    domain_size: Annotated[int, Range(1, 4096)]  # GPUs physically in one domain
+    usable_gpus: Annotated[int, Range(1, 4096)]  # GPUs a plan may use per domain (64 of 72 on NVL72: 2 trays spare)
+    bandwidth_Bps: Annotated[float, Range(0, 1e15, above=True)]  # per GPU, per direction
+    latency_s: Annotated[float, Range(0, 1)]
+    switches: Annotated[int, Range(0, 4096)]  # switch chips in the domain (non-blocking crossbar)
+    # GPUs per compute tray or board (0: the whole domain is one tray)
+    gpus_per_tray: Annotated[int, Range(0, 4096)] = 0
 
     def __post_init__(self):
         if not 0 < self.usable_gpus <= self.domain_size:
@@ -190,11 +194,11 @@ class ScaleUpSpec:
 class ScaleOutSpec:
     """The fabric between domains: one or more NICs per GPU, rail-optimised, possibly oversubscribed."""
 
-    nics_per_gpu: int
-    nic_bandwidth_Bps: float  # per NIC, per direction
-    latency_s: float
-    rails: int
-    oversubscription: float = 1.0  # >= 1; 1 is non-blocking
+    nics_per_gpu: Annotated[int, Range(0, 64)]
+    nic_bandwidth_Bps: Annotated[float, Range(0, 1e15)]  # per NIC, per direction
+    latency_s: Annotated[float, Range(0, 1)]
+    rails: Annotated[int, Range(0, 4096)]
+    oversubscription: Annotated[float, Range(1, 1e4)] = 1.0  # 1 is non-blocking
 
     def __post_init__(self):
         if self.nics_per_gpu < 0 or self.rails < 0 or self.oversubscription < 1.0 or self.latency_s < 0:
@@ -207,20 +211,26 @@ class ScaleOutSpec:
 
 @dataclass(frozen=True)
 class Topology:
-    name: str
+    name: Annotated[str, Text()]
     accelerator: AcceleratorSpec
     host: HostSpec
     scale_up: ScaleUpSpec
     scale_out: ScaleOutSpec
     efficiency: EfficiencyProfile
-    domains: int = 1  # racks or nodes in the cluster
-    domain_label: str = "node"  # what one domain is called: "rack" or "node"
+    domains: Annotated[int, Range(1, 65536)] = 1  # racks or nodes in the cluster
+    domain_label: Annotated[str, Text()] = "node"  # what one domain is called: "rack" or "node"
     description: str = ""
-    checkpoint_storage_Bps: float = 0.0  # aggregate storage write bandwidth per domain (0: unknown)
+    # aggregate storage write bandwidth per domain (0: unknown)
+    checkpoint_storage_Bps: Annotated[float, Range(0, 1e15)] = 0.0
 
     def __post_init__(self):
         if self.domains <= 0:
             raise ValueError(f"domains must be positive, got {self.domains}")
+        if self.domains > 1 and self.scale_out.nics_per_gpu == 0:
+            raise ValueError(f"domains: {self.name} has no scale-out fabric (scale_out.nics_per_gpu: 0), so it is "
+                             f"one {self.domain_label} only, not {self.domains}")
+        if self.domains > 1 and (self.scale_out.rails == 0 or self.scale_out.nic_bandwidth_Bps == 0):
+            raise ValueError("scale_out: spanning several domains needs rails > 0 and nic_bandwidth_Bps > 0")
 
     @property
     def gpus(self) -> int:

@@ -25,12 +25,21 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from rackcast.strict import dump_yaml, to_data, write_text_atomic
+from rackcast.atomic import write_text_atomic
+from rackcast.strict import dump_yaml, to_data
 from rackcast.topologies import load_topology
 from rackcast.topologies.spec import COLLECTIVE_KINDS, CollectiveCurves, CurvePoint, EfficiencyProfile, HostOpTimes, Topology
+from rackcast.units import KIB, MIB
 
 MERGE_RATIO = 1.6
 MIN_EFF = 1e-4
+
+CALIBRATED_SOURCE = "measured by rackcast calibrate"  # starts efficiency.source of a calibrated topology
+
+
+def is_calibrated(topo) -> bool:
+    """Whether `topo`'s efficiency figures were measured by `rackcast calibrate` (and maybe fitted to runs since)."""
+    return topo.efficiency.source.startswith(CALIBRATED_SOURCE)
 
 
 def _clamp(v: float) -> float:
@@ -103,8 +112,8 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
     mix = statistics.median(e["mix_Bps"] for e in comp["memory"])
     memory_bound = _clamp(mix / hbm_bw)
     notes.append(f"memory: copy {stream['copy_Bps'] / 1e9:.3g} / add {stream['add_Bps'] / 1e9:.3g} GB/s on "
-                 f"{stream['bytes'] / 2**20:.0f} MiB; elementwise mix " + ", ".join(
-                     f"{e['bytes'] / 2**20:.3g} MiB: {e['mix_Bps'] / 1e9:.3g} GB/s" for e in comp["memory"]))
+                 f"{stream['bytes'] / MIB:.0f} MiB; elementwise mix " + ", ".join(
+                     f"{e['bytes'] / MIB:.3g} MiB: {e['mix_Bps'] / 1e9:.3g} GB/s" for e in comp["memory"]))
     op = comp.get("op_overhead", {})
     if op:
         notes.append(f"per-op host time (a training step of {op['model']} on {op['tokens']} tokens, kernels "
@@ -146,11 +155,11 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
                 pts = [e for e in coll if e["kind"] == kind and e["group"] == g]
                 factor = bus_factor(kind.replace("_uneven", ""), g)
                 notes.append(f"  {kind} n={g}: " + ", ".join(
-                    f"{e['bytes'] / 2**10:.0f}K {factor * e['bytes'] / one_way_seconds(e) / 1e9:.3g}" for e in pts))
+                    f"{e['bytes'] / KIB:.0f}K {factor * e['bytes'] / one_way_seconds(e) / 1e9:.3g}" for e in pts))
     else:
         notes.append("collectives: not measured (one process); the base preset's curves and link figures are kept")
     m = meas["machine"]
-    source = (f"measured by rackcast calibrate{' --quick' if meas.get('quick') else ''} at {meas['started_utc']} "
+    source = (f"{CALIBRATED_SOURCE}{' --quick' if meas.get('quick') else ''} at {meas['started_utc']} "
               f"(torch {m['torch']}, {m.get('device_name', '')}, {meas['world']} processes, "
               f"{m.get('cpu_count')} CPUs); base preset {base.name} for what was not measured")
     eff = EfficiencyProfile(gemm=gemm, grouped_gemm=grouped, attention=round(attention, 4),

@@ -1,14 +1,14 @@
 """Predicted against measured for one plan and one run folder (`rackcast compare PLAN RUN_DIR`), and the side-by-side
-Chrome trace. The prediction is the discrete-event simulator's (simulator.step.simulate) when it is importable, else
-the closed-form estimate's; the result says which.
+Chrome trace. The prediction is the discrete-event simulator's (simulator.step.simulate), or the closed-form
+estimate's when asked for (prefer="estimate"); the result says which.
 
 Metric conventions (both sides use them, so the comparison is a join on names):
 - step_time_s, tokens_per_s: medians over the run's steps after the first (backend.record);
 - mfu: model FLOPs / (step time x ranks x bf16 peak of the topology predicted with); the measured MFU is recomputed
   on that same peak from the run's model FLOPs and step time (the run's own figure divides by the peak of the
   topology it ran with, and on CPU by the fp32 peak it computes in), else the run's `mfu_vs_bf16_peak`;
-- phases: estimate.PHASES, with pipeline_p2p and pipeline_bubble summed (the trainer counts p2p inside the bubble);
-  the trainer's `other` (time in no phase) has no prediction;
+- phases: rackcast.vocab.PHASES, with pipeline_p2p and pipeline_bubble summed (the trainer counts p2p inside the
+  bubble); the trainer's `other` (time in no phase) has no prediction;
 - peak_memory_bytes: the run's peak tensor bytes (CPU: live tensor bytes of a profiled step, backend.memprof; CUDA:
   max_memory_allocated), largest over ranks, against the memory model for what that trainer keeps: weights and
   activations in the dtype the run records (param_dtype), the activations eager PyTorch saves for backward
@@ -17,14 +17,13 @@ Metric conventions (both sides use them, so the comparison is a join on names):
 - drop_fraction: assignments dropped by capacity transport (0 when dropless).
 Error = (predicted - measured) / measured.
 
-    python -m rackcast.validation.compare examples/plans/tiny-2proc-ep.yaml runs/tiny-2proc-ep
+    rackcast compare examples/plans/tiny-2proc-ep.yaml runs/tiny-2proc-ep
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 from rackcast.errors import RackcastError
@@ -49,25 +48,49 @@ def load_record(run_dir: str | Path) -> dict:
         raise RackcastError(f"malformed JSON: {exc}", where=str(path)) from None
 
 
+def check_same_plan(plan: Plan, rec: dict, run_dir: str | Path) -> None:
+    """Refuse a run of another plan: its record's plan_hash (rackcast.plan.inputs_hash of the plan it trained) must
+    be this plan's. The hash covers the plan as written out by the code of its day, so a run recorded before a new
+    plan field was added has another hash: it passes when the plan file it trained (the run folder's plan.yaml, or
+    the record's plan_path) still reads as this plan. Runs recorded before plan hashes were kept pass."""
+    from rackcast.plan import inputs_hash, load_plan
+
+    recorded, current = rec.get("plan_hash"), inputs_hash(plan)
+    if not recorded or recorded == current:
+        return
+    for trained in (Path(run_dir) / "plan.yaml", Path(str(rec.get("plan_path") or ""))):
+        if trained.is_file():
+            try:
+                if inputs_hash(load_plan(str(trained), check=False)) == current:
+                    return
+            except RackcastError:
+                continue
+    raise RackcastError(f"record.json: this run trained another plan ({rec.get('plan', '?')}, plan_hash "
+                        f"{recorded[:12]}, not {current[:12]})", where=str(run_dir))
+
+
+def calibration_note(topo) -> str:
+    """'' for a topology measured by `rackcast calibrate`, else the hint to calibrate (an uncalibrated preset's
+    figures can be far from this machine's: a local run's step time is then badly predicted)."""
+    from rackcast.validation.calibration import is_calibrated
+
+    if is_calibrated(topo):
+        return ""
+    return (f"topology {topo.name} is not calibrated (its efficiency figures are the preset's, not measured here): "
+            "run `rackcast calibrate`, then compare with --topology runs/calibrated.yaml")
+
+
 def predict(plan: Plan, topo=None, record: bool = False, prefer: str = "simulate"):
-    """(source, result): the simulator's SimResult when available (and preferred), else the estimate's Estimate.
+    """(source, result): the simulator's SimResult (prefer="simulate") or the estimate's Estimate ("estimate").
     Both include the host per-op overhead where the topology has measured host_op_s."""
     topo = topo or plan.topology_spec()
-    source, result = None, None
     if prefer == "simulate":
-        try:
-            from rackcast.simulator.step import simulate
-        except ModuleNotFoundError as exc:  # no simulator in this checkout; any other error is a real one
-            if exc.name not in ("rackcast.simulator.step", "simpy"):
-                raise
-            simulate = None
-        if simulate is not None:
-            source, result = "simulate", simulate(plan, topo=topo, record=record)
-    if result is None:
-        from rackcast.simulator.estimate import estimate
+        from rackcast.simulator.step import simulate
 
-        source, result = "estimate", estimate(plan, topo=topo)
-    return source, result
+        return "simulate", simulate(plan, topo=topo, record=record)
+    from rackcast.simulator.estimate import estimate
+
+    return "estimate", estimate(plan, topo=topo)
 
 
 def _peak_memory(result) -> float:
@@ -176,11 +199,3 @@ def combined_trace(result, source: str, run_dir: Path, rec: dict) -> dict:
     meas, how = measured_events(run_dir, rec)
     return {"traceEvents": sim + meas, "displayTimeUnit": "ms",
             "otherData": {"plan": rec.get("plan"), "prediction": source, "measured": how}}
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    src, res = predict(load_plan(sys.argv[1]))
-    for row in compare_rows(res, load_record(sys.argv[2])):
-        print(row)

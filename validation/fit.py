@@ -23,7 +23,7 @@ Method: residuals log(predicted / measured step time) and (predicted - measured 
 all measurements, evaluated with the vectorised simulator.estimate.step_time (features computed once per plan);
 Levenberg-Marquardt on log-factors with numeric derivatives and a weak prior pulling unidentified factors to 1.
 
-    python -m rackcast.validation.fit            # recovers known factors from a synthetic measurement (a self-check)
+    rackcast calibrate --from-run runs/tiny-1proc --out fitted.yaml     # fits the factors a run informs
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ SE_IDENTIFIED = 0.1  # a factor counts as identified when its standard error (lo
 class Measurement:
     plan: Plan
     step_time_s: float
-    phases_s: dict[str, float] = field(default_factory=dict)  # trainer phase names (backend.record.PHASES)
+    phases_s: dict[str, float] = field(default_factory=dict)  # trainer phase names (rackcast.vocab.MEASURED_PHASES)
     label: str = ""
 
 
@@ -211,15 +211,3 @@ def synthetic(plans: list[Plan], topo: Topology, truth: dict[str, float]) -> lis
                                                   "pipeline_bubble", "pipeline_p2p")}
         out.append(Measurement(p, float(pred["step_time_s"][i]), phases, label=p.name))
     return out
-
-
-if __name__ == "__main__":
-    from rackcast.plan import load_plan
-
-    plans = [load_plan(f"examples/plans/{n}.yaml") for n in ("tiny-1proc", "tiny-2proc-ep", "tiny-2proc-pp")]
-    base = plans[0].topology_spec()
-    truth = {"gemm": 0.5, "memory_bound": 0.7, "all_to_all": 0.6, "all_reduce": 1.5, "send_recv": 0.8}
-    res = fit(synthetic(plans, base, truth), base)
-    for k, v in res.factors.items():
-        print(f"{k:24s} {v:.4f}  (true {truth.get(k, 1.0)}, se {res.std_error.get(k, math.nan):.3g}, "
-              f"identified {res.identified.get(k)})")

@@ -30,7 +30,7 @@ MAPE and max |error|, Kendall's tau-b between predicted and measured step times,
 trainer's peak live tensor bytes (backend.memprof) against the memory model for what it keeps (fp32, the activations
 eager PyTorch saves; validation.compare.predicted_run_memory).
 
-    python -m rackcast.validation.validate --quick       # same as `rackcast validate --quick`, minus the CLI's table
+    rackcast validate --quick
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import math
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -48,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from rackcast.atomic import atomic_path, write_text_atomic
 from rackcast.backend.launch import torchrun_command, worker_env
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
@@ -85,10 +85,10 @@ def write_suite(folder: Path, topology: str, quick: bool) -> list[Path]:
         plan = {"name": name, "model": "tiny-moe",
                 "topology": {"name": topology, "domains": 1, "usable_gpus": world},
                 "parallel": par, "batch": {"global_batch": gb, "micro_batch": mb}, "schedule": schedule,
-                "optimizer": {"name": "muonh", "lr": 0.01, "adam_lr": 0.003},
+                "optimizer": {"name": "muonh", "lr": 0.01, "adam_lr": 0.003}, "precision": "fp32",
                 "expert_transport": {"mode": transport, "capacity_factor": 1.0}}
         path = folder / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(plan, sort_keys=False))
+        write_text_atomic(path, yaml.safe_dump(plan, sort_keys=False))
         out.append(path)
     return out
 
@@ -108,7 +108,7 @@ def train(plan_path: Path, out: Path, steps: int, data_dir: str, timeout_s: floa
         if proc.returncode == 0:
             return done
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"train-stderr-{attempt}.txt").write_text(proc.stderr)
+        write_text_atomic(out / f"train-stderr-{attempt}.txt", proc.stderr)
         if done.get("steps") == steps:  # every step measured and recorded; the crash came at process teardown
             return dict(done, teardown_exit=proc.returncode)
     raise RackcastError(f"training failed twice (exit {proc.returncode}); its output is in "
@@ -119,12 +119,12 @@ def reused(run_dir: Path, steps: int) -> dict:
     """The record of an earlier run of this suite (for `reuse`); one line naming the run when it is missing or short."""
     path = run_dir / "record.json"
     if not path.exists():
-        raise RackcastError("no record.json: run the suite once without --reuse (same --steps and --repeats)",
-                            where=str(run_dir))
+        raise RackcastError("no record.json: run the suite once without reusing runs (same steps and repeats)",
+                            where=str(run_dir), option="reuse")
     rec = json.loads(path.read_text())
     if rec.get("steps") != steps:
-        raise RackcastError(f"recorded {rec.get('steps')} steps, this suite asks for {steps} (pass the same --steps)",
-                            where=str(path))
+        raise RackcastError(f"recorded {rec.get('steps')} steps, this suite asks for {steps} (ask for the same "
+                            "steps)", where=str(path), option="steps")
     return rec
 
 
@@ -247,7 +247,6 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
                    summarise(results, "fitted"), dict(summarise(results, "fitted", held),
                                                       profile="fitted (held-out plans)")]}
     _write_results(out_dir, results)
-    from rackcast.strict import write_text_atomic
 
     write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     summary["results"] = results
@@ -275,14 +274,5 @@ def _write_results(out_dir: Path, results: list[PlanResult]) -> None:
             cols["predicted_peak_memory_bytes"].append(p["peak_memory_bytes"])
             cols["measured_compute_s"].append(r.measured_phases_s.get("compute", 0.0))
             cols["predicted_compute_s"].append(p["phases_s"].get("compute", 0.0))
-    tmp = out_dir / ".results.parquet.tmp"
-    pq.write_table(pa.table(cols), tmp)
-    tmp.replace(out_dir / "results.parquet")
-
-
-if __name__ == "__main__":
-    s = run_suite(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "local-cpu",
-                  ROOT / "runs" / "validate", quick="--quick" in sys.argv,
-                  progress=lambda label, d, t: print(f"[{d}/{t}] {label}", file=sys.stderr))
-    for row in s["summaries"]:
-        print(row)
+    with atomic_path(out_dir / "results.parquet") as tmp:
+        pq.write_table(pa.table(cols), tmp)

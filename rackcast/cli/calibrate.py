@@ -4,6 +4,8 @@ measured runs.
     rackcast calibrate [--out runs/calibrated.yaml] [--quick]        # microbenchmarks (torch; gloo or NCCL)
     rackcast calibrate --from-run RUN_DIR [--from-run ...] [--topology T] --out fitted.yaml
     rackcast calibrate --from-measurement FILE [...] --out fitted.yaml
+    rackcast calibrate --op-counts MODEL [MODEL ...]                # count a model's framework ops (cache)
+    rackcast calibrate --op-counts-table [PATH]                      # regenerate simulator/op_counts.json
 
 A measurement file is YAML: `plan` (path, relative to the file), `step_time_s` or `tokens_per_s`, optionally
 `phases_s` (trainer phase names: compute, exposed_expert_a2a, exposed_dp_comm, pipeline_bubble, optimizer, ...);
@@ -43,8 +45,8 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes and sizes (well under a minute)")
     p.add_argument("--world", type=int, default=0, help="processes to measure with (default: the GPUs on CUDA, "
                                                         "the base topology's usable GPUs on CPU)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per process on CPU (default cores / "
-                                                          "processes, as `rackcast train`)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process on CPU (default as "
+                                                          "`rackcast train`: 1 when processes >= cores)")
     p.add_argument("--base", help="preset for what is not measured (default local-cpu, or h200-hgx on CUDA)")
     p.add_argument("--name", help="topology name (default: the output file's stem)")
     p.add_argument("--save-measurements", metavar="JSON", help="also write the raw measurements")
@@ -58,14 +60,46 @@ def register(sub) -> None:
     p.add_argument("--no-overhead", action="store_true", help="fit with the topology's host_op_s set to 0 (the "
                                                                "host per-op overhead is otherwise included when the "
                                                                "topology has a measured one)")
+    p.add_argument("--op-counts", nargs="+", metavar="MODEL",
+                   help="count the framework ops of these models (preset names or YAML paths) with both optimizers "
+                        "into the op-count cache, where the host per-op overhead reads them")
+    p.add_argument("--op-counts-table", nargs="?", const="", metavar="PATH",
+                   help="count the tiny presets and write the table packaged with the simulator (default "
+                        "simulator/op_counts.json); run after a torch or model change")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
+    if args.op_counts or args.op_counts_table is not None:
+        return _count_ops(args)
     if args.from_run or args.from_measurement:
         return _fit(args)
     return _measure(args)
+
+
+# --------------------------------------------------------------------------------------------------- op counts
+def _count_ops(args) -> int:
+    """The backend counts (backend.opcount); the simulator reads the files it writes (simulator.op_counts)."""
+    import sys
+
+    from rackcast.backend.opcount import count_into_cache, write_count_table
+    from rackcast.simulator.op_counts import TABLE_MODELS, TABLE_PATH
+
+    written = []
+    for model in args.op_counts or ():
+        written += [str(p) for p in count_into_cache(model)]
+    if args.op_counts_table is not None:
+        path = Path(args.op_counts_table or TABLE_PATH)
+        n = write_count_table(list(TABLE_MODELS), path=path,
+                              progress=lambda label: print(f"counting {label}", file=sys.stderr))
+        written.append(f"{path} ({n} structures)")
+    if args.json:
+        print_json({"written": written})
+    else:
+        for w in written:
+            console().print(f"wrote {w}")
+    return 0
 
 
 # --------------------------------------------------------------------------------------------- microbenchmarks
@@ -75,7 +109,7 @@ def _measure(args) -> int:
     from rackcast.backend.calibrate import default_device, measure
     from rackcast.validation.calibration import build_topology, header_for, write_topology
     from rackcast.topologies import load_topology
-    from rackcast.strict import write_text_atomic
+    from rackcast.atomic import write_text_atomic
 
     device = default_device()
     base = load_topology(args.base or ("h200-hgx" if device.type == "cuda" else "local-cpu"))
@@ -131,11 +165,16 @@ def _measure(args) -> int:
 
 # ----------------------------------------------------------------------------------------------------- fitting
 def load_measurements(args) -> list:
+    return read_measurements(args.from_run, args.from_measurement)
+
+
+def read_measurements(runs: list[str], files: list[str]) -> list:
+    """validation.fit.Measurement for each run folder (record.json) and each measurement YAML."""
     from rackcast.validation.fit import Measurement
     from rackcast.plan import load_plan
 
     out = []
-    for run in args.from_run:
+    for run in runs:
         rec_path = Path(run) / "record.json"
         if not rec_path.exists():
             raise RackcastError("no record.json (is this a run folder?)", where=run)
@@ -149,7 +188,7 @@ def load_measurements(args) -> list:
         out.append(Measurement(load_plan(str(plan_path)), float(rec["step_time_s"]),
                                {k: float(v) for k, v in rec.get("phases_s", {}).items() if v == v},
                                label=str(run)))
-    for path in args.from_measurement:
+    for path in files:
         data = load_yaml(path)
         if isinstance(data, dict) and "measurements" not in data:
             data = {"measurements": [data]}
@@ -165,26 +204,21 @@ def load_measurements(args) -> list:
     return out
 
 
-def _fit(args) -> int:
-    from rackcast.validation.calibration import write_topology
-    from rackcast.validation.fit import FACTORS, fit
-    from rackcast.topologies import load_topology
-
-    ms = load_measurements(args)
-    first = ms[0].plan.topology
-    topo = load_topology(args.topology or first.name, first.domains, None)
-    names = None
-    if args.factors:
-        names = [n.strip() for n in args.factors.split(",") if n.strip()]
-        bad = [n for n in names if n not in FACTORS + ("overall",)]
-        if bad:
-            raise RackcastError(f"--factors: unknown factor {bad[0]!r} (known: overall, {', '.join(FACTORS)})")
+def fit_topology(ms: list, topology: str | None, out: Path, names: list[str] | None = None,
+                 no_overhead: bool = False):
+    """Fit the efficiency factors of `topology` (default: the first measured plan's) to the measurements and write
+    the fitted topology to `out`; returns (validation.fit.FitResult, the fitted Topology)."""
     from dataclasses import replace
 
-    if args.no_overhead:
+    from rackcast.topologies import load_topology
+    from rackcast.validation.calibration import write_topology
+    from rackcast.validation.fit import fit
+
+    first = ms[0].plan.topology
+    topo = load_topology(topology or first.name, first.domains, None)
+    if no_overhead:
         topo = topo.with_efficiency(topo.efficiency.without_host_ops())
     res = fit(ms, topo, names)
-    out = Path(args.out or DEFAULT_OUT)
     header = [f"rackcast calibrate: {topo.name} with efficiency factors fitted to {len(ms)} measurement(s):",
               *[f"  {m.label}: plan {m.plan.name}, step {m.step_time_s:.4g} s, phases "
                 f"{', '.join(f'{k} {v:.3g}' for k, v in m.phases_s.items() if v) or 'none'}" for m in ms],
@@ -198,6 +232,21 @@ def _fit(args) -> int:
                                         source=f"{topo.efficiency.source} -- scaled by factors fitted to "
                                                f"{len(ms)} measured run(s) (rackcast calibrate)"))
     write_topology(out, fitted, header)
+    return res, fitted
+
+
+def _fit(args) -> int:
+    from rackcast.validation.fit import FACTORS
+
+    ms = load_measurements(args)
+    names = None
+    if args.factors:
+        names = [n.strip() for n in args.factors.split(",") if n.strip()]
+        bad = [n for n in names if n not in FACTORS + ("overall",)]
+        if bad:
+            raise RackcastError(f"--factors: unknown factor {bad[0]!r} (known: overall, {', '.join(FACTORS)})")
+    out = Path(args.out or DEFAULT_OUT)
+    res, _ = fit_topology(ms, args.topology, out, names, args.no_overhead)
     if args.json:
         print_json({"out": str(out), **res.as_dict()})
         return 0

@@ -1,18 +1,59 @@
-"""Helpers shared by the CLI modules: JSON output, rich tables, human number formats."""
+"""Helpers shared by the CLI modules: JSON output, rich tables, human number formats, bounded number options."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from rackcast.units import GIB
+
+
+def bounded(cls: type, field_name: str, kind: type = float):
+    """argparse `type=` for an option that stands for the field `cls.field_name` (a plan's seed, tokens, domains):
+    the number is read and bounded exactly as that field is in a file (rackcast.strict, one home for the bounds), so
+    a bad value is argparse's one line and exit code 2."""
+    from rackcast.errors import RackcastError
+    from rackcast.strict import check_value
+
+    def parse(text: str):
+        try:
+            number: float = int(text) if kind is int and text.strip().lstrip("+-").isdigit() else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        try:
+            return check_value(cls, field_name, number, "value")
+        except RackcastError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _finite(data: Any) -> Any:
+    """`data` with NaN and infinities as None (null): JSON has no such numbers, and strict parsers refuse them."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data
+
+
+def json_text(data: Any) -> str:
+    """Deterministic, strict JSON (field order kept: it is meaningful; NaN and infinities written as null)."""
+    return json.dumps(_finite(data), indent=2, allow_nan=False) + "\n"
+
 
 def print_json(data: Any) -> None:
-    """Deterministic JSON on stdout (sorted keys are not used: field order is meaningful)."""
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    """json_text on stdout."""
+    sys.stdout.write(json_text(data))
 
 
 def console() -> Console:
@@ -37,7 +78,7 @@ def human(n: float, unit: str = "") -> str:
 
 
 def gib(n_bytes: float) -> str:
-    return f"{n_bytes / 2**30:.1f} GiB"
+    return f"{n_bytes / GIB:.1f} GiB"
 
 
 def refuse_unless_fits(plan_path: str, fits: bool, memory_bytes: float, hbm_bytes: float) -> None:

@@ -11,7 +11,9 @@ import math
 from pathlib import Path
 
 from rackcast.cli.common import console, print_json, table
+from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
+from rackcast.units import MIB
 
 
 def register(sub) -> None:
@@ -24,6 +26,8 @@ def register(sub) -> None:
     p.add_argument("--no-overhead", action="store_true", help="predict with the topology's host_op_s set to 0 "
                                                                "(the host per-op overhead is otherwise included when "
                                                                "the topology has a measured one)")
+    p.add_argument("--force", action="store_true", help="compare even when the run trained another plan (its "
+                                                         "record's plan_hash differs from this plan's)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--trace", metavar="OUT.json", help="write simulated and measured timelines as one Chrome trace")
     p.set_defaults(func=_run)
@@ -33,7 +37,7 @@ def _fmt(v, unit: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if unit == "bytes":
-        return f"{v / 2**20:.1f} MiB"
+        return f"{v / MIB:.1f} MiB"
     if unit == "tokens/s":
         return f"{v:,.0f}"
     if unit.startswith("fraction"):
@@ -42,18 +46,25 @@ def _fmt(v, unit: str) -> str:
 
 
 def _run(args) -> int:
-    from rackcast.validation.compare import combined_trace, compare_rows, load_record, predict
-    from rackcast.strict import write_text_atomic
+    from rackcast.validation.compare import (calibration_note, check_same_plan, combined_trace, compare_rows,
+                                             load_record, predict)
+    from rackcast.atomic import write_text_atomic
     from rackcast.topologies import load_topology
 
     plan = load_plan(args.plan)
     rec = load_record(args.run_dir)
-    topo = None
+    if not args.force:
+        try:
+            check_same_plan(plan, rec, args.run_dir)
+        except RackcastError as exc:
+            raise RackcastError(f"{exc}; --force compares anyway") from None
     if args.topology:
         t = plan.topology
         topo = load_topology(args.topology, t.domains, t.usable_gpus or None)
+    else:
+        topo = plan.topology_spec()
+    note = calibration_note(topo)
     if args.no_overhead:
-        topo = topo or plan.topology_spec()
         topo = topo.with_efficiency(topo.efficiency.without_host_ops())
     source, result = predict(plan, topo=topo, record=bool(args.trace),
                              prefer="estimate" if args.estimate else "simulate")
@@ -63,6 +74,7 @@ def _run(args) -> int:
     topo_name = args.topology or plan.topology.name
     if args.json:
         print_json({"plan": plan.name, "run": str(args.run_dir), "prediction": source, "topology": topo_name,
+                    "calibrated": not note,
                     "metrics": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
                                 for r in rows]})
         return 0
@@ -78,4 +90,6 @@ def _run(args) -> int:
         out.print("peak memory: this (older) run reports the process's peak resident set, runtime included")
     if args.trace:
         out.print(f"wrote {args.trace} (open in https://ui.perfetto.dev)")
+    if note:
+        out.print(f"[yellow]note:[/yellow] {note}")
     return 0

@@ -10,13 +10,14 @@ time lost per cause and the checkpoint interval that minimises expected days; --
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
-from rackcast.cli.common import console, human, print_json, table
+from rackcast.cli.common import console, human, json_text, print_json, table
 from rackcast.errors import RackcastError
-from rackcast.plan import load_plan
+from rackcast.plan import Plan, load_plan
+from rackcast.strict import check_value
+from rackcast.units import GIB, SECONDS_PER_HOUR
 
 
 def register(sub) -> None:
@@ -77,18 +78,19 @@ def _progress():
 
 def _run(args) -> int:
     from rackcast.planner.forecast import forecast
-    from rackcast.strict import write_text_atomic
+    from rackcast.atomic import write_text_atomic
     from rackcast.topologies.reliability import load_reliability
 
     runs = _number(args.runs, "runs", int)
-    seed = _number(args.seed, "seed", int)
-    tokens = _number(args.tokens, "tokens") if args.tokens is not None else None
+    seed = check_value(Plan, "seed", _number(args.seed, "seed", int), "--seed")
+    tokens = check_value(Plan, "tokens", _number(args.tokens, "tokens"), "--tokens") if args.tokens is not None \
+        else None
     interval_s = None
     if args.checkpoint_interval is not None:
         hours = _number(args.checkpoint_interval, "checkpoint-interval")
         if hours < 0:
             raise RackcastError(f"--checkpoint-interval: hours must be >= 0 (0: no checkpoints), got {hours}")
-        interval_s = hours * 3600.0
+        interval_s = hours * SECONDS_PER_HOUR
     plan = load_plan(args.plan)
     start = args.start or plan.start
     if not start:
@@ -102,7 +104,7 @@ def _run(args) -> int:
                           progress=runs_cb, search_progress=search_cb)
     data = {"plan": plan.name, "reliability": reliability.name, **result.as_dict()}
     if args.output:
-        write_text_atomic(args.output, json.dumps(data, indent=2) + "\n")
+        write_text_atomic(args.output, json_text(data))
     if args.json:
         print_json(data)
         return 0
@@ -118,9 +120,9 @@ def _print(plan, reliability, r) -> None:
     fails = ", ".join(f"{k} {v:.3f}" for k, v in s.job_failures_per_day.items())
     rows = [
         ["failures per day (whole job)", f"{sum(s.job_failures_per_day.values()):.3f} ({fails})"],
-        ["job MTBF", f"{s.mtbf_s / 3600:.1f} h"],
-        ["checkpoint", f"{s.checkpoint_bytes / 2**30:,.0f} GiB, written in {s.checkpoint_write_s:.1f} s, "
-                       f"every {s.interval_s / 3600:.2f} h of compute" if s.interval_s else "disabled"],
+        ["job MTBF", f"{s.mtbf_s / SECONDS_PER_HOUR:.1f} h"],
+        ["checkpoint", f"{s.checkpoint_bytes / GIB:,.0f} GiB, written in {s.checkpoint_write_s:.1f} s, "
+                       f"every {s.interval_s / SECONDS_PER_HOUR:.2f} h of compute" if s.interval_s else "disabled"],
         ["restart cost", f"{s.restart_s / 60:.1f} min (detection + rescheduling + {s.reload_s:.1f} s reload)"],
         ["spares", f"{s.spares_per_domain} GPUs per domain; policy {s.policy}"],
         ["reliability figures", reliability.name],

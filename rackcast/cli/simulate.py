@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import math
 
-from rackcast.cli.common import console, gib, human, refuse_unless_fits, table
+from rackcast.cli.common import bounded, console, gib, human, refuse_unless_fits, table
 from rackcast.cli.estimate import add_convention_argument
 from rackcast.modelspec import FlopsConvention
-from rackcast.plan import load_plan
+from rackcast.plan import Plan, load_plan
 
 
 def register(sub) -> None:
     parser = sub.add_parser("simulate", help="discrete-event simulation of one training step of a plan file")
     parser.add_argument("plan", help="plan YAML file")
-    parser.add_argument("--seed", type=int, default=None, help="routing seed (default: the plan's seed)")
+    parser.add_argument("--seed", type=bounded(Plan, "seed", int), default=None,
+                        help="routing seed, 0..2^32-1 (default: the plan's seed)")
     parser.add_argument("--json", action="store_true", help="print the metrics as JSON (deterministic)")
     parser.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
     parser.add_argument("--parquet", metavar="OUT.parquet", help="write the metrics as a one-row Parquet file")

@@ -28,6 +28,10 @@ def _run(args) -> int:
     from rackcast.planner.size import size_search
     from rich.console import Console
 
+    if args.workers is None:
+        from rackcast.planner.verify import default_workers
+
+        args.workers = default_workers()
     if args.workers < 1:
         raise RackcastError(f"--workers must be >= 1, got {args.workers}")
     if args.top < 0:

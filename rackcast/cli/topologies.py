@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rackcast.cli.common import console, gib, human, print_json, table
+from rackcast.cli.common import bounded, console, gib, human, print_json, table
+from rackcast.plan import TopologyRef
 from rackcast.strict import to_data
 from rackcast.topologies import list_topologies, load_topology
 from rackcast.topologies.spec import Topology
@@ -24,9 +25,9 @@ def register(sub) -> None:
     p_list.set_defaults(func=_list)
     p_show = tsub.add_parser("show", help="show a preset's figures, derived bandwidths and graph size")
     p_show.add_argument("name", help="preset name or path to a topology YAML")
-    p_show.add_argument("--racks", type=int, default=None, metavar="N",
+    p_show.add_argument("--racks", type=bounded(TopologyRef, "domains", int), default=None, metavar="N",
                         help="number of domains (racks or nodes); default: the preset's")
-    p_show.add_argument("--usable-gpus", type=int, default=None, metavar="N",
+    p_show.add_argument("--usable-gpus", type=bounded(TopologyRef, "usable_gpus", int), default=None, metavar="N",
                         help="GPUs used per domain (e.g. 64 or 72 on NVL72); default: the preset's")
     p_show.add_argument("--json", action="store_true", help="print JSON")
     p_show.set_defaults(func=_show)

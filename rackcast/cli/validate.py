@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rackcast.cli.common import console, print_json, table
 from rackcast.errors import RackcastError
+from rackcast.units import MIB
 
 
 def register(sub) -> None:
@@ -76,7 +77,7 @@ def _run(args) -> int:
             p = r.predicted[label]["step_time_s"]
             row += [f"{p * 1e3:.1f}", _pct((p - r.measured_step_s) / r.measured_step_s)]
         pred_mem = r.predicted[labels[0]]["peak_memory_bytes"]
-        row += [f"{r.measured_peak_memory_bytes / 2**20:.0f}", f"{pred_mem / 2**20:.1f}"]
+        row += [f"{r.measured_peak_memory_bytes / MIB:.0f}", f"{pred_mem / MIB:.1f}"]
         rows.append(row)
     short = {"microbenchmarks": "sim", "microbenchmarks + op overhead": "sim+ovh", "fitted": "fitted"}
     cols = ["plan", "measured", "runs"]

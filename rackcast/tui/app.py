@@ -3,13 +3,18 @@
     python tui.py            # from the repository root
     rackcast tui             # the same, through the CLI
     rackcast tui --screen compare --plan PLAN.yaml --run runs/NAME
+
+An unexpected exception inside the app closes it and prints one line (exit 1); `--debug` shows Textual's traceback.
 """
 
 from __future__ import annotations
 
+import sys
+
 from textual.app import App
 from textual.binding import Binding
 
+from rackcast.errors import RackcastError, unexpected_error_line
 from rackcast.tui.plan_screen import PlanScreen
 
 
@@ -28,8 +33,9 @@ class RackcastApp(App):
 
     def __init__(self, *, plan_defaults: dict | None = None, request_options: dict | None = None,
                  size_defaults: dict | None = None, compare_paths: tuple[str, str] | None = None,
-                 start_screen: str = "plan", theme: str = "") -> None:
+                 start_screen: str = "plan", theme: str = "", debug: bool = False) -> None:
         super().__init__()
+        self.show_tracebacks, self.crash = debug, None
         self.plan_defaults, self.request_options = plan_defaults, request_options
         self.size_defaults, self.compare_paths = size_defaults, compare_paths
         self.start_screen = start_screen
@@ -65,6 +71,18 @@ class RackcastApp(App):
     def action_toggle_theme(self) -> None:
         self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
 
+    def _handle_exception(self, error: Exception) -> None:
+        """Textual's hook for an unhandled exception: without --debug, keep it for `run` to print in one line
+        instead of Textual's full-screen traceback (still recorded as Textual does, so test pilots re-raise it)."""
+        if self.show_tracebacks:
+            super()._handle_exception(error)
+            return
+        self.crash = error
+        if self._exception is None:
+            self._exception = error
+            self._exception_event.set()
+        self.exit(return_code=1)
+
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
@@ -77,6 +95,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
-    RackcastApp(compare_paths=(args.plan, args.run), start_screen=args.screen,
-                theme="textual-light" if args.light else "").run()
-    return 0
+    debug = getattr(args, "debug", False)
+    app = RackcastApp(compare_paths=(args.plan, args.run), start_screen=args.screen,
+                      theme="textual-light" if args.light else "", debug=debug)
+    try:
+        app.run()
+    except RackcastError as exc:
+        print(f"rackcast tui: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - the front end's last line of defence
+        if debug:
+            raise
+        app.crash = exc
+    if app.crash is not None:
+        print("rackcast tui: " + unexpected_error_line(app.crash, "rerun with --debug for the traceback"),
+              file=sys.stderr)
+        return 1
+    return app.return_code or 0

@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rackcast.atomic import write_json_atomic, write_text_atomic
+
 CHAR_WIDTH_PX = 12.2  # rich's SVG export: 0.61 x the 20 px font size
 SIZE = (80, 24)
 PLAN_INPUTS = {"model": "tiny-moe", "topology": "local-cpu", "racks": "1", "tokens": "1e9", "start": "2026-01-05",
@@ -72,7 +74,8 @@ def synthetic_run(folder: Path, plan_path: str = COMPARE_PLAN, steps: int = 12) 
     """A run folder in backend.record's format with fixed numbers (for tests and captures without training)."""
     import math
 
-    from rackcast.backend.record import PHASES, summary, write_json_atomic, write_metrics
+    from rackcast.backend.record import summary, write_metrics
+    from rackcast.vocab import MEASURED_PHASES as PHASES
 
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -142,7 +145,7 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0] if argv else "docs/tui")
     out.mkdir(parents=True, exist_ok=True)
     for name, text in captures(argv[1] if len(argv) > 1 else "").items():
-        (out / f"{name}.txt").write_text(text)
+        write_text_atomic(out / f"{name}.txt", text)
         print(f"wrote {out / name}.txt")
     return 0
 

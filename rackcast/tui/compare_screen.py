@@ -34,11 +34,12 @@ class Comparison:
 
 def load_comparison(plan_path: str, run_dir: str) -> Comparison:
     """What `rackcast compare PLAN RUN_DIR` computes, plus the run's per-step times from metrics.parquet."""
-    from rackcast.validation.compare import compare_rows, load_record, predict
+    from rackcast.validation.compare import check_same_plan, compare_rows, load_record, predict
     from rackcast.plan import load_plan
 
     plan = load_plan(plan_path)
     rec = load_record(run_dir)
+    check_same_plan(plan, rec, run_dir)
     source, result = predict(plan)
     steps, times = [], []
     metrics = Path(run_dir) / "metrics.parquet"

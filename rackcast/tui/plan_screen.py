@@ -19,10 +19,15 @@ from textual.widgets import DataTable, Footer, Header, Input, ProgressBar, Stati
 
 from rackcast.tui.jobs import Job
 from rackcast.tui.planning import build_request, preset_shape
-from rackcast.tui.widgets import GIB, Field, fmt_days, fmt_rate, start_form_job
+from rackcast.tui.widgets import GIB, Field, fmt_days, fmt_gib, fmt_rate, start_form_job
 
-COLUMNS = (("#", "rank"), ("layout", "layout"), ("tok/s", "tokens_per_s"), ("MFU", "mfu"),
-           ("mem/HBM", "memory"), ("days", "days"), ("meets", "meets"))
+# The layout column is the parallel degrees and schedule; the knob columns (micro-batch, recomputation, optimizer
+# state location, all-to-all transport) hold the rest, so rows that differ say how (on a narrow terminal they are
+# to the right of the figures: scroll).
+COLUMNS = (("#", "rank"), ("layout", "layout"), ("tok/s", "tokens_per_s"), ("MFU", "mfu"), ("mem", "memory"),
+           ("P50 d", "days"), ("meets", "meets"), ("mb", "micro_batch"), ("rc", "recompute"), ("opt", "opt_location"),
+           ("a2a", "transport"), ("steady d", "steady"), ("src", "source"))
+KNOB_KEYS = ("micro_batch", "recompute", "opt_location", "transport")
 DEFAULTS = {"model": "marin-535b-a23b", "topology": "gb200-nvl72", "racks": "11", "tokens": "18e12",
             "start": "", "deadline": ""}
 
@@ -165,7 +170,8 @@ class PlanScreen(Screen):
         shown = len(result.ranked)
         self.set_status(f"{c.get('ranked', shown):,} ranked of {c.get('enumerated', shown):,}"
                         f"{f', best {shown} shown' if shown < self.total_ranked else ''}; "
-                        f"{c.get('simulated', 0)} simulated; enter: detail")
+                        f"{c.get('simulated', 0)} simulated; mem: % of {fmt_gib(result.hbm_bytes)} HBM; "
+                        "P50 d: days with failures; enter: detail")
         self.fill_table()
         self.query_one(DataTable).focus()
 
@@ -176,6 +182,12 @@ class PlanScreen(Screen):
             return row.rank
         if key == "layout":
             return row.layout.label
+        if key in KNOB_KEYS:
+            return getattr(row.layout, key)
+        if key == "steady":
+            return row.best_days
+        if key == "source":
+            return "sim" if row.sim else "est"
         if key == "tokens_per_s":
             return row.best_tokens_per_s
         if key == "mfu":
@@ -183,7 +195,7 @@ class PlanScreen(Screen):
         if key == "memory":
             return row.peak_memory
         if key == "days":
-            return r.days_for(row)
+            return r.p50_days(row)
         meets = r.meets_deadline(row)
         return -1 if meets is None else int(meets)
 
@@ -201,12 +213,14 @@ class PlanScreen(Screen):
         rows = sorted(r.ranked, key=key, reverse=self.sort_reverse)
         for row in rows:
             meets = r.meets_deadline(row)
-            sched = row.layout.schedule if row.layout.parallel.pipeline > 1 else ""
+            lay = row.layout
+            sched = lay.schedule if lay.parallel.pipeline > 1 else ""
             table.add_row(
-                str(row.rank), f"{row.layout.parallel_label} {sched}".strip(), fmt_rate(row.best_tokens_per_s),
-                f"{100 * row.best_mfu:.1f}%", f"{100 * row.peak_memory / r.hbm_bytes:.0f}% of {r.hbm_bytes / GIB:.0f}G",
-                fmt_days(r.days_for(row)),
-                "-" if meets is None else ("yes" if meets else "NO"), key=str(id(row)))
+                str(row.rank), f"{lay.parallel_label} {sched}".strip(), fmt_rate(row.best_tokens_per_s),
+                f"{100 * row.best_mfu:.1f}%", f"{100 * row.peak_memory / r.hbm_bytes:.0f}%", fmt_days(r.p50_days(row)),
+                "-" if meets is None else ("yes" if meets else "NO"), str(lay.micro_batch), lay.recompute,
+                lay.opt_location, lay.transport, fmt_days(row.best_days), "sim" if row.sim else "est",
+                key=str(id(row)))
         arrow = "v" if self.sort_reverse else "^"
         for title, col in COLUMNS:
             table.columns[col].label = f"{title}{arrow}" if col == self.sort_key else title

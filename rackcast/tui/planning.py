@@ -9,7 +9,6 @@ simulator.pipeline_exec, rackcast.plan); this module only gathers them.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import math
 from dataclasses import dataclass
 
@@ -59,15 +58,17 @@ def _parse_budget(v: dict, errors: dict) -> dict:
 
 
 def _check_dates(v: dict, errors: dict) -> None:
-    """Start and deadline must be ISO dates, the deadline after the start."""
+    """Start and deadline must be ISO dates (the loaders' rule, rackcast.bounds.parse_date), the deadline after the
+    start."""
+    from rackcast.bounds import parse_date
     from rackcast.planner.search import available_days
 
     for name in ("start", "deadline"):
         if v[name]:
             try:
-                dt.date.fromisoformat(v[name])
-            except ValueError:
-                errors[name] = f"{v[name]!r} is not a date (YYYY-MM-DD)"
+                parse_date(v[name], name)
+            except RackcastError as exc:
+                errors[name] = str(exc).removeprefix(f"{name}: ")
     if v["deadline"] and "deadline" not in errors and "start" not in errors:
         try:
             available_days(v["start"], v["deadline"])

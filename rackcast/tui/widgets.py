@@ -15,7 +15,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Input, Label, Static
 
-GIB = 2 ** 30
+from rackcast.units import GIB, MIB
 MEMORY_PARTS = ("weights", "gradients", "master", "optimizer", "activations", "buffers")
 # Colours that read on both light and dark backgrounds; every bar also uses distinct characters, so it reads
 # without colour too.
@@ -29,7 +29,7 @@ def fmt_gib(n_bytes: float) -> str:
     """GiB, or MiB below one GiB (tiny CPU models)."""
     if n_bytes is None or math.isnan(n_bytes):
         return "-"
-    return f"{n_bytes / GIB:.1f} GiB" if n_bytes >= GIB else f"{n_bytes / 2 ** 20:.1f} MiB"
+    return f"{n_bytes / GIB:.1f} GiB" if n_bytes >= GIB else f"{n_bytes / MIB:.1f} MiB"
 
 
 def fmt_days(days: float) -> str:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+from rackcast.bounds import Range
 from rackcast.strict import load_preset, preset_names
+from rackcast.units import SECONDS_PER_DAY, SECONDS_PER_HOUR
 
 RELIABILITY_DIR = Path(__file__).parent
 SparesPolicy = Literal["shrink", "wait"]
@@ -27,11 +29,13 @@ SPARES_POLICIES: tuple[str, ...] = ("shrink", "wait")
 class FailureRates:
     """Interruptions per unit in use per day, by the unit a fault takes out."""
 
-    gpu_per_gpu_day: float = 0.0  # the GPU is replaced by a spare of its domain
-    tray_per_tray_day: float = 0.0  # the compute tray (all its GPUs) is replaced by spares
-    rack_per_rack_day: float = 0.0  # the scale-up fabric of one domain (NVLink) stops it; reset, no spare used
-    link_per_link_day: float = 0.0  # one scale-out link (NIC, cable, switch port); no spare used
-    software_per_gpu_day: float = 0.0  # software / collective faults; no spare used
+    gpu_per_gpu_day: Annotated[float, Range(0, 1)] = 0.0  # the GPU is replaced by a spare of its domain
+    tray_per_tray_day: Annotated[float, Range(0, 1)] = 0.0  # the compute tray (all its GPUs) is replaced by spares
+    # the scale-up fabric of one domain (NVLink) stops it; reset, no spare used
+    rack_per_rack_day: Annotated[float, Range(0, 1)] = 0.0
+    # one scale-out link (NIC, cable, switch port); no spare used
+    link_per_link_day: Annotated[float, Range(0, 1)] = 0.0
+    software_per_gpu_day: Annotated[float, Range(0, 1)] = 0.0  # software / collective faults; no spare used
 
     def __post_init__(self):
         for name in ("gpu_per_gpu_day", "tray_per_tray_day", "rack_per_rack_day", "link_per_link_day",
@@ -47,11 +51,15 @@ class FailureRates:
 class ReliabilitySpec:
     name: str
     rates: FailureRates
-    detection_s: float  # from the fault to the job noticing it (watchdog timeouts, silent stalls)
-    reschedule_s: float  # gang rescheduling and start-up (the checkpoint reload is added from its size)
-    checkpoint_interval_s: float = 3600.0  # compute time between checkpoints; 0 disables checkpointing
-    fallback_storage_Bps_per_gpu: float = 0.0  # checkpoint bandwidth when the topology's is unknown (0)
-    repair_s: float = 0.0  # time until a failed GPU or tray is back as a spare
+    # from the fault to the job noticing it (watchdog timeouts, silent stalls)
+    detection_s: Annotated[float, Range(0, SECONDS_PER_DAY)]
+    # gang rescheduling and start-up (the checkpoint reload is added from its size)
+    reschedule_s: Annotated[float, Range(0, SECONDS_PER_DAY)]
+    # compute time between checkpoints; 0 disables checkpointing
+    checkpoint_interval_s: Annotated[float, Range(0, 3.2e7)] = SECONDS_PER_HOUR
+    # checkpoint bandwidth when the topology's is unknown (0)
+    fallback_storage_Bps_per_gpu: Annotated[float, Range(0, 1e15)] = 0.0
+    repair_s: Annotated[float, Range(0, 3.2e7)] = 0.0  # time until a failed GPU or tray is back as a spare
     spares_policy: SparesPolicy = "shrink"
     source: str = ""
 

@@ -1,0 +1,62 @@
+"""CPU process settings the trainer runs with, and the calibration too, so that both measure alike: torch threads
+and the allocator's treatment of large freed blocks.
+
+- Threads: one per process when the processes fill the cores (more would oversubscribe them: on a busy 2-core
+  machine two threads per process made one-process steps 4-14x slower than one), else the cores shared evenly.
+- Large blocks: glibc malloc serves blocks above its mmap threshold (at most 32 MiB by default) with fresh mmaps, so
+  every large gradient a backward allocates (an [E, d, w] expert stack's is 113 MiB at marin-ladder-d768's shape)
+  page-faults in anew each step, which costs as much as the matmuls; raising the mmap and trim thresholds
+  (mallopt(3): M_MMAP_THRESHOLD, M_TRIM_THRESHOLD) makes freed blocks reusable, as jemalloc or tcmalloc would.
+
+    from rackcast.backend.cpu_runtime import configure_cpu_process
+    configure_cpu_process(processes=2)            # or requested_threads=N to force N
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+import torch
+
+M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
+M_MMAP_THRESHOLD = -3
+HEAP_BLOCK_LIMIT = 1 << 30  # blocks up to 1 GiB come from the reusable heap, not fresh mmaps
+HEAP_KEEP = 1 << 31  # free heap kept before trimming back to the OS
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_threads(processes: int) -> int:
+    """Torch threads per process for `processes` processes on this machine."""
+    cores = usable_cores()
+    return 1 if processes >= cores else cores // processes
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep large freed blocks for reuse (see the module docstring); False where libc is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEEP))
+
+
+def configure_cpu_process(processes: int, requested_threads: int = 0) -> int:
+    """Set torch's intra-op threads (requested_threads, or default_threads(processes)) and keep freed memory;
+    returns the threads set."""
+    threads = requested_threads or default_threads(processes)
+    torch.set_num_threads(threads)
+    keep_freed_memory()
+    return threads
