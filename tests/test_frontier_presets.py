@@ -143,7 +143,7 @@ def test_unset_balancing_keeps_the_old_meaning_of_router_bias():
     ({"moe": {"balancing": "quantile", "router_bias": False}}, "router_bias must be true"),
     ({"moe": {"balancing": "sinkhorn"}}, "moe.balancing"),
     ({"moe": {"first_k_dense": 61}}, "leaves no MoE layer"),
-    ({"mtp": {"depth": 0}}, "mtp.depth must be positive"),
+    ({"mtp": {"depth": 0}}, r"mtp.depth: 0 is outside \[1, 64\]"),
 ])
 def test_bad_frontier_field_is_named(change, message):
     data = to_data(DSV3)
