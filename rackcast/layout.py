@@ -136,6 +136,12 @@ class ParallelSpec:
         per_chunk = layers // self.chunks
         return [c * per_chunk + j for c in self.rank_chunks(rank, schedule) for j in range(per_chunk)]
 
+    def layer_ranks(self, schedule: str, layers: int) -> list[int]:
+        """Pipeline rank holding each layer (index = layer): the inverse of rank_layers, for sums over stages."""
+        per_chunk = layers // self.chunks
+        owner = self.chunk_ranks(schedule)
+        return [owner[i // per_chunk] for i in range(layers)]
+
     # ----------------------------------------------------------------------------------------------- batch
     def microbatches(self, global_batch: int, micro_batch: int) -> int:
         """Micro-batches per step on one rank: global batch / (data x fsdp x micro-batch)."""

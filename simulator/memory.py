@@ -67,6 +67,8 @@ class RankParams:
     expert_layer_max: float
     expert_adam: float = 0.0  # part of `expert` that MuonH keeps in Adam (the experts' biases)
     frozen: float = 0.0  # part of `dense` that gets no gradient and no optimizer state (the balancing bias)
+    embed_end: float = 0.0  # part of `dense` at the embedding end (embedding, positions, their norms): first chunk
+    head_end: float = 0.0  # part of `dense` at the head end (head, final norms): last chunk
 
 
 @dataclass(frozen=True)
@@ -138,9 +140,10 @@ def rank_params(spec: ModelSpec, plan: Plan, rank: int = 0) -> RankParams:
         expert_adam += layer_expert_adam / experts_split
         frozen += _frozen_part(spec, i) / t
         dense_max, expert_max = max(dense_max, d), max(expert_max, e)
+    dense_layers = dense
     top = spec.top_param_breakdown()
-    first = rank == 0
-    last = rank == par.pipeline - 1 or plan.schedule == "dualpipev" and rank == 0
+    owner = par.chunk_ranks(plan.schedule)
+    first, last = owner[0] == rank, owner[-1] == rank
     embed = (top.get("embedding", 0) + top.get("positions", 0)) / t if first else 0.0
     head = top.get("head", 0) / t if last else 0.0
     if spec.tied_embeddings and last and not first:
@@ -151,8 +154,10 @@ def rank_params(spec: ModelSpec, plan: Plan, rank: int = 0) -> RankParams:
     gated = (top.get("embed_gated_norm", 0) if first else 0) + (top.get("final_gated_norm", 0) if last else 0)
     dense += embed + head + (gains + gated) / t
     adam += embed + gains / t
+    embed_end = embed + ((top.get("embed_norm", 0) + top.get("embed_gated_norm", 0)) / t if first else 0.0)
     return RankParams(dense=dense, expert=expert, adam_only=adam, head=head, layers=len(layers),
-                      dense_layer_max=dense_max, expert_layer_max=expert_max, expert_adam=expert_adam, frozen=frozen)
+                      dense_layer_max=dense_max, expert_layer_max=expert_max, expert_adam=expert_adam, frozen=frozen,
+                      embed_end=embed_end, head_end=dense - dense_layers - embed_end)
 
 
 def inflight_chunk_microbatches(schedule: str, p: int, m: int, v: int, rank: int = 0) -> float:
@@ -209,10 +214,12 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, dtype: str | None = None, rank
     static = static_bytes(rp, plan, dtype)
     weights, gradients, master, states, host = (static[k] for k in ("weights", "gradients", "master",
                                                                      "optimizer", "host"))
-    # FSDP gathers one layer while the next is prefetched: two layers of unsharded weights and one of gradients.
+    # FSDP gathers one layer while the next is prefetched: two layers of unsharded weights and one of gradients;
+    # the embedding or head end of a chunk stays gathered through its whole forward or backward.
     buffers = 0.0
     if par.fsdp > 1:
-        buffers += 2 * w_bytes * rp.dense_layer_max + g_bytes * rp.dense_layer_max
+        ends = rp.embed_end + rp.head_end if par.chunks == 1 else max(rp.embed_end, rp.head_end)
+        buffers += 2 * w_bytes * rp.dense_layer_max + g_bytes * rp.dense_layer_max + w_bytes * ends
     if efsdp > 1:
         buffers += 2 * w_bytes * rp.expert_layer_max + g_bytes * rp.expert_layer_max
     tokens_mb = plan.tokens_per_microbatch(spec)

@@ -46,6 +46,7 @@ class Placement:
     expert_fsdp: Group  # the copies of one expert slice that shard its parameters ZeRO-3 style
     expert_replicas: Group  # the remaining copies, holding the same shard (their gradients are all-reduced)
     dense_replicas: Group  # fsdp x data x context as one group (gradient reduction of dense parameters)
+    inner: Group  # the fsdp x context group: the inner level of a reduction over the token-sharding ranks
 
 
 def place(plan: Plan, usable_per_domain: int) -> Placement:
@@ -64,4 +65,5 @@ def place(plan: Plan, usable_per_domain: int) -> Placement:
         expert_fsdp=make_group(efsdp, ep, u),
         expert_replicas=make_group(par.expert_replicas, ep * efsdp, u),
         dense_replicas=make_group(par.reduction_inner * par.reduction_outer, t, u),
+        inner=make_group(par.reduction_inner, t, u),
     )

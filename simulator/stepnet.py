@@ -31,27 +31,21 @@ import numpy as np
 
 from rackcast.plan import Plan
 from rackcast.simulator import collectives
-from rackcast.simulator.collective_formulas import algo_factor, latency_steps
+from rackcast.simulator.collective_formulas import HIERARCHY, algo_factor, latency_steps
 from rackcast.simulator.network import Network
 from rackcast.simulator.placement import Group, make_group, place
 from rackcast.topologies.spec import Topology
 
 RING_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-HIERARCHY = {  # kind -> phases (kind, level), as simulator.collectives runs them
-    "all_reduce": (("reduce_scatter", "local"), ("all_reduce", "cross"), ("all_gather", "local")),
-    "reduce_scatter": (("reduce_scatter", "local"), ("reduce_scatter", "cross")),
-    "all_gather": (("all_gather", "cross"), ("all_gather", "local")),
-}
 A2A_CATEGORIES = ("local", "same_rail", "other_rail")
 
 
 def axis_groups(plan: Plan, usable: int) -> dict[str, Group]:
     """Every communication axis of a plan as a placement Group (size, stride, span)."""
-    par = plan.parallel
     pl = place(plan, usable)
     return {"tensor": pl.tensor, "context": pl.context, "fsdp": pl.fsdp, "data": pl.data,
             "pipeline": pl.pipeline, "expert": pl.expert,
-            "expert_data": pl.expert_data, "inner": make_group(par.reduction_inner, par.tensor, usable),
+            "expert_data": pl.expert_data, "inner": pl.inner,
             "expert_fsdp": pl.expert_fsdp, "expert_replicas": pl.expert_replicas}
 
 

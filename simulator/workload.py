@@ -63,12 +63,16 @@ class LayerWork:
 class StageWork:
     stage: int
     chunks: dict[int, list[LayerWork]]  # global chunk -> its layers in order
-    head_s: float  # output head and loss (forward) on the stage holding the last chunk
+    head_s: float  # output head, loss and final norm (forward) on the stage holding the last chunk
+    embed_s: float  # the embedding's norm (forward) on the stage holding the first chunk
     top_params: float  # embedding, head and final norms held by this stage (after tensor split)
+    embed_params: float  # the embedding end's part of top_params (first chunk)
+    head_params: float  # the head end's part of top_params (last chunk)
     static_bytes: dict[str, float]  # weights, gradients, master, optimizer
     io_bytes: float  # embedding output and head input (kept once)
     optimizer_s: float
     host_bytes: float  # optimizer state + master moved each way between host and GPU
+    reduction_comms: list = None  # the stage's whole gradient reduction, when it runs after the backward
     embed_ops: float = 0.0  # the embedding's framework ops (forward) on the stage holding the first chunk
     head_ops: float = 0.0  # the head and loss ops (forward) on the stage holding the last chunk
 
@@ -137,7 +141,9 @@ class Workload:
         spec, plan = self.spec, self.plan
         rp = rank_params(spec, plan, s)
         layers = [lw.index for c in chunks for lw in chunks[c]]
-        head_s = self._gemm_s(spec.head_flops_fwd(HW)) if (self.n_chunks - 1) in chunks else 0.0
+        head_s = self._gemm_s(spec.head_flops_fwd(HW) - spec.embed_flops_fwd()) if (self.n_chunks - 1) in chunks \
+            else 0.0
+        embed_s = self._gemm_s(spec.embed_flops_fwd()) if 0 in chunks else 0.0
         static = static_bytes(rp, plan)
         host_bytes = static.pop("host")  # resident on the host; the step moves it in and back out
         opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
@@ -150,7 +156,9 @@ class Workload:
             optimizer_s += optimizer_ops(self.counts, spec, plan, s) * self.host.optimizer
             embed_ops = self.counts["fwd_embed"] if 0 in chunks else 0.0
             head_ops = self.counts["fwd_head"] if (self.n_chunks - 1) in chunks else 0.0
-        return StageWork(stage=s, chunks=chunks, head_s=head_s, top_params=top, static_bytes=static,
+        return StageWork(stage=s, chunks=chunks, head_s=head_s, embed_s=embed_s, top_params=top,
+                         embed_params=rp.embed_end, head_params=rp.head_end, static_bytes=static,
+                         reduction_comms=self.reduction_comms(rp.dense, rp.expert),
                          io_bytes=2 * W_BYTES * spec.d_model * self.tokens_mb, optimizer_s=optimizer_s,
                          host_bytes=host_bytes, embed_ops=embed_ops, head_ops=head_ops)
 
@@ -259,6 +267,14 @@ class Workload:
             out.append((Comm("all_gather", "expert_fsdp", lw.expert_params * W_BYTES, "fsdp",
                              "expert fsdp all-gather"), W_BYTES * lw.expert_params))
         return out
+
+    def top_gather(self, params: float) -> list[tuple[Comm, float]]:
+        """FSDP all-gather of a chunk's embedding or head end (its own unit, gathered before the chunk's layers
+        run, as FSDP2's root module is) and the bytes of its unsharded buffer."""
+        if self.plan.parallel.fsdp <= 1 or params <= 0:
+            return []
+        return [(Comm("all_gather", "fsdp", params * W_BYTES, "fsdp", "fsdp all-gather (embedding/head)"),
+                 W_BYTES * params)]
 
     def grad_buffer_bytes(self, lw: LayerWork) -> float:
         """Unsharded gradient buffer of one layer during its backward (FSDP only; memory.py counts one layer)."""
