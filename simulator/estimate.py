@@ -184,7 +184,6 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     compute = 3 * fwd + rec + elem
     # FSDP: forward and backward of each chunk gather their layers one ahead; the first layer's gather of each is
     # exposed, the rest hide behind compute where it is long enough.
-    fsdp = (f["fsdp_n"], f["fsdp_out"], f["fsdp_pd"])
     gathers = collective_time(topo, "all_gather", f["fsdp_n"], g("fsdp_bytes") / np.maximum(layers, 1), f["fsdp_out"],
                               f["fsdp_pd"]) * layers + \
         collective_time(topo, "all_gather", f["efsdp_n"], g("expert_fsdp_bytes") / np.maximum(moe, 1), f["efsdp_out"],
@@ -192,8 +191,8 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     actions = 2 * f["chunks_per_rank"]
     first = gathers * actions / np.maximum(layers, 1)
     fsdp_t = 2 * gathers
-    ends = 2 * (collective_time(topo, "all_gather", *fsdp[:2], g("fsdp_embed_bytes"), fsdp[2]) +
-                collective_time(topo, "all_gather", *fsdp[:2], g("fsdp_head_bytes"), fsdp[2]))
+    ends = 2 * (collective_time(topo, "all_gather", f["fsdp_n"], g("fsdp_embed_bytes"), f["fsdp_out"], f["fsdp_pd"]) +
+                collective_time(topo, "all_gather", f["fsdp_n"], g("fsdp_head_bytes"), f["fsdp_out"], f["fsdp_pd"]))
     fsdp_exposed = ends + np.where(fsdp_t > 0, first + np.maximum(0.0, fsdp_t - first - compute), 0.0)
     # Communication kernels take SMs from the compute they overlap (the profile's comm_compute_slowdown).
     overlapped = np.minimum(compute, np.minimum(3 * shared_layer * moe, a2a_t) + fsdp_t)
