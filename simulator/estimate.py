@@ -9,8 +9,15 @@ Two stages, so the planner can rank thousands of layouts at once:
 Every op's cost comes from simulator.costs (the same functions the discrete-event workload calls: GEMM, expert,
 attention, elementwise, collective, host-copy and optimizer times, the bytes each collective moves), and the result
 metrics (fits, tokens/s, MFU, days) from simulator.metrics. What this module adds is the closed-form composition.
-Overlap: the expert all-to-all hides behind shared-expert compute, data-parallel gradient reduction
-behind the last micro-batch's backward, FSDP gathers behind the previous layer's compute; the rest is exposed.
+Pipeline: every stage's work comes from the layers it holds (simulator.stage_work: the head on the last chunk, the
+embedding on the first, global-attention layers at their cost); the slowest stage is busy every micro-batch, the
+others fill and drain the pipeline as the schedule's closed form says (schedule_formulas.bubble_coefficients), and
+sends are exposed only along the fill and the drain.
+Overlap: the expert all-to-all hides behind shared-expert compute, FSDP gathers behind the previous layer's compute
+(the first layer's of each forward or backward and the embedding / head ends are exposed), the data-parallel
+gradient reduction behind the last micro-batch's backward when the plan overlaps it (plan.overlap_grad_reduce),
+else after it; the rest is exposed. simulator.workload and step model the same, op by op; tests/
+test_estimate_vs_simulator.py holds the two within 5%.
 Host per-op overhead (only where the topology's efficiency.host_op_s is measured, e.g. a calibrated CPU): the op
 counts of the backend model (simulator.op_counts) per step, as simulator.host_overhead models them (rank 0's own
 forward and backward ops, the extra ones on the pipeline's critical path, the optimizer's), each x its host time per

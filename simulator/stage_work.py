@@ -1,7 +1,7 @@
 """Work of every pipeline stage of a plan, per token of a micro-batch, as sums over layer kinds.
 
-The closed-form estimate prices the slowest stage and the pipeline's fill and drain from these sums (simulator.estimate);
-the discrete-event workload (simulator.workload) builds the same stages layer by layer. Which stage holds which
+The closed-form estimate prices the slowest stage and the pipeline's fill and drain from these sums
+(simulator.estimate); the discrete-event workload (simulator.workload) builds the same stages layer by layer. Which stage holds which
 layers and chunks comes from the layout (rackcast.layout.ParallelSpec.layer_ranks / chunk_ranks): the stage holding
 the first chunk runs the embedding, the one holding the last chunk the output head and loss (both on rank 0 under the
 V-shaped schedules), and a stage's global-attention layers cost what their context makes them cost.
@@ -35,10 +35,10 @@ class StageWork:
     """Forward work per token of one micro-batch on each pipeline stage (arrays of length pipeline), before the
     tensor split and expert imbalance: `gemm` dense-GEMM FLOPs of the layers (attention projections, norms,
     convolutions, router, latent projections, shared experts, dense MLP), `attn` attention-core FLOPs, `experts`
-    routed-expert FLOPs (balanced routing), `shared` the shared-expert part of `gemm`, `head` the output head, loss and
-    final norm (on the stage holding the last chunk), `embed` the embedding's norm (on the stage holding the first), `elem_bytes` the elementwise traffic (activations written in forward and
-    read in backward), `layers` and `moe_layers` counts; `first` and `last` mark the stages holding the first and
-    the last chunk."""
+    routed-expert FLOPs (balanced routing), `shared` the shared-expert part of `gemm`, `head` the output head, loss
+    and final norm (on the stage holding the last chunk), `embed` the embedding's norm (on the stage holding the
+    first), `elem_bytes` the elementwise traffic (activations written in forward and read in backward), `layers` and
+    `moe_layers` counts; `first` and `last` mark the stages holding the first and the last chunk."""
 
     gemm: np.ndarray
     attn: np.ndarray

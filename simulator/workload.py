@@ -34,7 +34,7 @@ from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, la
                                        rank_params, static_bytes)
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Start, Wait
 from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
-from rackcast.simulator.routing import expert_probabilities
+from rackcast.simulator.routing import capacity_rows, expert_probabilities
 from rackcast.topologies.spec import Topology
 
 HW = costs.HW
@@ -300,8 +300,9 @@ class ExpertLoads:
     contiguously on `expert` blocks of expert_tensor consecutive ranks, each rank of a block holding a 1/expert_tensor
     slice of the block's experts, so every row routed to a block goes to each of its ranks. Capacity mode keeps at
     most floor(c x group tokens x top_k / experts) rows per expert, dropping the excess of every source in
-    proportion; dropless keeps all. All data-parallel replicas replay the same draw (the symmetry the reduction
-    relies on).
+    proportion (the drops counted); the buffers are padded to capacity, so every pair moves and every rank computes
+    capacity-sized rows (simulator.routing). Dropless keeps all. All data-parallel replicas replay the same draw
+    (the symmetry the reduction relies on).
     """
 
     def __init__(self, spec: ModelSpec, plan: Plan, work: Workload, seed: int):
@@ -317,11 +318,13 @@ class ExpertLoads:
         if plan.expert_transport.mode == "capacity":
             counts = rng.multinomial(tokens * moe.top_k, probs, size=size).astype(np.float64)
             total = counts.sum()
-            cap = np.floor(plan.expert_transport.capacity_factor * tokens * group * moe.top_k / moe.experts)
+            cap = capacity_rows(plan.expert_transport.capacity_factor, tokens * group, moe.top_k, moe.experts)
             per_expert = counts.sum(axis=2, keepdims=True)
             counts = np.floor(counts * np.minimum(1.0, cap / np.maximum(per_expert, 1.0)))
             self.drop_fraction = float(1.0 - counts.sum() / total) if total else 0.0
-            rows = counts.reshape(*size, ep, moe.experts // ep).sum(axis=4)
+            # Padded to capacity (simulator.routing): every source fills its share of each expert's buffer, so every
+            # pair moves and every rank computes the same capacity-sized rows whatever was kept or dropped.
+            rows = np.full(size + (ep,), moe.experts // ep * cap / group)
         else:  # dropless needs only rows per expert rank: a multinomial over ranks is the same distribution
             rank_probs = probs.reshape(ep, moe.experts // ep).sum(axis=1)
             rows = rng.multinomial(tokens * moe.top_k, rank_probs / rank_probs.sum(), size=size).astype(np.float64)
