@@ -86,7 +86,7 @@ def _critical_path(steady: list[dict]) -> dict:
     """Medians of the slowest rank's step time and phases, and the rank that was slowest most often."""
     ranks = [r["slowest_rank"] for r in steady if r.get("slowest_rank") is not None]
     return {"step_time_s": _median(steady, "step_time_slowest_s"),
-            "phases_s": {p: _median(steady, f"phase_{p}_slowest_s") for p in PHASES},
+            "phases_s": {p: _median(steady, f"phase_{p}_slowest_s") for p in MEASURED_PHASES},
             "slowest_rank": statistics.mode(ranks) if ranks else None}
 
 

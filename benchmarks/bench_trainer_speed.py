@@ -35,6 +35,8 @@ from pathlib import Path
 
 import yaml
 
+from rackcast.units import SECONDS_PER_HOUR
+
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "104865f"  # main before issue 14
 EXPERT_SHAPE = {"experts": 192, "dim": 384, "width": 384, "top_k": 4, "tokens": 256}  # marin-ladder-d768's experts
@@ -141,7 +143,7 @@ class Side:
         cmd = [str(self.python), "-m", "rackcast.backend.train", "--plan", str(plan), "--steps", str(steps),
                "--out", str(out), "--quiet", "--threads", "1", "--data-dir", str(data_dir)]
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-        r = subprocess.run(cmd, cwd=self.root, capture_output=True, text=True, timeout=3600, env=env)
+        r = subprocess.run(cmd, cwd=self.root, capture_output=True, text=True, timeout=SECONDS_PER_HOUR, env=env)  # one run at most an hour
         if r.returncode:
             raise RuntimeError(f"{self.name} train {plan.name}: {r.stderr.strip()[-2000:]}")
         return json.loads((out / "record.json").read_text())

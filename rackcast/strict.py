@@ -32,9 +32,10 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 
 from rackcast.bounds import MAX_TEXT_CHARS, SHOWN_CHARS, Range, shown
+from rackcast.units import MIB
 from rackcast.errors import RackcastError
 
-MAX_FILE_BYTES = 16 * 2**20  # the largest YAML input read (a preset is a few KiB; a routing histogram a few MiB)
+MAX_FILE_BYTES = 16 * MIB  # the largest YAML input read (a preset is a few KiB; a routing histogram a few MiB)
 MAX_YAML_NODES = 1_000_000  # scalars + collections after alias expansion
 MAX_YAML_DEPTH = 64  # nesting of collections (a plan nests 4 deep)
 PRESET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # what a preset name may look like (no path separator)
@@ -375,7 +376,7 @@ def load_yaml(path: str | Path) -> Any:
     except ValueError as exc:  # a NUL byte in the path
         raise RackcastError(f"cannot read: {exc}", where=where) from None
     if len(raw) > MAX_FILE_BYTES:
-        raise RackcastError(f"larger than {MAX_FILE_BYTES // 2**20} MiB", where=where)
+        raise RackcastError(f"larger than {MAX_FILE_BYTES // MIB} MiB", where=where)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

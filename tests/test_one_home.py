@@ -16,7 +16,8 @@ FOLDERS = ("rackcast", "topologies", "simulator", "planner", "backend", "validat
 
 # (what, pattern, the one file allowed to hold it)
 HOMES = [
-    ("binary unit constant", r"\b2\s*\*\*\s*(10|20|30|40)\b|\b1024\s*\*\*\s*[23]\b",
+    # (a count's bound, Range(1, 2**20), is not a unit of bytes)
+    ("binary unit constant", r"^(?!.*Range\().*(\b2\s*\*\*\s*(10|20|30|40)\b|\b1024\s*\*\*\s*[23]\b)",
      "rackcast/units.py"),
     ("seconds per day or hour", r"\b86400\b|\b3600(\.0)?\b(?!\.)", "rackcast/units.py"),
     ("an atomic file rename", r"os\.replace\(|\.replace\(path\)|mkstemp\(", "rackcast/atomic.py"),

@@ -66,7 +66,7 @@ def check_same_plan(plan: Plan, rec: dict, run_dir: str | Path) -> None:
             except RackcastError:
                 continue
     raise RackcastError(f"record.json: this run trained another plan ({rec.get('plan', '?')}, plan_hash "
-                        f"{recorded[:12]}, not {current[:12]}); --force compares anyway", where=str(run_dir))
+                        f"{recorded[:12]}, not {current[:12]})", where=str(run_dir))
 
 
 def calibration_note(topo) -> str:

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from rackcast.cli.common import console, print_json, table
+from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
 from rackcast.units import MIB
 
@@ -53,7 +54,10 @@ def _run(args) -> int:
     plan = load_plan(args.plan)
     rec = load_record(args.run_dir)
     if not args.force:
-        check_same_plan(plan, rec, args.run_dir)
+        try:
+            check_same_plan(plan, rec, args.run_dir)
+        except RackcastError as exc:
+            raise RackcastError(f"{exc}; --force compares anyway") from None
     if args.topology:
         t = plan.topology
         topo = load_topology(args.topology, t.domains, t.usable_gpus or None)

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 from rackcast.bounds import Range
 from rackcast.strict import load_preset, preset_names
-from rackcast.units import SECONDS_PER_HOUR
+from rackcast.units import SECONDS_PER_DAY, SECONDS_PER_HOUR
 
 RELIABILITY_DIR = Path(__file__).parent
 SparesPolicy = Literal["shrink", "wait"]
@@ -52,9 +52,9 @@ class ReliabilitySpec:
     name: str
     rates: FailureRates
     # from the fault to the job noticing it (watchdog timeouts, silent stalls)
-    detection_s: Annotated[float, Range(0, 86400)]
+    detection_s: Annotated[float, Range(0, SECONDS_PER_DAY)]
     # gang rescheduling and start-up (the checkpoint reload is added from its size)
-    reschedule_s: Annotated[float, Range(0, 86400)]
+    reschedule_s: Annotated[float, Range(0, SECONDS_PER_DAY)]
     # compute time between checkpoints; 0 disables checkpointing
     checkpoint_interval_s: Annotated[float, Range(0, 3.2e7)] = SECONDS_PER_HOUR
     # checkpoint bandwidth when the topology's is unknown (0)
