@@ -59,7 +59,7 @@ class Request:
     band: float = ESTIMATE_BAND  # the estimate's error band the verified ranking allows (planner.verify)
     max_simulate: int = MAX_SIMULATED
     command: str = ""
-    forecast_rows: int = 10  # rows whose days get the failure allowance (the table's rows)
+    forecast_rows: int = 10  # rows whose days get the failure allowance (the table's rows; 0 with top 0: none)
 
 
 @dataclass
@@ -329,7 +329,8 @@ def search(r: Request, progress=None) -> Result:
     t0 = time.perf_counter()
     if progress:
         progress(0, 0, "forecasting failures and restarts")
-    result.days_note = apply_forecast(result, max(r.top, r.forecast_rows, 1))
+    rows_forecast = max(r.top, r.forecast_rows)
+    result.days_note = apply_forecast(result, rows_forecast) if rows_forecast else "no failure forecast (0 rows)"
     timings["forecast_s"] = time.perf_counter() - t0
     result.counts = {
         "enumerated": len(rows), "invalid": sum(x.status == "invalid" for x in rows),
