@@ -138,9 +138,9 @@ class PlanArrays:
             else:
                 values, codes = np.unique(np.broadcast_to(f, (self.n,)), return_inverse=True)
                 codes, count = codes.reshape(-1), len(values)
-            key = key * count + codes
-            if key.max(initial=0) > 2 ** 40:  # renumber before the mixed radix could overflow
+            if key.max(initial=0) >= np.iinfo(np.int64).max // (count + 1):  # renumber before the radix overflows
                 key = np.unique(key, return_inverse=True)[1].reshape(-1)
+            key = key * count + codes
         _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
         return first, inverse.reshape(-1)
 
