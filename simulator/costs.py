@@ -170,8 +170,8 @@ def collective_time(topo: Topology, kind: str, n, nbytes, span_out, per_domain=1
 def group_per_domain(group) -> int:
     """Ranks per domain of a placement Group that spans several domains with the same number (> 1) in each (the
     hierarchical case of collective_time), else 1."""
-    even = group.domains > 1 and group.per_domain > 1 and group.size == group.per_domain * group.domains
-    return group.per_domain if even else 1
+    even = (group.domains > 1) & (group.per_domain > 1) & (group.size == group.per_domain * group.domains)
+    return np.where(even, group.per_domain, 1)
 
 
 def reduction_groups(plan, pl) -> dict:

@@ -37,7 +37,9 @@ from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
 from rackcast.simulator.host_overhead import host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
-from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
+from rackcast.simulator.optimizer_cost import (balancing_reductions, newton_schulz_parts, newton_schulz_split,
+                                               optimizer_traffic_bytes)
+from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
 from rackcast.simulator.schedule_formulas import bubble_coefficients
@@ -82,63 +84,102 @@ def _stage_compute_s(gemm, head, attn, experts, rec_gemm, rec_attn, rec_experts,
 STAGE_KEYS = ("gemm_flops", "head_flops", "attn_flops", "expert_flops", "shared_flops", "rec_gemm_flops",
               "rec_attn_flops", "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes",
               "fsdp_embed_bytes", "fsdp_head_bytes", "expert_fsdp_bytes")
+_STAGE_ROWS = ("gemm", "attn", "experts", "shared", "head", "embed", "elem_bytes", "layers", "moe_layers",
+               "dense_params", "expert_params", "first", "last")
 
 
-def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
+def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> tuple:
+    """simulator.stage_work's per-stage rows of one plan, each padded with zeros to `width` stages, flattened."""
+    w = stage_work(spec, plan)
+    pad = width - plan.parallel.pipeline
+    return tuple(x for k in _STAGE_ROWS for x in np.pad(np.asarray(getattr(w, k), dtype=float), (0, pad)))
+
+
+def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> dict:
     """The scalars the step-time formulas need: the slowest pipeline stage's work (keys STAGE_KEYS), the mean of
     the other stages' (the same keys prefixed "o_"; they fill and drain the pipeline), and rank 0's gradient
-    reduction and optimizer step (rank 0 finishes the schedule last)."""
+    reduction and optimizer step (rank 0 finishes the schedule last). For PlanArrays (simulator.plan_arrays: many
+    layouts at once, `usable` GPUs per domain each) every value is an array, one element per plan; a single Plan is
+    placed on topo's GPUs per domain."""
+    arrays = is_arrays(plan)
     par = plan.parallel
-    pl = place(plan, topo.scale_up.usable_gpus)
     t, cp = par.tensor, par.context
     tokens_mb = plan.tokens_per_microbatch(spec)
-    w = stage_work(spec, plan)
+    m = plan.microbatches
+    pl = place(plan, np.where(plan.usable > 0, plan.usable, topo.scale_up.usable_gpus) if arrays else
+               topo.scale_up.usable_gpus)
     w_bytes = costs.W_BYTES
     g_bytes = BYTES[plan.grad_dtype]
     rp = rank_params(spec, plan, 0)
-    m_imbalance = 1.0
-    drop = 0.0
+    m_imbalance, drop = 1.0, 0.0
     if spec.moe is not None:
         tokens_group = tokens_mb * par.expert_group  # tokens routed inside one expert group per micro-batch
-        m_imbalance, drop = _load_factor(plan.expert_transport, spec.moe.experts, spec.moe.top_k,
-                                         par.expert, tokens_group, seed=plan.seed)
-    full, selective = plan.recompute == "full", plan.recompute == "selective"
+        m_imbalance, drop = per_key(plan, ("transport", "expert", tokens_group), lambda p: _load_factor(
+            p.expert_transport, spec.moe.experts, spec.moe.top_k, p.parallel.expert,
+            p.tokens_per_microbatch(spec) * p.parallel.expert_group, seed=p.seed))
+    full = np.asarray(plan.recompute == "full", dtype=float)
+    recomputed_attn = np.asarray(plan.recompute != "none", dtype=float)
     gemm_size = costs.gemm_size(tokens_mb, spec, t)
     expert_size = costs.expert_gemm_size(tokens_mb, spec, par.expert)
+
+    # Every stage's work (simulator.stage_work), padded to the deepest pipeline: rows[name][..., stage].
+    width = int(np.max(par.pipeline))
+    flat = per_key(plan, LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor"),
+                   lambda p: _stage_rows(spec, p, width))
+    flat = np.stack(np.broadcast_arrays(*flat), axis=-1)
+    rows = dict(zip(_STAGE_ROWS, np.moveaxis(flat.reshape(flat.shape[:-1] + (len(_STAGE_ROWS), width)), -2, 0)))
+    col = lambda x: np.asarray(x, dtype=float)[..., None]  # noqa: E731  a per-plan value against the stage axis
+    tok, tt, imb = col(tokens_mb), col(t), col(m_imbalance)
+    top = spec.top_param_breakdown()
+    embed_end = top.get("embedding", 0) + top.get("positions", 0) + top.get("embed_norm", 0) + \
+        top.get("embed_gated_norm", 0)
+    head_end = top.get("head", 0) + top.get("final_norm", 0) + top.get("final_gated_norm", 0)
+    gathered = col(par.fsdp > 1) * w_bytes / tt  # FSDP all-gathers: layers one at a time, each end as its own unit
     # Per stage and micro-batch on one rank. Expert-tensor ranks split each expert's width but process every row of
     # their experts: per-rank expert FLOPs and GEMM shapes stay those of expert_tensor = 1 (costs.expert_gemm_size).
     # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head.
     stage = {
-        "gemm_flops": w.gemm * tokens_mb / t, "head_flops": (w.head + w.embed) * tokens_mb / t,
-        "attn_flops": w.attn * tokens_mb / t, "expert_flops": w.experts * tokens_mb * m_imbalance,
-        "shared_flops": w.shared * tokens_mb / t,
-        "rec_gemm_flops": w.gemm * tokens_mb / t * full, "rec_attn_flops": w.attn * tokens_mb / t * (full or selective),
-        "rec_expert_flops": w.experts * tokens_mb * m_imbalance * full,
-        "elementwise_bytes": w.elem_bytes * tokens_mb, "layers": w.layers, "moe_layers": w.moe_layers,
+        "gemm_flops": rows["gemm"] * tok / tt, "head_flops": (rows["head"] + rows["embed"]) * tok / tt,
+        "attn_flops": rows["attn"] * tok / tt, "expert_flops": rows["experts"] * tok * imb,
+        "shared_flops": rows["shared"] * tok / tt,
+        "rec_gemm_flops": rows["gemm"] * tok / tt * col(full),
+        "rec_attn_flops": rows["attn"] * tok / tt * col(recomputed_attn),
+        "rec_expert_flops": rows["experts"] * tok * imb * col(full),
+        "elementwise_bytes": rows["elem_bytes"] * tok, "layers": rows["layers"], "moe_layers": rows["moe_layers"],
+        "fsdp_bytes": rows["dense_params"] * gathered, "fsdp_embed_bytes": rows["first"] * embed_end * gathered,
+        "fsdp_head_bytes": rows["last"] * head_end * gathered,
+        "expert_fsdp_bytes": rows["expert_params"] / col(par.expert_group) * w_bytes * col(par.expert_fsdp > 1),
     }
-    # FSDP all-gathers: the stage's layers, one at a time, and each chunk's embedding or head end as its own unit.
-    rps = [rank_params(spec, plan, s) for s in range(par.pipeline)]
-    ends = np.array([(r.embed_end, r.head_end) for r in rps]) * w_bytes * (par.fsdp > 1)
-    stage["fsdp_bytes"] = np.array([r.dense for r in rps]) * w_bytes - ends.sum(axis=1)
-    stage["fsdp_embed_bytes"], stage["fsdp_head_bytes"] = ends[:, 0], ends[:, 1]
-    stage["expert_fsdp_bytes"] = np.array([r.expert for r in rps]) * w_bytes * (par.expert_fsdp > 1)
     fwd, rec, elem = _stage_compute_s(stage["gemm_flops"], stage["head_flops"], stage["attn_flops"],
                                       stage["expert_flops"], stage["rec_gemm_flops"], stage["rec_attn_flops"],
-                                      stage["rec_expert_flops"], stage["elementwise_bytes"], gemm_size, expert_size,
-                                      topo)
-    heavy = int(np.argmax(3 * fwd + rec + elem))  # the slowest stage sets the pipeline's steady state
-    others = np.arange(par.pipeline) != heavy
-    ns = newton_schulz_flops(spec, plan, plan.rank_layers(spec, 0))
+                                      stage["rec_expert_flops"], stage["elementwise_bytes"], col(gemm_size),
+                                      col(expert_size), topo)
+    valid = np.arange(width) < col(par.pipeline)
+    heavy = np.argmax(np.where(valid, 3 * fwd + rec + elem, -np.inf), axis=-1)[..., None]  # sets the steady state
+    others = valid & (np.arange(width) != heavy)
+    n_others = np.maximum(others.sum(axis=-1), 1)
+    stage_features = {}
+    for k, v in stage.items():
+        v = np.broadcast_to(v, others.shape)
+        stage_features[k] = np.take_along_axis(v, heavy, axis=-1)[..., 0]
+        stage_features["o_" + k] = np.where(others, v, 0.0).sum(axis=-1) / n_others
+    ns = 0.0
+    if plan.optimizer.name == "muonh":
+        ns = newton_schulz_split(per_key(plan, LAYER_SET, lambda p: newton_schulz_parts(spec, p.rank_layers(spec, 0))),
+                                 plan)
     opt_bytes, host_bytes = optimizer_traffic_bytes(rp, plan)
-    bal_count, bal_hist, bal_max = balancing_reductions(spec, plan.rank_layers(spec, 0))
-    bub_f, bub_b, bub_w = bubble_coefficients(plan.schedule, par.pipeline, plan.microbatches, par.chunks_per_rank)
-    return {
-        "microbatches": plan.microbatches, "chunks_per_rank": par.chunks_per_rank,
+    bal_count, bal_hist, bal_max = per_key(plan, LAYER_SET, lambda p: balancing_reductions(spec, p.rank_layers(spec, 0)))
+    bub_f, bub_b, bub_w = per_key(plan, ("schedule", "pipeline", "virtual", m), lambda p: bubble_coefficients(
+        p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.chunks_per_rank))
+    host_ops_ = (0.0,) * len(HOST_OP_FEATURES)
+    if topo.efficiency.host_op_s.measured:  # counts per plan (CPU topologies: small searches)
+        host_ops_ = per_key(plan, COLUMNS, lambda p: tuple(host_op_features(spec, p, topo).values()))
+    features = {
+        "microbatches": m, "chunks_per_rank": par.chunks_per_rank,
         "bubble_f": bub_f, "bubble_b": bub_b, "bubble_w": bub_w,
-        **{k: float(v[heavy]) for k, v in stage.items()},
-        **{"o_" + k: float(v[others].mean()) if others.any() else 0.0 for k, v in stage.items()},
+        **stage_features,
         "tokens_mb": tokens_mb, "gemm_size": gemm_size, "expert_gemm_size": expert_size,
-        "recompute_full": float(full), "overlap_grad_reduce": float(plan.overlap_grad_reduce),
+        "recompute_full": full, "overlap_grad_reduce": float(plan.overlap_grad_reduce),
         "tp_n": t, "tp_out": pl.tensor.span == "scale_out", "tp_pd": group_per_domain(pl.tensor),
         "tp_bytes": costs.tensor_bytes(tokens_mb, spec),
         "cp_n": cp, "cp_out": pl.context.span == "scale_out",
@@ -160,8 +201,11 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         "bal_count": bal_count, "bal_hist_bytes": bal_hist, "bal_max_bytes": bal_max,
         "host_bytes": host_bytes,
         "drop_fraction": drop,
-        **host_op_features(spec, plan, topo),
+        **dict(zip(HOST_OP_FEATURES, host_ops_)),
     }
+    if arrays:
+        return {k: np.broadcast_to(np.asarray(v, dtype=float), (len(plan),)) for k, v in features.items()}
+    return {k: float(v) for k, v in features.items()}
 
 
 def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:

@@ -10,10 +10,13 @@ over the expert ranks and the experts' own FSDP shards.
 
 from __future__ import annotations
 
+import numpy as np
+
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator.activations import INDEX_BYTES
 from rackcast.simulator.memory import BYTES, RankParams, optimizer_state_bytes
+from rackcast.simulator.plan_arrays import is_arrays, state_location
 from rackcast.vocab import NEWTON_SCHULZ_STEPS
 
 
@@ -34,15 +37,12 @@ def matrix_ns_flops(m: int, n: int) -> float:
     return 4 * m * m * n + 2 * m * m * m
 
 
-def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float:
-    """MuonH orthogonalisation FLOPs per step on one rank holding `layers` (0 for other optimizers)."""
-    if plan.optimizer.name != "muonh":
-        return 0.0
-    par = plan.parallel
-    efsdp = par.expert_fsdp
+def newton_schulz_parts(spec: ModelSpec, layers) -> tuple[float, float]:
+    """MuonH orthogonalisation FLOPs per step of `layers` before their split over ranks: (dense matrices, expert
+    matrices)."""
     d, a = spec.d_model, spec.attention
     mlp_matrices = 3 if spec.activation == "swiglu" else 2
-    total = 0.0
+    dense = expert = 0.0
     for i in layers:
         kv = spec.kv_heads_stored(i) * a.head_dim
         mats = [(d, a.heads * a.head_dim), (d, kv), (d, kv), (a.heads * a.head_dim, d)]
@@ -50,12 +50,27 @@ def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float
             mo = spec.moe
             mats += [(d, mo.shared_ffn)] * mlp_matrices * mo.shared_experts
             mats += [(d, mo.latent_dim)] * 2 if mo.latent_dim else []
-            per_expert = mlp_matrices * matrix_ns_flops(spec.expert_input_dim, mo.expert_ffn)
-            total += NEWTON_SCHULZ_STEPS * mo.experts / (par.expert * efsdp) * per_expert
+            expert += NEWTON_SCHULZ_STEPS * mo.experts * mlp_matrices * matrix_ns_flops(spec.expert_input_dim,
+                                                                                       mo.expert_ffn)
         else:
             mats += [(d, spec.ffn)] * mlp_matrices
-        total += NEWTON_SCHULZ_STEPS * sum(matrix_ns_flops(*m) for m in mats) / (par.tensor * par.fsdp)
-    return total
+        dense += NEWTON_SCHULZ_STEPS * sum(matrix_ns_flops(*m) for m in mats)
+    return dense, expert
+
+
+def newton_schulz_split(parts: tuple, plan) -> float:
+    """One rank's share of newton_schulz_parts: dense matrices split `tensor` ways and spread over the `fsdp`
+    shards, expert matrices over the expert ranks and the experts' own FSDP shards (arrays for PlanArrays)."""
+    par = plan.parallel
+    dense, expert = parts
+    return dense / (par.tensor * par.fsdp) + expert / (par.expert * par.expert_fsdp)
+
+
+def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float:
+    """MuonH orthogonalisation FLOPs per step on one rank holding `layers` (0 for other optimizers)."""
+    if plan.optimizer.name != "muonh":
+        return 0.0
+    return newton_schulz_split(newton_schulz_parts(spec, layers), plan)
 
 
 def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
@@ -68,5 +83,5 @@ def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
     w_bytes, g_bytes = BYTES["bf16"], BYTES[plan.grad_dtype]
     master, state = optimizer_state_bytes(rp, plan)
     hbm = shard * (2 * w_bytes + g_bytes) + 2 * (master + state)
-    host = 2 * (master + state) if plan.optimizer.state_location == "host" else 0.0
-    return hbm, host
+    host = np.where(state_location(plan) == "host", 2 * (master + state), 0.0)
+    return hbm, host if is_arrays(plan) else float(host)

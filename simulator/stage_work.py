@@ -38,7 +38,8 @@ class StageWork:
     routed-expert FLOPs (balanced routing), `shared` the shared-expert part of `gemm`, `head` the output head, loss
     and final norm (on the stage holding the last chunk), `embed` the embedding's norm (on the stage holding the
     first), `elem_bytes` the elementwise traffic (activations written in forward and read in backward), `layers` and
-    `moe_layers` counts; `first` and `last` mark the stages holding the first and the last chunk."""
+    `moe_layers` counts, `dense_params` and `expert_params` the layers' parameters before any split; `first` and
+    `last` mark the stages holding the first and the last chunk."""
 
     gemm: np.ndarray
     attn: np.ndarray
@@ -49,12 +50,15 @@ class StageWork:
     elem_bytes: np.ndarray
     layers: np.ndarray
     moe_layers: np.ndarray
+    dense_params: np.ndarray
+    expert_params: np.ndarray
     first: np.ndarray
     last: np.ndarray
 
 
 def layer_kinds(spec: ModelSpec) -> tuple[np.ndarray, list[int], np.ndarray]:
-    """(kind of each layer, a representative layer of each kind, per-kind rows gemm, attn, experts, shared, moe):
+    """(kind of each layer, a representative layer of each kind, per-kind rows gemm, attn, experts, shared, moe,
+    dense parameters, routed-expert parameters):
     layers with the same FLOPs by component are one kind. Cached per model object."""
     hit = _KINDS.get(id(spec))
     if hit is not None and hit[0] is spec:
@@ -67,8 +71,10 @@ def layer_kinds(spec: ModelSpec) -> tuple[np.ndarray, list[int], np.ndarray]:
         if key not in keys:
             keys[key] = len(reps)
             reps.append(i)
+            expert_params = spec.layer_param_breakdown(i).get("experts", 0)
             rows.append((sum(v for k, v in parts.items() if k not in NON_GEMM), parts.get("attn_scores_values", 0.0),
-                         parts.get("experts", 0.0), parts.get("shared_experts", 0.0), float(spec.is_moe(i))))
+                         parts.get("experts", 0.0), parts.get("shared_experts", 0.0), float(spec.is_moe(i)),
+                         float(spec.layer_params(i) - expert_params), float(expert_params)))
         kind.append(keys[key])
     out = (np.array(kind), reps, np.array(rows))
     _KINDS[id(spec)] = (spec,) + out
@@ -90,4 +96,5 @@ def stage_work(spec: ModelSpec, plan: Plan) -> StageWork:
     return StageWork(gemm=sums[:, 0], attn=sums[:, 1], experts=sums[:, 2], shared=sums[:, 3],
                      head=np.where(last, spec.head_flops_fwd(HW) - spec.embed_flops_fwd(), 0.0),
                      embed=np.where(first, spec.embed_flops_fwd(), 0.0), elem_bytes=counts @ elem,
-                     layers=counts.sum(axis=1), moe_layers=sums[:, 4], first=first, last=last)
+                     layers=counts.sum(axis=1), moe_layers=sums[:, 4], dense_params=sums[:, 5],
+                     expert_params=sums[:, 6], first=first, last=last)
