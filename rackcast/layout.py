@@ -105,7 +105,8 @@ class ParallelSpec:
         group (fsdp x context x tensor ranks over the expert group, when it divides them), else 1."""
         inner = self.fsdp * self.context * self.tensor
         split = self.expert_group
-        return inner // split if inner % split == 0 and inner >= split else 1
+        shards = (inner % split == 0) & (inner >= split)  # written to hold elementwise for arrays of degrees
+        return inner // split * shards + (1 - shards)
 
     @property
     def expert_replicas(self) -> int:

@@ -158,7 +158,8 @@ def reduction_groups(plan, pl) -> dict:
     """The two levels a reduction over the token-sharding ranks runs on: inside the fsdp x context group, then across
     data replicas (sizes from the layout, and whether each crosses domains); pl: simulator.placement.place(plan, ...)."""
     par = plan.parallel
-    return {"inner_n": par.reduction_inner, "inner_out": pl.fsdp.span == "scale_out" or pl.context.span == "scale_out",
+    return {"inner_n": par.reduction_inner,
+            "inner_out": (pl.fsdp.span == "scale_out") | (pl.context.span == "scale_out"),
             "outer_n": par.reduction_outer, "outer_out": pl.data.span == "scale_out"}
 
 

@@ -30,8 +30,9 @@ from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, reduction_groups
 from rackcast.simulator.host_overhead import host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
-from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather, newton_schulz_flops,
-                                               optimizer_traffic_bytes)
+from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
+                                               newton_schulz_parts, newton_schulz_split, optimizer_traffic_bytes)
+from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
 from rackcast.simulator.schedule_formulas import bubble_fraction
@@ -60,15 +61,12 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
     return expected_max_load_factor(transport, experts, top_k, ep, tokens_group, seed=seed)
 
 
-def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
-    """The scalars the step-time formulas need, for pipeline rank 0 (the heaviest)."""
-    par = plan.parallel
-    pl = place(plan, topo.scale_up.usable_gpus)
-    t, cp = par.tensor, par.context
-    tokens_mb = plan.tokens_per_microbatch(spec)
+def _rank0_flops(spec: ModelSpec, plan: Plan) -> tuple:
+    """Per token, hardware FLOPs of pipeline rank 0's layers by kind (dense GEMMs with the head when rank 0 holds
+    the last chunk, attention cores, routed experts, shared experts), its MoE layers and its layer count."""
     hw = costs.HW
     layers = plan.rank_layers(spec, 0)
-    gemm = attn = experts = shared = elementwise = 0.0
+    gemm = attn = experts = shared = 0.0
     moe_layers = 0
     for i in layers:
         parts = spec.layer_flops_breakdown(i, hw)
@@ -77,30 +75,58 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         shared += parts.get("shared_experts", 0.0)
         gemm += sum(v for k, v in parts.items() if k not in ("attn_scores_values", "experts"))
         moe_layers += spec.is_moe(i)
-    if par.chunk_ranks(plan.schedule)[-1] == 0:  # rank 0 holds the last chunk (one stage, or the V shape): the head
+    if plan.parallel.chunk_ranks(plan.schedule)[-1] == 0:  # rank 0 holds the last chunk (one stage, or the V): the head
         gemm += spec.head_flops_fwd(hw)
+    return gemm, attn, experts, shared, moe_layers, len(layers)
+
+
+def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> dict:
+    """The scalars the step-time formulas need, for pipeline rank 0 (the heaviest). For PlanArrays
+    (simulator.plan_arrays: many layouts at once, `usable` GPUs per domain each) every value is an array, one element
+    per plan; a single Plan is placed on topo's GPUs per domain."""
+    arrays = is_arrays(plan)
+    par = plan.parallel
+    t, cp = par.tensor, par.context
+    tokens_mb = plan.tokens_per_microbatch(spec)
+    m = plan.microbatches
+    gemm, attn, experts, shared, moe_layers, n_layers = per_key(plan, LAYER_SET, lambda p: _rank0_flops(spec, p))
+    pl = place(plan, np.where(plan.usable > 0, plan.usable, topo.scale_up.usable_gpus) if arrays else
+               topo.scale_up.usable_gpus)
     from rackcast.simulator.memory import layer_activation_bytes_per_token
 
-    for i in layers:
-        elementwise += 2 * layer_activation_bytes_per_token(spec, i, plan)  # written in forward, read in backward
+    # Written in forward, read in backward.
+    elementwise, = per_key(plan, LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor"), lambda p: sum(
+        2 * layer_activation_bytes_per_token(spec, i, p) for i in p.rank_layers(spec, 0)))
     w_bytes = costs.W_BYTES
     g_bytes = BYTES[plan.grad_dtype]
     rp = rank_params(spec, plan, 0)
-    m_imbalance = 1.0
-    drop = 0.0
+    m_imbalance, drop = 1.0, 0.0
     if spec.moe is not None:
         tokens_group = tokens_mb * par.expert_group  # tokens routed inside one expert group per micro-batch
-        m_imbalance, drop = _load_factor(plan.expert_transport, spec.moe.experts, spec.moe.top_k,
-                                                     par.expert, tokens_group, seed=plan.seed)
-    recompute_fwd = {"none": 0.0, "selective": attn, "full": gemm + attn + experts}[plan.recompute]
+        m_imbalance, drop = per_key(plan, ("transport", "expert", tokens_group), lambda p: _load_factor(
+            p.expert_transport, spec.moe.experts, spec.moe.top_k, p.parallel.expert,
+            p.tokens_per_microbatch(spec) * p.parallel.expert_group, seed=p.seed))
+    recompute_fwd = np.select([plan.recompute == "none", plan.recompute == "selective"], [0.0, attn],
+                              gemm + attn + experts)
     efsdp = par.expert_fsdp
-    ns = newton_schulz_flops(spec, plan, layers)
+    ns = 0.0
+    if plan.optimizer.name == "muonh":
+        ns = newton_schulz_split(per_key(plan, LAYER_SET, lambda p: newton_schulz_parts(spec, p.rank_layers(spec, 0))),
+                                 plan)
     opt_bytes, host_bytes = optimizer_traffic_bytes(rp, plan)
-    bal_count, bal_hist, bal_max = balancing_reductions(spec, layers)
-    muon_bytes, muon_norms = muon_gather(spec, plan, layers)
-    return {
-        "microbatches": plan.microbatches,
-        "bubble_fraction": bubble_fraction(plan.schedule, par.pipeline, plan.microbatches, par.chunks_per_rank),
+    bal_count, bal_hist, bal_max = per_key(plan, LAYER_SET, lambda p: balancing_reductions(spec, p.rank_layers(spec, 0)))
+    muon_bytes = muon_norms = 0.0
+    if plan.optimizer.name == "muonh":
+        muon_bytes, muon_norms = muon_gather_split(
+            per_key(plan, LAYER_SET, lambda p: muon_gather_parts(spec, p.rank_layers(spec, 0))), plan)
+    bubble, = per_key(plan, ("schedule", "pipeline", "virtual", m), lambda p: bubble_fraction(
+        p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.chunks_per_rank))
+    host_ops_ = (0.0,) * len(HOST_OP_FEATURES)
+    if topo.efficiency.host_op_s.measured:  # counts per plan (CPU topologies: small searches)
+        host_ops_ = per_key(plan, COLUMNS, lambda p: tuple(host_op_features(spec, p, topo).values()))
+    features = {
+        "microbatches": m,
+        "bubble_fraction": bubble,
         "tokens_mb": tokens_mb,
         "gemm_flops": gemm * tokens_mb / t,
         "gemm_size": costs.gemm_size(tokens_mb, spec, t),
@@ -113,10 +139,10 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         "recompute_flops": recompute_fwd * tokens_mb / t,
         "elementwise_bytes": elementwise * tokens_mb,
         "tp_n": t, "tp_out": pl.tensor.span == "scale_out",
-        "tp_bytes": costs.tensor_bytes(tokens_mb, spec), "tp_count": 4 * len(layers),
+        "tp_bytes": costs.tensor_bytes(tokens_mb, spec), "tp_count": 4 * n_layers,
         "cp_n": cp, "cp_out": pl.context.span == "scale_out",
         "cp_bytes": costs.context_bytes(tokens_mb, spec, t),
-        "cp_count": 3 * len(layers),
+        "cp_count": 3 * n_layers,
         "ep_n": par.expert_group, "ep_out": pl.expert.span == "scale_out",
         "a2a_bytes": costs.a2a_bytes(tokens_mb, spec, par.expert_tensor) * m_imbalance, "a2a_count": 4 * moe_layers,
         "pp_n": par.pipeline, "pp_out": pl.pipeline.span == "scale_out",
@@ -125,7 +151,7 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         **reduction_groups(plan, pl),
         "expert_grad_bytes": rp.expert * g_bytes,
         "efsdp_n": efsdp, "efsdp_out": pl.expert_fsdp.span == "scale_out",
-        "expert_fsdp_bytes": rp.expert * w_bytes if efsdp > 1 else 0.0,
+        "expert_fsdp_bytes": np.where(efsdp > 1, rp.expert * w_bytes, 0.0),
         "erep_n": par.expert_replicas, "erep_out": pl.expert_replicas.span == "scale_out",
         "fsdp_n": par.fsdp, "fsdp_out": pl.fsdp.span == "scale_out",
         "fsdp_bytes": rp.dense * w_bytes,
@@ -134,8 +160,11 @@ def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, floa
         "muon_gather_bytes": muon_bytes, "muon_norm_count": muon_norms,
         "host_bytes": host_bytes,
         "drop_fraction": drop,
-        **host_op_features(spec, plan, topo),
+        **dict(zip(HOST_OP_FEATURES, host_ops_)),
     }
+    if arrays:
+        return {k: np.broadcast_to(np.asarray(v, dtype=float), (len(plan),)) for k, v in features.items()}
+    return {k: float(v) for k, v in features.items()}
 
 
 def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
