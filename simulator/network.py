@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import simpy
+from numba import njit
 
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
 
@@ -43,6 +44,68 @@ Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 # rounding of `now + remaining / rate` must not leave a flow with a few bytes for a separate, spurious event.
 _TIME_EPS_ABS = 1e-12
 _TIME_EPS_REL = 1e-12
+
+
+@njit(cache=True)
+def _advance(active, size, remaining, rate, dt, eps):
+    """The active slots (ascending) after their flows drained `dt` seconds at their rates, and which of them have
+    (nearly) nothing left: remaining <= rate x eps."""
+    n = 0
+    for i in range(size):
+        n += active[i]
+    act = np.empty(n, np.int64)
+    finished = np.empty(n, np.bool_)
+    j = 0
+    for i in range(size):
+        if active[i]:
+            if dt > 0:
+                remaining[i] -= rate[i] * dt
+            act[j] = i
+            finished[j] = remaining[i] <= rate[i] * eps
+            j += 1
+    return act, finished
+
+
+@njit(cache=True)
+def _gather_active(active, size, nhops, hops, caps):
+    """The active slots (ascending) and their flows as CSR rows of link indices, with their rate caps."""
+    n = 0
+    for i in range(size):
+        n += active[i]
+    act = np.empty(n, np.int64)
+    indptr = np.zeros(n + 1, np.int64)
+    j = 0
+    for i in range(size):
+        if active[i]:
+            act[j] = i
+            indptr[j + 1] = indptr[j] + nhops[i]
+            j += 1
+    indices = np.empty(indptr[n], np.int64)
+    flow_caps = np.empty(n)
+    for j in range(n):
+        s = act[j]
+        flow_caps[j] = caps[s]
+        for k in range(nhops[s]):
+            indices[indptr[j] + k] = hops[s, k]
+    return act, indptr, indices, flow_caps
+
+
+@njit(cache=True)
+def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
+    """Write the solved rates to their slots; returns the earliest time one of the flows finishes from now and
+    the bytes/s in use per link (summed in the order np.bincount would)."""
+    load = np.zeros(links)
+    t_min = np.inf
+    for j in range(act.shape[0]):
+        s = act[j]
+        rate[s] = rates[j]
+        t = remaining[s] / rates[j]
+        if t < t_min:
+            t_min = t
+        if track:
+            for k in range(indptr[j], indptr[j + 1]):
+                load[indices[k]] += rates[j]
+    return t_min, load
 
 
 def _default_router(graph, src: str, dst: str):
@@ -261,38 +324,30 @@ class Network:
 
     def _update(self) -> None:
         now = self.env.now
-        act = np.flatnonzero(self._active[: self._size])
-        if act.size:
-            dt = now - self._last
-            if dt > 0:
-                self._remaining[act] -= self._rate[act] * dt
+        size = self._size
+        if self._active[:size].any():
             eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
-            finished = self._remaining[act] <= self._rate[act] * eps
+            act, finished = _advance(self._active, size, self._remaining, self._rate, now - self._last, eps)
             if finished.any():
                 self._finish(act[finished], now)
-                act = act[~finished]
         self._last = now
         if self._pending:
             new = np.concatenate(self._pending)
             self._pending.clear()
             self._active[new] = True
-            act = np.union1d(act, new)
-        self.stats["max_active"] = max(self.stats["max_active"], int(act.size))
+        act, indptr, indices, caps = _gather_active(self._active, size, self._nhops, self._hops, self._cap)
+        self.stats["max_active"] = max(self.stats["max_active"], act.size)
         if act.size == 0:
             self._gen += 1  # no wake-up is needed any more
             self._wake_at = math.inf
-            self._record_load(now, None, None)
+            self._record_load(now, np.zeros(len(self.links)))
             return
-        nh = self._nhops[act]
-        indptr = np.zeros(act.size + 1, dtype=np.int64)
-        np.cumsum(nh, out=indptr[1:])
-        hops = self._hops[act]
-        indices = hops[hops >= 0]
-        rates = self._solve(indptr, indices, self.capacity, self._cap[act])
+        rates = self._solve(indptr, indices, self.capacity, caps)
         self.stats["solves"] += 1
-        self._rate[act] = rates
-        self._record_load(now, indices, np.repeat(rates, nh))
-        t_next = now + float((self._remaining[act] / rates).min())
+        t_min, load = _apply_rates(act, indptr, indices, rates, self._remaining, self._rate, len(self.links),
+                                   self.track_utilisation)
+        self._record_load(now, load)
+        t_next = now + t_min
         if t_next == self._wake_at:
             return  # the pending wake-up is still the right one
         # SimPy cannot cancel a timeout: the superseded wake-up stays queued and is ignored when it fires (it may
@@ -326,13 +381,10 @@ class Network:
         self._free.extend(slots.tolist())
 
     # ---------------------------------------------------------------------------------------- observation
-    def _record_load(self, now: float, indices, weights) -> None:
+    def _record_load(self, now: float, load: np.ndarray) -> None:
+        """Keep the links whose bytes/s in use changed (load: bytes/s per link now)."""
         if not self.track_utilisation:
             return
-        if indices is None:
-            load = np.zeros(len(self.links))
-        else:
-            load = np.bincount(indices, weights=weights, minlength=len(self.links))
         changed = np.flatnonzero(load != self._load)
         if changed.size:
             self._util_t.append(np.full(changed.size, now))
