@@ -108,6 +108,58 @@ def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
     return t_min, load
 
 
+@njit(cache=True)
+def _fill_slots(slots, moving, hops, nhops, wire, caps, lat, now, gid, first_flow, s_hops, s_nhops, s_remaining,
+                s_wire, s_rate, s_cap, s_lat, s_start, s_group, s_flow_id):
+    """Write the moving flows of a batch (rows of hops where `moving`) into their slots, in row order."""
+    j = 0
+    for i in range(hops.shape[0]):
+        if not moving[i]:
+            continue
+        s = slots[j]
+        s_hops[s, :] = -1
+        for k in range(hops.shape[1]):
+            s_hops[s, k] = hops[i, k]
+        s_nhops[s] = nhops[i]
+        s_remaining[s] = wire[i]
+        s_wire[s] = wire[i]
+        s_rate[s] = 0.0
+        s_cap[s] = caps[i]
+        s_lat[s] = lat[i]
+        s_start[s] = now
+        s_group[s] = gid
+        s_flow_id[s] = first_flow + j
+        j += 1
+
+
+@njit(cache=True)
+def _finish_slots(slots, flow_id, active, rate, lat, group, now):
+    """Retire finished flows: their slots in start order (deactivated, rate 0), their delivery times, and per
+    group they belong to (ascending): how many finished and the latest delivery."""
+    slots = slots[np.argsort(flow_id[slots], kind="mergesort")]
+    deliver = np.empty(slots.shape[0])
+    for j in range(slots.shape[0]):
+        s = slots[j]
+        active[s] = False
+        rate[s] = 0.0
+        deliver[j] = now + lat[s]
+    gids = group[slots]
+    order = np.argsort(gids, kind="mergesort")
+    uniq = np.empty(slots.shape[0], np.int64)
+    counts = np.zeros(slots.shape[0], np.int64)
+    latest = np.full(slots.shape[0], -np.inf)
+    n = -1
+    for j in order:
+        g = gids[j]
+        if n < 0 or uniq[n] != g:
+            n += 1
+            uniq[n] = g
+        counts[n] += 1
+        if deliver[j] > latest[n]:
+            latest[n] = deliver[j]
+    return slots, deliver, uniq[: n + 1], counts[: n + 1], latest[: n + 1]
+
+
 def _default_router(graph, src: str, dst: str):
     from rackcast.topologies.graph import route
 
@@ -264,18 +316,10 @@ class Network:
         self._next_group += 1
         self._groups[gid] = [done, m, deliver, tag]
         slots = self._alloc(m, hops.shape[1])
-        h = hops[moving]
-        self._hops[slots] = -1
-        self._hops[slots, : h.shape[1]] = h
-        self._nhops[slots] = nhops[moving]
-        self._remaining[slots] = wire[moving]
-        self._wire[slots] = wire[moving]
-        self._rate[slots] = 0.0
-        self._cap[slots] = np.broadcast_to(np.asarray(rate_cap_Bps, dtype=np.float64), (k,))[moving]
-        self._lat[slots] = lat[moving]
-        self._start[slots] = now
-        self._group[slots] = gid
-        self._flow_id[slots] = np.arange(self._next_flow, self._next_flow + m)
+        _fill_slots(slots, moving, hops, nhops, wire, np.broadcast_to(np.asarray(rate_cap_Bps, dtype=np.float64),
+                                                                      (k,)), lat, float(now), gid, self._next_flow,
+                    self._hops, self._nhops, self._remaining, self._wire, self._rate, self._cap, self._lat,
+                    self._start, self._group, self._flow_id)
         self._next_flow += m
         self._pending.append(slots)
         self.stats["flows"] += m
@@ -358,19 +402,12 @@ class Network:
         self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda ev, g=gen: self._on_wake(g, ev))
 
     def _finish(self, slots: np.ndarray, now: float) -> None:
-        slots = slots[np.argsort(self._flow_id[slots], kind="stable")]
-        self._active[slots] = False
-        self._rate[slots] = 0.0
-        deliver = now + self._lat[slots]
-        gids = self._group[slots]
+        slots, deliver, uniq, counts, latest = _finish_slots(slots, self._flow_id, self._active, self._rate,
+                                                             self._lat, self._group, now)
         if self.record_flows:
-            for g, s, d, w in zip(gids.tolist(), self._start[slots].tolist(), deliver.tolist(),
+            for g, s, d, w in zip(self._group[slots].tolist(), self._start[slots].tolist(), deliver.tolist(),
                                   self._wire[slots].tolist()):
                 self.flow_log.append((self._groups[g][3], s, d, w))
-        uniq, inv = np.unique(gids, return_inverse=True)
-        counts = np.bincount(inv)
-        latest = np.full(uniq.size, -np.inf)
-        np.maximum.at(latest, inv, deliver)
         for g, c, d in zip(uniq.tolist(), counts.tolist(), latest.tolist()):
             rec = self._groups[g]
             rec[1] -= c
