@@ -48,22 +48,38 @@ _TIME_EPS_REL = 1e-12
 
 @njit(cache=True)
 def _advance(active, size, remaining, rate, dt, eps):
-    """The active slots (ascending) after their flows drained `dt` seconds at their rates, and which of them have
-    (nearly) nothing left: remaining <= rate x eps."""
+    """The active slots (ascending) after their flows drained `dt` seconds at their rates, which of them have
+    (nearly) nothing left (remaining <= rate x eps), and how many."""
     n = 0
     for i in range(size):
         n += active[i]
     act = np.empty(n, np.int64)
     finished = np.empty(n, np.bool_)
-    j = 0
+    j = done = 0
     for i in range(size):
         if active[i]:
             if dt > 0:
                 remaining[i] -= rate[i] * dt
             act[j] = i
             finished[j] = remaining[i] <= rate[i] * eps
+            done += finished[j]
             j += 1
-    return act, finished
+    return act, finished, done
+
+
+@njit(cache=True)
+def _changed(load, previous):
+    """Indices (ascending) where load differs from previous."""
+    n = 0
+    for i in range(load.shape[0]):
+        n += load[i] != previous[i]
+    out = np.empty(n, np.int64)
+    j = 0
+    for i in range(load.shape[0]):
+        if load[i] != previous[i]:
+            out[j] = i
+            j += 1
+    return out
 
 
 @njit(cache=True)
@@ -106,6 +122,24 @@ def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
             for k in range(indptr[j], indptr[j + 1]):
                 load[indices[k]] += rates[j]
     return t_min, load
+
+
+@njit(cache=True)
+def _batch(wire, nhops, lat, now):
+    """Which flows of a batch move bytes over links, how many, when the others are delivered (now + their latency,
+    the latest; now when none), and whether any byte count is negative."""
+    moving = np.empty(wire.shape[0], np.bool_)
+    m = 0
+    deliver = now
+    negative = False
+    for i in range(wire.shape[0]):
+        negative |= wire[i] < 0
+        moving[i] = wire[i] > 0 and nhops[i] > 0
+        if moving[i]:
+            m += 1
+        elif now + lat[i] > deliver:
+            deliver = now + lat[i]
+    return moving, m, deliver, negative
 
 
 @njit(cache=True)
@@ -299,16 +333,14 @@ class Network:
             raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
         k = hops.shape[0]
         wire = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), (k,)) / efficiency
-        if k and wire.min() < 0:
-            raise ValueError("nbytes must be >= 0")
         nhops = np.asarray(nhops, dtype=np.int64)
         lat = np.where(hops >= 0, self.latency[hops], 0.0).sum(axis=1) if k else np.zeros(0)
-        moving = (wire > 0) & (nhops > 0)
         now = self.env.now
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
-        deliver = float((now + lat[~moving]).max(initial=now))
+        moving, m, deliver, negative = _batch(wire, nhops, lat, float(now))
+        if negative:
+            raise ValueError("nbytes must be >= 0")
         done = self.env.event()
-        m = int(moving.sum())
         if m == 0:
             self._deliver(done, tag, deliver - now)
             return done
@@ -368,17 +400,16 @@ class Network:
 
     def _update(self) -> None:
         now = self.env.now
-        size = self._size
-        if self._active[:size].any():
-            eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
-            act, finished = _advance(self._active, size, self._remaining, self._rate, now - self._last, eps)
-            if finished.any():
-                self._finish(act[finished], now)
+        eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
+        act, finished, done = _advance(self._active, self._size, self._remaining, self._rate, now - self._last, eps)
+        if done:
+            self._finish(act[finished], now)
         self._last = now
         if self._pending:
-            new = np.concatenate(self._pending)
+            new = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
             self._pending.clear()
             self._active[new] = True
+        size = self._size
         act, indptr, indices, caps = _gather_active(self._active, size, self._nhops, self._hops, self._cap)
         self.stats["max_active"] = max(self.stats["max_active"], act.size)
         if act.size == 0:
@@ -422,7 +453,7 @@ class Network:
         """Keep the links whose bytes/s in use changed (load: bytes/s per link now)."""
         if not self.track_utilisation:
             return
-        changed = np.flatnonzero(load != self._load)
+        changed = _changed(load, self._load)
         if changed.size:
             self._util_t.append(np.full(changed.size, now))
             self._util_l.append(changed)
