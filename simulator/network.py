@@ -325,16 +325,23 @@ class Network:
         return self.transfer_many(links[None, :], np.array([links.size]), nbytes, tag=tag, efficiency=efficiency,
                                   rate_cap_Bps=rate_cap_Bps)
 
+    def route_latencies(self, hops: np.ndarray) -> np.ndarray:
+        """Summed link latency of each row of padded link indices (k x h, -1 padded)."""
+        return np.where(hops >= 0, self.latency[hops], 0.0).sum(axis=1) if hops.shape[0] else np.zeros(0)
+
     def transfer_many(self, hops: np.ndarray, nhops: np.ndarray, nbytes, *, tag=None, efficiency: float = 1.0,
-                      rate_cap_Bps=math.inf) -> simpy.Event:
+                      rate_cap_Bps=math.inf, lat: np.ndarray | None = None) -> simpy.Event:
         """Start k flows at once: hops (k x h link indices, -1 padded, as from `route_matrix`), nhops (k), nbytes
-        (scalar or k), rate_cap_Bps (scalar or k). One event (value: tag) succeeds when all k are delivered."""
+        (scalar or k), rate_cap_Bps (scalar or k). One event (value: tag) succeeds when all k are delivered.
+        lat: route_latencies(hops), when the caller keeps it."""
         if not 0.0 < efficiency <= 1.0:
             raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
         k = hops.shape[0]
-        wire = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), (k,)) / efficiency
+        wire = (np.full(k, float(nbytes)) if np.ndim(nbytes) == 0 else np.asarray(nbytes, dtype=np.float64)) / \
+            efficiency
         nhops = np.asarray(nhops, dtype=np.int64)
-        lat = np.where(hops >= 0, self.latency[hops], 0.0).sum(axis=1) if k else np.zeros(0)
+        if lat is None:
+            lat = self.route_latencies(hops)
         now = self.env.now
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
         moving, m, deliver, negative = _batch(wire, nhops, lat, float(now))
@@ -348,8 +355,9 @@ class Network:
         self._next_group += 1
         self._groups[gid] = [done, m, deliver, tag]
         slots = self._alloc(m, hops.shape[1])
-        _fill_slots(slots, moving, hops, nhops, wire, np.broadcast_to(np.asarray(rate_cap_Bps, dtype=np.float64),
-                                                                      (k,)), lat, float(now), gid, self._next_flow,
+        caps = np.full(k, float(rate_cap_Bps)) if np.ndim(rate_cap_Bps) == 0 else \
+            np.asarray(rate_cap_Bps, dtype=np.float64)
+        _fill_slots(slots, moving, hops, nhops, wire, caps, lat, float(now), gid, self._next_flow,
                     self._hops, self._nhops, self._remaining, self._wire, self._rate, self._cap, self._lat,
                     self._start, self._group, self._flow_id)
         self._next_flow += m
