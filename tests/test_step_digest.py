@@ -1,0 +1,72 @@
+"""The simulated step, bit for bit: a SHA-256 of every metric (floats as their exact hex) and of the recorded timeline
+(slices, memory points, link utilisation change points) for a few plans, against digests stored here. A change to
+how the simulator computes (a faster event loop, a compiled kernel) must leave them unchanged; a change to what it
+models (the physics) changes them on purpose: the failure message prints the new digests to paste in below, with
+the reason in the commit message.
+
+Stored from the simulator before its event loop was sped up (issue 17)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rackcast.plan import load_plan
+from rackcast.simulator.step import simulate
+
+PLANS = Path(__file__).resolve().parent.parent / "examples" / "plans"
+
+
+def _hero_pipeline(stages: int):
+    hero = load_plan(str(PLANS / "marin-535b-hero.yaml"))
+    return replace(hero, parallel=replace(hero.parallel, fsdp=64 // stages, expert=64 // stages, pipeline=stages))
+
+
+CASES = {  # name -> plan builder
+    "hero": lambda: load_plan(str(PLANS / "marin-535b-hero.yaml")),
+    "hero-16-stages": lambda: _hero_pipeline(16),
+    "gpt-145b-megatron": lambda: load_plan(str(PLANS / "gpt-145b-megatron.yaml")),
+    "tiny-2proc-ep": lambda: load_plan(str(PLANS / "tiny-2proc-ep.yaml")),
+    "tiny-2proc-pp": lambda: load_plan(str(PLANS / "tiny-2proc-pp.yaml")),
+}
+DIGESTS = {
+    "gpt-145b-megatron": "e4bb2ed659ad31f4fb47aa69a01070dce09f94bbb7b27611a090a88b07e15bcb",
+    "hero": "fbb058b5bb4966162d3d13c8df40fa5e5132724a25239118d4719944eedba9c7",
+    "hero-16-stages": "41aa872c2a0e1e8d4886bf35e3f55eaa241cf6a2a370afb23f8b1bbc5da1bb8a",
+    "tiny-2proc-ep": "47e42d8c25db6d5a38eed01c4607a5157bab2a37f8b2e2883064387d6f0b164f",
+    "tiny-2proc-pp": "fa3948652ecf69d348889487d73b977c2847838b1f1661110c488dc5a0f199a4",
+}
+
+
+def _exact(x):
+    if isinstance(x, (float, np.floating)):
+        return float(x).hex()
+    if isinstance(x, dict):
+        return {str(k): _exact(v) for k, v in sorted(x.items())}
+    if isinstance(x, (list, tuple)):
+        return [_exact(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _exact(x.tolist())
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def digest(plan) -> str:
+    res = simulate(plan, seed=0, record=True)
+    tl = res.timeline
+    data = {"metrics": _exact(res.as_dict()), "slices": _exact(tl.slices),
+            "memory": _exact({k: tl.memory[k] for k in sorted(tl.memory)}),
+            "utilisation": _exact(list(tl.utilisation))}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_simulated_step_is_bit_for_bit_the_stored_one(name):
+    got = digest(CASES[name]())
+    assert got == DIGESTS.get(name), f"new digest: {name!r}: {got!r},"
