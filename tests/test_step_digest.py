@@ -36,10 +36,10 @@ CASES = {  # name -> plan builder
 }
 DIGESTS = {
     "gpt-145b-megatron": "e4bb2ed659ad31f4fb47aa69a01070dce09f94bbb7b27611a090a88b07e15bcb",
-    "hero": "fbb058b5bb4966162d3d13c8df40fa5e5132724a25239118d4719944eedba9c7",
-    "hero-16-stages": "41aa872c2a0e1e8d4886bf35e3f55eaa241cf6a2a370afb23f8b1bbc5da1bb8a",
-    "tiny-2proc-ep": "47e42d8c25db6d5a38eed01c4607a5157bab2a37f8b2e2883064387d6f0b164f",
-    "tiny-2proc-pp": "fa3948652ecf69d348889487d73b977c2847838b1f1661110c488dc5a0f199a4",
+    "hero": "5838ecf8b89cd280ca3a9b2ff73dcb21e477b9f18d0aaaa895a333f18f72e66b",
+    "hero-16-stages": "7975d239a62984cf44b4160796518da8d683abe0c49d685f0fdb4e3d742319a2",
+    "tiny-2proc-ep": "232d96913906ea88aa9315213f5b2fb76f877206ffa52e8eb5b7d5e865a9c9e7",
+    "tiny-2proc-pp": "1c28258927b9d890719c4d5a2b58aba2bd9320214378532170e04469a9508b9b",
 }
 
 
