@@ -189,8 +189,8 @@ def _memory_choices(layouts: list[Layout], spec: ModelSpec, topos, r: Request):
     """For every layout, the lightest fitting (recompute, optimizer location) choices, or the leanest failure.
     Returns (candidates, memory dicts, host bytes per host, fits) in layout order."""
     opts, n = r.options, len(layouts)
-    levels = [x for x in ("none", "selective", "full") if x in opts.recompute]
-    locations = [x for x in ("hbm", "host") if x in opts.opt_locations]
+    levels = [x for x in ("none", "selective", "full") if x in opts.recompute and x in opts.capabilities.recompute]
+    locations = [x for x in ("hbm", "host") if x in opts.opt_locations and x in opts.capabilities.optimizer_state]
     skip_selective = np.zeros(n, dtype=bool)
     if "none" in levels and "selective" in levels:  # it would hold the same memory as none and only cost time
         skip_selective = ~_selective_saves(spec, layouts, r)

@@ -110,18 +110,39 @@ class ConvSpec:
 
 
 @dataclass(frozen=True)
-class RecipeSpec:
-    """The training recipe a preset's model was (or is documented to be) trained with, where one is published; the
-    planner's default global batch (planner.batch) follows it."""
+class Recipe:
+    """A model's published (or documented) training recipe. `rackcast plan` takes its default global batch from it
+    (planner.batch; 0: none published, the batch law decides) and copies the rest into the plan it writes (the
+    optimizer block, plus z_loss_weight and combine_sum), which the trainer runs. The learning-rate schedule is a
+    linear warmup over warmup_fraction of the steps, then a linear decay to lr_floor x lr
+    (backend.optim.marin_lr_lambda)."""
 
-    global_batch: Annotated[int, Range(1, 2**24)]  # sequences per optimizer step
-    source: str  # where the figure comes from (paper, issue, config file)
+    global_batch: Annotated[int, Range(0, 2**24)] = 0  # sequences per optimizer step; 0: not published
+    source: str = ""  # where the figures come from (paper, issue, config file)
+    optimizer: Literal["adamw", "muonh"] = "adamw"
+    lr: Annotated[float, Range(0, 10, above=True)] = 3e-4  # AdamW's rate; MuonH: the MuonH and AdamH groups' rate
+    adam_lr: Annotated[float, Range(0, 10, above=True)] = 3e-4  # MuonH: the Adam groups' rate
+    betas: tuple[Annotated[float, Range(0, 1)], Annotated[float, Range(0, 1)]] = (0.9, 0.95)
+    eps: Annotated[float, Range(0, 1, above=True)] = 1e-8  # Adam epsilon
+    momentum: Annotated[float, Range(0, 1)] = 0.95  # MuonH Nesterov momentum
+    weight_decay: Annotated[float, Range(0, 10)] = 0.1  # AdamW only (MuonH has none)
+    warmup_fraction: Annotated[float, Range(0, 1)] = 0.01
+    lr_floor: Annotated[float, Range(0, 1)] = 0.05
+    z_loss_weight: Annotated[float, Range(0, 10)] = 1e-4  # logit z-loss weight
+    combine_sum: Annotated[float, Range(0, 1024, above=True)] = 1.0  # per-token sum of the MoE combine weights
 
     def __post_init__(self):
-        if self.global_batch <= 0:
-            raise ValueError(f"recipe.global_batch must be positive, got {self.global_batch}")
-        if not self.source.strip():
-            raise ValueError("recipe.source must name where the recipe comes from")
+        for name in ("lr", "adam_lr", "eps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"recipe.{name} must be positive, got {getattr(self, name)}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"recipe.betas must lie in [0, 1), got {self.betas}")
+        if not 0.0 <= self.warmup_fraction < 1.0 or not 0.0 <= self.lr_floor <= 1.0:
+            raise ValueError("recipe.warmup_fraction must lie in [0, 1) and recipe.lr_floor in [0, 1]")
+        if self.global_batch < 0:
+            raise ValueError(f"recipe.global_batch must not be negative, got {self.global_batch}")
+        if self.global_batch and not self.source.strip():
+            raise ValueError("recipe.source must name where the recipe's global batch comes from")
 
 
 @dataclass(frozen=True)
@@ -201,7 +222,7 @@ class ModelSpec:
     rope_theta: Annotated[float, Range(0, 1e12, above=True)] = 10000.0
     family: Annotated[str, Text()] = ""
     description: str = ""
-    recipe: RecipeSpec | None = None  # the published training recipe (global batch), where there is one
+    recipe: Recipe | None = None  # the training recipe plans of this model carry (None: the optimizer defaults)
 
     def __post_init__(self):
         for name in ("layers", "d_model", "vocab", "seq_len"):

@@ -198,3 +198,13 @@ def balancing_time(f: dict, topo: Topology):
     extremes = (collective_time(topo, "all_reduce", inner, f["bal_max_bytes"], f["inner_out"], ipd) +
                 collective_time(topo, "all_reduce", outer, f["bal_max_bytes"], f["outer_out"], opd))
     return f["bal_count"] * (hist + extremes)
+
+
+def muon_gather_time(f: dict, topo: Topology):
+    """MuonH on fsdp-sharded matrices (simulator.optimizer_cost.muon_gather: f["muon_gather_bytes"],
+    f["muon_norm_count"]): the all-gather of the fp32 updates and the scalar norm all-reduces over the fsdp group
+    (f["fsdp_n"], f["fsdp_out"], in the hierarchy of f["fsdp_pd"] as every fsdp collective), blocking."""
+    gather = collective_time(topo, "all_gather", f["fsdp_n"], f["muon_gather_bytes"], f["fsdp_out"], f["fsdp_pd"])
+    norms = f["muon_norm_count"] * collective_time(topo, "all_reduce", f["fsdp_n"], BYTES["fp32"], f["fsdp_out"],
+                                                   f["fsdp_pd"])
+    return np.where(np.asarray(f["muon_gather_bytes"]) > 0, gather + norms, 0.0)

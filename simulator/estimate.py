@@ -37,8 +37,8 @@ from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
 from rackcast.simulator.host_overhead import host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
-from rackcast.simulator.optimizer_cost import (balancing_reductions, newton_schulz_parts, newton_schulz_split,
-                                               optimizer_traffic_bytes)
+from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
+                                               newton_schulz_parts, newton_schulz_split, optimizer_traffic_bytes)
 from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
@@ -169,6 +169,10 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
                                  plan)
     opt_bytes, host_bytes = optimizer_traffic_bytes(rp, plan)
     bal_count, bal_hist, bal_max = per_key(plan, LAYER_SET, lambda p: balancing_reductions(spec, p.rank_layers(spec, 0)))
+    muon_bytes = muon_norms = 0.0
+    if plan.optimizer.name == "muonh":
+        muon_bytes, muon_norms = muon_gather_split(
+            per_key(plan, LAYER_SET, lambda p: muon_gather_parts(spec, p.rank_layers(spec, 0))), plan)
     bub_f, bub_b, bub_w = per_key(plan, ("schedule", "pipeline", "virtual", m), lambda p: bubble_coefficients(
         p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.chunks_per_rank))
     host_ops_ = (0.0,) * len(HOST_OP_FEATURES)
@@ -199,6 +203,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "fsdp_n": par.fsdp, "fsdp_out": pl.fsdp.span == "scale_out", "fsdp_pd": group_per_domain(pl.fsdp),
         "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": costs.newton_schulz_size(spec),
         "bal_count": bal_count, "bal_hist_bytes": bal_hist, "bal_max_bytes": bal_max,
+        "muon_gather_bytes": muon_bytes, "muon_norm_count": muon_norms,
         "host_bytes": host_bytes,
         "drop_fraction": drop,
         **dict(zip(HOST_OP_FEATURES, host_ops_)),
@@ -283,7 +288,8 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     # produced its gradients, so the backward of all but the first layer processed hides it; otherwise it all waits.
     window = (2 * h["fwd"] + h["rec"]) * (1.0 - 1.0 / np.maximum(f["layers"], 1))
     dp_exposed = np.where(f["overlap_grad_reduce"] > 0, np.maximum(0.0, dp_t - window), dp_t)
-    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], f["ns_size"], topo) + balancing_time(f, topo)
+    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], f["ns_size"], topo) + balancing_time(f, topo) + \
+        costs.muon_gather_time(f, topo)
     host_t = costs.host_link_time(f["host_bytes"], topo)
     # Host per-op overhead (features in ops; zero without measured host_op_s), blocking: added, not overlapped.
     hop = eff.host_op_s

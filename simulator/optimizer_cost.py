@@ -4,8 +4,12 @@ Shared by the closed-form estimate and the discrete-event workload so both price
 also runs quantile balancing's reductions (`balancing_reductions`; priced by simulator.estimate.balancing_time).
 MuonH orthogonalises every matrix with NEWTON_SCHULZ_STEPS quintic iterations (Jordan et al. 2024, "Muon");
 one iteration on an m x n matrix (m <= n) computes A = X X^T, B = bA + cA^2, X' = aX + BX: 4 m^2 n + 2 m^3 FLOPs.
-Dense matrices are split `tensor` ways and their orthogonalisation spread over the `fsdp` shards; expert matrices
-over the expert ranks and the experts' own FSDP shards.
+Dense matrices are split `tensor` ways; with fsdp > 1 every rank of the fsdp group orthogonalises each whole matrix
+(backend.optim.orthogonalise: the update is all-gathered in fp32 over the fsdp group, Newton-Schulz runs on every
+rank, each keeps its rows; `muon_gather`), and the hyperball step all-reduces three Frobenius norms (one fp32 scalar
+each) per dense matrix over that group. Expert stacks are sharded along the expert dimension, so each rank
+orthogonalises only its own experts (split over the expert ranks and the experts' own FSDP shards) without
+communication.
 """
 
 from __future__ import annotations
@@ -37,33 +41,43 @@ def matrix_ns_flops(m: int, n: int) -> float:
     return 4 * m * m * n + 2 * m * m * m
 
 
+def _dense_matrices(spec: ModelSpec, layer: int) -> list[tuple[int, int]]:
+    """The MuonH matrices of one layer other than the routed experts (attention, shared experts, latent projections,
+    dense MLP)."""
+    d, a = spec.d_model, spec.attention
+    mlp_matrices = 3 if spec.activation == "swiglu" else 2
+    kv = spec.kv_heads_stored(layer) * a.head_dim
+    mats = [(d, a.heads * a.head_dim), (d, kv), (d, kv), (a.heads * a.head_dim, d)]
+    if spec.is_moe(layer):
+        mo = spec.moe
+        mats += [(d, mo.shared_ffn)] * mlp_matrices * mo.shared_experts
+        mats += [(d, mo.latent_dim)] * 2 if mo.latent_dim else []
+    else:
+        mats += [(d, spec.ffn)] * mlp_matrices
+    return mats
+
+
 def newton_schulz_parts(spec: ModelSpec, layers) -> tuple[float, float]:
     """MuonH orthogonalisation FLOPs per step of `layers` before their split over ranks: (dense matrices, expert
     matrices)."""
-    d, a = spec.d_model, spec.attention
     mlp_matrices = 3 if spec.activation == "swiglu" else 2
     dense = expert = 0.0
     for i in layers:
-        kv = spec.kv_heads_stored(i) * a.head_dim
-        mats = [(d, a.heads * a.head_dim), (d, kv), (d, kv), (a.heads * a.head_dim, d)]
         if spec.is_moe(i):
             mo = spec.moe
-            mats += [(d, mo.shared_ffn)] * mlp_matrices * mo.shared_experts
-            mats += [(d, mo.latent_dim)] * 2 if mo.latent_dim else []
             expert += NEWTON_SCHULZ_STEPS * mo.experts * mlp_matrices * matrix_ns_flops(spec.expert_input_dim,
                                                                                        mo.expert_ffn)
-        else:
-            mats += [(d, spec.ffn)] * mlp_matrices
-        dense += NEWTON_SCHULZ_STEPS * sum(matrix_ns_flops(*m) for m in mats)
+        dense += NEWTON_SCHULZ_STEPS * sum(matrix_ns_flops(*m) for m in _dense_matrices(spec, i))
     return dense, expert
 
 
 def newton_schulz_split(parts: tuple, plan) -> float:
-    """One rank's share of newton_schulz_parts: dense matrices split `tensor` ways and spread over the `fsdp`
-    shards, expert matrices over the expert ranks and the experts' own FSDP shards (arrays for PlanArrays)."""
+    """One rank's share of newton_schulz_parts (arrays for PlanArrays): dense matrices split `tensor` ways and
+    orthogonalised whole on every rank of the fsdp group (backend.optim.orthogonalise; see muon_gather), expert
+    matrices over the expert ranks and the experts' own FSDP shards (whole experts per shard)."""
     par = plan.parallel
     dense, expert = parts
-    return dense / (par.tensor * par.fsdp) + expert / (par.expert * par.expert_fsdp)
+    return dense / par.tensor + expert / (par.expert * par.expert_fsdp)
 
 
 def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float:
@@ -71,6 +85,31 @@ def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float
     if plan.optimizer.name != "muonh":
         return 0.0
     return newton_schulz_split(newton_schulz_parts(spec, layers), plan)
+
+
+def muon_gather_parts(spec: ModelSpec, layers) -> tuple[float, float]:
+    """The dense matrices of `layers` that MuonH gathers under FSDP: (their fp32 bytes, whole matrices; how many)."""
+    mats = [m for i in layers for m in _dense_matrices(spec, i)]
+    return float(sum(m * n for m, n in mats) * BYTES["fp32"]), float(len(mats))
+
+
+def muon_gather_split(parts: tuple, plan):
+    """One rank's muon_gather from muon_gather_parts (arrays for PlanArrays): nothing without fsdp."""
+    par = plan.parallel
+    nbytes, count = parts
+    sharded = np.asarray(par.fsdp) > 1
+    return np.where(sharded, nbytes / par.tensor, 0.0), np.where(sharded, 3 * count, 0.0)
+
+
+def muon_gather(spec: ModelSpec, plan: Plan, layers: list[int]) -> tuple[float, float]:
+    """MuonH on fsdp-sharded dense matrices, per step on one rank holding `layers`: (bytes of the fp32 updates
+    all-gathered over the fsdp group, whole-matrix sizes, i.e. the all_gather's full output; number of fp32 scalar
+    norm all-reduces over that group, three per matrix for the hyperball's norms). (0, 0) without fsdp or for other
+    optimizers."""
+    if plan.optimizer.name != "muonh":
+        return 0.0, 0.0
+    nbytes, count = muon_gather_split(muon_gather_parts(spec, layers), plan)
+    return float(nbytes), float(count)
 
 
 def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:

@@ -181,10 +181,11 @@ class StepNetwork:
                      for n in names]
             yield self.env.all_of(procs)
             return
-        for phase_kind, links, n, alpha, span, div in self._ring_plan(stage, axis, kind):
+        for phase_kind, (hops, nhops, lat), n, alpha, span, div in self._ring_plan(stage, axis, kind):
             msg = nbytes / div
             eff = self._eff(phase_kind, span, msg)
-            yield self.net.transfer(links, float(algo_factor(phase_kind, n)) * msg, tag=tag, efficiency=eff)
+            yield self.net.transfer_many(hops, nhops, float(algo_factor(phase_kind, n)) * msg, tag=tag,
+                                         efficiency=eff, lat=lat)
             steps = float(latency_steps(phase_kind, n))
             if steps > 1 and alpha > 0:
                 yield self.env.timeout((steps - 1) * alpha)
@@ -219,7 +220,8 @@ class StepNetwork:
             span = "scale_up" if len({self.domain(r) for r in ring}) == 1 else "scale_out"
             alpha = max(float(self.net.latency[self.net.links_of(self.path(ring[i], ring[(i + 1) % n]))].sum())
                         for i in range(n))
-            out.append((k, self.net.links_of(self.path(ring[0], ring[1 % n])), n, alpha, span, div))
+            hop = self.net.links_of(self.path(ring[0], ring[1 % n]))[None, :]  # one flow: the representative's
+            out.append((k, (hop, np.array([hop.shape[1]]), self.net.route_latencies(hop)), n, alpha, span, div))
         self._plans[key] = out
         return out
 
@@ -252,7 +254,7 @@ class StepNetwork:
         groups = self.members(stage, "expert")
         if len(groups[0]) <= 1:
             return
-        hops, nhops, tails, span = self._a2a_port_routes(stage)
+        hops, nhops, tails, span, lat = self._a2a_port_routes(stage)
         if self.reduce:
             send, recv = _busiest_ports(send), _busiest_ports(recv)
         nbytes = np.concatenate([send, recv], axis=1).ravel()  # per rank: 3 up, then 3 down categories
@@ -260,7 +262,7 @@ class StepNetwork:
         used = nbytes > 0
         if used.any():
             yield self.net.transfer_many(hops[used], nhops[used], nbytes[used], tag=tag,
-                                         efficiency=self._eff("all_to_all", span, message_bytes))
+                                         efficiency=self._eff("all_to_all", span, message_bytes), lat=lat[used])
             tail = float(tails[used].max())
             if tail > 0:  # the halves paid their own latency; a pair's route pays both
                 yield self.env.timeout(tail)
@@ -290,7 +292,7 @@ class StepNetwork:
             hops[i, : len(x)] = x
         nhops = np.array([len(x) for x in routes], dtype=np.int64)
         span = "scale_up" if len({self.domain(r) for r in groups[0]}) == 1 else "scale_out"
-        out = self._a2a_routes[stage] = (hops, nhops, np.array(tails), span)
+        out = self._a2a_routes[stage] = (hops, nhops, np.array(tails), span, self.net.route_latencies(hops))
         return out
 
     # ---------------------------------------------------------------------------------- point to point, host

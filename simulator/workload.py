@@ -33,7 +33,8 @@ from rackcast.simulator.host_overhead import layer_forward_ops, optimizer_ops
 from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, layer_activation_bytes_per_token,
                                        rank_params, static_bytes)
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Start, Wait
-from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
+from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather, newton_schulz_flops,
+                                               optimizer_traffic_bytes)
 from rackcast.simulator.routing import capacity_rows, expert_probabilities
 from rackcast.topologies.spec import Topology
 
@@ -149,7 +150,7 @@ class Workload:
         opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
         ns = newton_schulz_flops(spec, plan, layers)
         optimizer_s = float(costs.optimizer_time(opt_bytes, ns, costs.newton_schulz_size(spec), self.topo)) + \
-            self._balancing_s(layers)
+            self._balancing_s(layers) + self._muon_gather_s(layers)
         top = rp.dense - sum(lw.dense_params for c in chunks for lw in chunks[c])
         embed_ops = head_ops = 0.0
         if self.counts:
@@ -172,6 +173,18 @@ class Workload:
         f = {"bal_count": count, "bal_hist_bytes": hist, "bal_max_bytes": extremes,
              **costs.reduction_groups(self.plan, place(self.plan, self.topo.scale_up.usable_gpus))}
         return float(costs.balancing_time(f, self.topo))
+
+    def _muon_gather_s(self, layers: list[int]) -> float:
+        """MuonH's gathers of fsdp-sharded matrices for these layers (costs.muon_gather_time)."""
+        from rackcast.simulator.placement import place
+
+        gathered, norms = muon_gather(self.spec, self.plan, layers)
+        if not gathered:
+            return 0.0
+        pl = place(self.plan, self.topo.scale_up.usable_gpus)
+        f = {"muon_gather_bytes": gathered, "muon_norm_count": norms, "fsdp_n": self.plan.parallel.fsdp,
+             "fsdp_out": pl.fsdp.span == "scale_out", "fsdp_pd": costs.group_per_domain(pl.fsdp)}
+        return float(costs.muon_gather_time(f, self.topo))
 
     def host_forward_s(self, forward_ops: float) -> float:
         """Host time of `forward_ops` framework ops in a forward pass."""
