@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Iterator
 
 from rackcast.capabilities import TRAINER, Capabilities, refusals
@@ -61,7 +61,7 @@ class Layout:
         """Flat columns (usable, the degrees, then the knobs) for tables, JSON and Parquet."""
         return {k: getattr(self.parallel, k) if k in DEGREES else getattr(self, k) for k in LAYOUT_COLUMNS}
 
-    @property
+    @cached_property
     def parallel_label(self) -> str:
         par = self.parallel
         parts = [f"d{par.data}", f"f{par.fsdp}"]
@@ -72,13 +72,13 @@ class Layout:
             parts.append(f"p{par.pipeline}" + (f"v{par.virtual}" if par.virtual > 1 else ""))
         return " ".join(parts)
 
-    @property
+    @cached_property
     def knobs_label(self) -> str:
         sched = self.schedule if self.parallel.pipeline > 1 else "-"
         return (f"gb{self.global_batch} mb{self.micro_batch} {sched} rc={self.recompute} opt={self.opt_location} "
                 f"{self.transport} {self.usable}/dom")
 
-    @property
+    @cached_property
     def label(self) -> str:
         return f"{self.parallel_label} | {self.knobs_label}"
 
@@ -233,11 +233,16 @@ def optimizer_for(spec: ModelSpec) -> str:
     return "muonh" if spec.moe is not None else "adamw"
 
 
+@lru_cache(maxsize=None)
+def expert_transport(mode: str) -> ExpertTransport:
+    """The plan's expert_transport block for a transport mode: capacity runs at CAPACITY_FACTOR."""
+    return ExpertTransport(mode=mode, capacity_factor=CAPACITY_FACTOR if mode == "capacity" else 1.0)
+
+
 def make_plan(layout: Layout, model: str | ModelSpec, topology: str, domains: int, spec: ModelSpec, *,
               tokens: float = 0.0, start: str = "", deadline: str = "", name: str = "") -> Plan:
     recipe = spec.recipe or Recipe(optimizer=optimizer_for(spec))
-    transport = ExpertTransport(mode=layout.transport,
-                                capacity_factor=CAPACITY_FACTOR if layout.transport == "capacity" else 1.0)
+    transport = expert_transport(layout.transport)
     return Plan(
         name=name or f"{spec.name}-{topology}-{domains}",
         model=model,

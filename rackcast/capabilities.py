@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rackcast.modelspec import ModelSpec
+from rackcast.vocab import PLAN_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
-ZERO_BUBBLE_SCHEDULES = ("zb_h1", "dualpipev")  # split backward into input and weight parts
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ TRAINER = Capabilities(
     expert_tensor=False,
     recompute=("none", "selective", "full"),  # backend.recompute
     optimizer_state=("hbm", "host"),  # backend.offload
-    schedules=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "dualpipev"),  # backend.pipeline
+    schedules=SCHEDULES,  # backend.pipeline runs each as its torch schedule class
     zero_bubble_with_experts=False,
     zero_bubble_with_fsdp=False,  # measured: parameters 3e-2 off one process's after 5 steps (not diagnosed)
     zb_h1_single_chunk=False,
@@ -69,7 +69,7 @@ TRAINER = Capabilities(
 EVERYTHING = Capabilities(
     fsdp=True, tensor=True, sequence_parallel=True, context=True, expert_tensor=True,
     recompute=("none", "selective", "full"), optimizer_state=("hbm", "host"),
-    schedules=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "dualpipev"), zero_bubble_with_experts=True,
+    schedules=PLAN_SCHEDULES, zero_bubble_with_experts=True,
     zero_bubble_with_fsdp=True,
     zb_h1_single_chunk=True, tied_embeddings_pipeline=True, mtp_pipeline=True, precisions=("bf16", "fp8", "fp32"),
     grad_dtypes=("bf16", "fp32"), master_weights=(True, False), attention_kernels=("flash", "materialized"),
@@ -99,10 +99,10 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
     if p.pipeline > 1:
         if plan.schedule not in caps.schedules:
             out.append(f"schedule: {plan.schedule} is not implemented by the trainer")
-        if plan.schedule in ZERO_BUBBLE_SCHEDULES and p.expert > 1 and not caps.zero_bubble_with_experts:
+        if plan.schedule in SPLIT_BACKWARD_SCHEDULES and p.expert > 1 and not caps.zero_bubble_with_experts:
             out.append(f"schedule: {plan.schedule} splits backward into input and weight parts, which the expert "
                        "all-to-all does not support; use 1f1b, gpipe or interleaved_1f1b with expert > 1")
-        if plan.schedule in ZERO_BUBBLE_SCHEDULES and p.fsdp > 1 and not caps.zero_bubble_with_fsdp:
+        if plan.schedule in SPLIT_BACKWARD_SCHEDULES and p.fsdp > 1 and not caps.zero_bubble_with_fsdp:
             out.append(f"schedule: {plan.schedule} with fsdp > 1 does not train what one process trains in this "
                        "trainer; use 1f1b, gpipe or interleaved_1f1b with fsdp > 1")
         if plan.schedule == "zb_h1" and p.virtual == 1 and not caps.zb_h1_single_chunk:

@@ -308,8 +308,13 @@ class ModelSpec:
     def layer_flops_fwd(self, layer: int, convention: FlopsConvention = FlopsConvention()) -> float:
         return sum(self.layer_flops_breakdown(layer, convention).values())
 
+    def embed_flops_fwd(self) -> float:
+        """The embedding end's work per token: its gated norm when the model has one (the lookup itself is a
+        gather, no FLOPs). Part of head_flops_fwd, which counts both ends for the model's FLOPs."""
+        return 2.0 * self._gated_norm_params() if self.embed_norm else 0.0
+
     def head_flops_fwd(self, convention: FlopsConvention = FlopsConvention()) -> float:
-        """Output head (logits) plus the final and embedding gated norms."""
+        """Output head (logits) plus the final and embedding gated norms (embed_flops_fwd is the latter)."""
         gated = 2.0 * self._gated_norm_params() * (2 if self.embed_norm else 1)
         return (2.0 * self.d_model * self.vocab if convention.head else 0.0) + gated
 

@@ -117,6 +117,11 @@ class Plan:
     expert_transport: ExpertTransport = field(default_factory=ExpertTransport)
     precision: Literal["bf16", "fp8", "fp32"] = "bf16"  # fp32: no autocast (exact CPU references)
     grad_dtype: Literal["bf16", "fp32"] = "fp32"  # gradient accumulation and reduction dtype
+    # Data-parallel gradient reduction: false, after the backward and blocking (what rackcast's trainer does:
+    # backend.parallel's DDP comm hook and the pipeline stages' flat all-reduce block); true, each layer's gradients
+    # reduce while the backward goes on (Megatron-LM's DistributedDataParallelConfig.overlap_grad_reduce, FSDP2's
+    # reduce-scatter stream). The estimate and the simulator both read it.
+    overlap_grad_reduce: bool = False
     attention_kernel: Literal["flash", "materialized"] = "flash"
     dropout: bool = False
     z_loss_weight: Annotated[float, Range(0, 10)] = 1e-4  # logit z-loss weight (Recipe)

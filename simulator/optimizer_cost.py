@@ -14,10 +14,13 @@ communication.
 
 from __future__ import annotations
 
+import numpy as np
+
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator.activations import INDEX_BYTES
 from rackcast.simulator.memory import BYTES, RankParams, optimizer_state_bytes
+from rackcast.simulator.plan_arrays import is_arrays, state_location
 from rackcast.vocab import NEWTON_SCHULZ_STEPS
 
 
@@ -58,32 +61,59 @@ def _dense_matrices(spec: ModelSpec, layer: int) -> list[tuple[int, int]]:
     return mats
 
 
+def newton_schulz_parts(spec: ModelSpec, layers) -> tuple[float, float]:
+    """MuonH orthogonalisation FLOPs per step of `layers` before their split over ranks: (dense matrices, expert
+    matrices)."""
+    mlp_matrices = 3 if spec.activation == "swiglu" else 2
+    dense = expert = 0.0
+    for i in layers:
+        if spec.is_moe(i):
+            mo = spec.moe
+            expert += NEWTON_SCHULZ_STEPS * mo.experts * mlp_matrices * matrix_ns_flops(spec.expert_input_dim,
+                                                                                       mo.expert_ffn)
+        dense += NEWTON_SCHULZ_STEPS * sum(matrix_ns_flops(*m) for m in _dense_matrices(spec, i))
+    return dense, expert
+
+
+def newton_schulz_split(parts: tuple, plan) -> float:
+    """One rank's share of newton_schulz_parts (arrays for PlanArrays): dense matrices split `tensor` ways and
+    orthogonalised whole on every rank of the fsdp group (backend.optim.orthogonalise; see muon_gather), expert
+    matrices over the expert ranks and the experts' own FSDP shards (whole experts per shard)."""
+    par = plan.parallel
+    dense, expert = parts
+    return dense / par.tensor + expert / (par.expert * par.expert_fsdp)
+
+
 def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float:
     """MuonH orthogonalisation FLOPs per step on one rank holding `layers` (0 for other optimizers)."""
     if plan.optimizer.name != "muonh":
         return 0.0
+    return newton_schulz_split(newton_schulz_parts(spec, layers), plan)
+
+
+def muon_gather_parts(spec: ModelSpec, layers) -> tuple[float, float]:
+    """The dense matrices of `layers` that MuonH gathers under FSDP: (their fp32 bytes, whole matrices; how many)."""
+    mats = [m for i in layers for m in _dense_matrices(spec, i)]
+    return float(sum(m * n for m, n in mats) * BYTES["fp32"]), float(len(mats))
+
+
+def muon_gather_split(parts: tuple, plan):
+    """One rank's muon_gather from muon_gather_parts (arrays for PlanArrays): nothing without fsdp."""
     par = plan.parallel
-    efsdp = par.expert_fsdp
-    mlp_matrices = 3 if spec.activation == "swiglu" else 2
-    total = 0.0
-    for i in layers:
-        if spec.is_moe(i):
-            mo = spec.moe
-            per_expert = mlp_matrices * matrix_ns_flops(spec.expert_input_dim, mo.expert_ffn)
-            total += NEWTON_SCHULZ_STEPS * mo.experts / (par.expert * efsdp) * per_expert
-        total += NEWTON_SCHULZ_STEPS * sum(matrix_ns_flops(*m) for m in _dense_matrices(spec, i)) / par.tensor
-    return total
+    nbytes, count = parts
+    sharded = np.asarray(par.fsdp) > 1
+    return np.where(sharded, nbytes / par.tensor, 0.0), np.where(sharded, 3 * count, 0.0)
 
 
-def muon_gather(spec: ModelSpec, plan: Plan, layers: list[int]) -> tuple[float, int]:
+def muon_gather(spec: ModelSpec, plan: Plan, layers: list[int]) -> tuple[float, float]:
     """MuonH on fsdp-sharded dense matrices, per step on one rank holding `layers`: (bytes of the fp32 updates
     all-gathered over the fsdp group, whole-matrix sizes, i.e. the all_gather's full output; number of fp32 scalar
-    norm all-reduces over that group). (0, 0) without fsdp or for other optimizers."""
-    par = plan.parallel
-    if plan.optimizer.name != "muonh" or par.fsdp == 1:
-        return 0.0, 0
-    mats = [m for i in layers for m in _dense_matrices(spec, i)]
-    return float(sum(m * n for m, n in mats) * BYTES["fp32"] / par.tensor), 3 * len(mats)
+    norm all-reduces over that group, three per matrix for the hyperball's norms). (0, 0) without fsdp or for other
+    optimizers."""
+    if plan.optimizer.name != "muonh":
+        return 0.0, 0.0
+    nbytes, count = muon_gather_split(muon_gather_parts(spec, layers), plan)
+    return float(nbytes), float(count)
 
 
 def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
@@ -96,5 +126,5 @@ def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
     w_bytes, g_bytes = BYTES["bf16"], BYTES[plan.grad_dtype]
     master, state = optimizer_state_bytes(rp, plan)
     hbm = shard * (2 * w_bytes + g_bytes) + 2 * (master + state)
-    host = 2 * (master + state) if plan.optimizer.state_location == "host" else 0.0
-    return hbm, host
+    host = np.where(state_location(plan) == "host", 2 * (master + state), 0.0)
+    return hbm, host if is_arrays(plan) else float(host)
