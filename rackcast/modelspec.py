@@ -326,6 +326,11 @@ class ModelSpec:
         head = 2.0 * d * self.vocab if convention.head else 0.0
         return self.mtp.depth * (2.0 * 2 * d * d + self.layer_flops_fwd(self.layers - 1, convention) + head)
 
+    def tail_flops_fwd(self, convention: FlopsConvention = FlopsConvention()) -> float:
+        """What the stage holding the last layer runs after it, per token: the output head and final norm
+        (head_flops_fwd without the embedding end) and the multi-token-prediction modules."""
+        return self.head_flops_fwd(convention) - self.embed_flops_fwd() + self.mtp_flops_fwd(convention)
+
     def flops_per_token_fwd(self, convention: FlopsConvention = FlopsConvention()) -> float:
         layers = sum(self.layer_flops_fwd(i, convention) for i in range(self.layers))
         return layers + self.head_flops_fwd(convention) + self.mtp_flops_fwd(convention)

@@ -35,8 +35,9 @@ class StageWork:
     """Forward work per token of one micro-batch on each pipeline stage (arrays of length pipeline), before the
     tensor split and expert imbalance: `gemm` dense-GEMM FLOPs of the layers (attention projections, norms,
     convolutions, router, latent projections, shared experts, dense MLP), `attn` attention-core FLOPs, `experts`
-    routed-expert FLOPs (balanced routing), `shared` the shared-expert part of `gemm`, `head` the output head, loss
-    and final norm (on the stage holding the last chunk), `embed` the embedding's norm (on the stage holding the
+    routed-expert FLOPs (balanced routing), `shared` the shared-expert part of `gemm`, `head` the output head, loss,
+    final norm and multi-token-prediction modules (ModelSpec.tail_flops_fwd, priced as GEMM work, on the stage
+    holding the last chunk), `embed` the embedding's norm (on the stage holding the
     first), `elem_bytes` the elementwise traffic (activations written in forward and read in backward), `layers` and
     `moe_layers` counts, `dense_params` and `expert_params` the layers' parameters before any split; `first` and
     `last` mark the stages holding the first and the last chunk."""
@@ -94,7 +95,7 @@ def stage_work(spec: ModelSpec, plan: Plan) -> StageWork:
     first = np.arange(p) == owner[0]
     last = np.arange(p) == owner[-1]
     return StageWork(gemm=sums[:, 0], attn=sums[:, 1], experts=sums[:, 2], shared=sums[:, 3],
-                     head=np.where(last, spec.head_flops_fwd(HW) - spec.embed_flops_fwd(), 0.0),
+                     head=np.where(last, spec.tail_flops_fwd(HW), 0.0),
                      embed=np.where(first, spec.embed_flops_fwd(), 0.0), elem_bytes=counts @ elem,
                      layers=counts.sum(axis=1), moe_layers=sums[:, 4], dense_params=sums[:, 5],
                      expert_params=sums[:, 6], first=first, last=last)

@@ -142,7 +142,7 @@ class Workload:
         spec, plan = self.spec, self.plan
         rp = rank_params(spec, plan, s)
         layers = [lw.index for c in chunks for lw in chunks[c]]
-        head_s = self._gemm_s(spec.head_flops_fwd(HW) - spec.embed_flops_fwd()) if (self.n_chunks - 1) in chunks \
+        head_s = self._gemm_s(spec.tail_flops_fwd(HW)) if (self.n_chunks - 1) in chunks \
             else 0.0
         embed_s = self._gemm_s(spec.embed_flops_fwd()) if 0 in chunks else 0.0
         static = static_bytes(rp, plan)

@@ -151,3 +151,24 @@ def test_bad_frontier_field_is_named(change, message):
         data[section].update(values)
     with pytest.raises(RackcastError, match=message):
         from_data(ModelSpec, data, where="m.yaml")
+
+
+def test_mtp_modules_are_priced_on_the_last_stage_in_estimate_and_simulator():
+    """The step pays for the multi-token-prediction modules its FLOPs count (ModelSpec.tail_flops_fwd), in the
+    closed form and in the discrete-event step alike."""
+    from pathlib import Path
+
+    from rackcast.plan import load_plan
+    from rackcast.simulator.estimate import estimate
+    from rackcast.simulator.step import simulate
+
+    plan = load_plan(str(Path(__file__).resolve().parent.parent / "examples" / "plans" / "tiny-deepseek-v3.yaml"))
+    spec = load_model(plan.model)
+    assert spec.mtp is not None and spec.mtp_flops_fwd(FlopsConvention()) > 0
+    without = dataclasses.replace(spec, mtp=None)
+    assert spec.tail_flops_fwd() - without.tail_flops_fwd() == spec.mtp_flops_fwd()
+    est_with, est_without = estimate(plan, spec=spec), estimate(plan, spec=without)
+    sim_with = simulate(plan, spec=spec, record=False)
+    sim_without = simulate(plan, spec=without, record=False)
+    assert est_with.phases_s["compute"] > est_without.phases_s["compute"]
+    assert sim_with.step_time_s > sim_without.step_time_s
