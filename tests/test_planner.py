@@ -107,7 +107,7 @@ def test_plan_marin_end_to_end(tmp_path, cli):
 
 
 def test_infeasible_request_exits_2_with_the_tightest_constraint(cli):
-    proc = cli("plan", "--model", "gpt-1t", "--topology", "a100-dgx", "--racks", "1", "--tokens", "1e12")
+    proc = cli("plan", "--model", "gpt-145b", "--topology", "a100-dgx", "--racks", "1", "--tokens", "1e12")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and proc.stdout == ""
