@@ -114,6 +114,7 @@ def test_model_numbers_are_bounded_before_any_computation(tmp_path, capsys, old,
     ("  latency_s: 1.0e-4", "  latency_s: .inf", "scale_up.latency_s: must be finite, got inf"),
     ("  oversubscription: 1.0", "  oversubscription: .nan", "scale_out.oversubscription: must be a number, got NaN"),
     ("  hbm_bytes: 6319128576", "  hbm_bytes: -1", "accelerator.hbm_bytes: -1 is outside (0,"),
+    ("    bf16: 225.0e9", "    fp16: 225.0e9", "accelerator.peak_flops.bf16: required"),  # fuzz #5062 (ValueError)
 ])
 def test_topology_numbers_are_bounded(tmp_path, capsys, old, new, message):
     def edit(text):
