@@ -148,7 +148,7 @@ class Trainer:
         if spec.moe is not None and (lay.ep > 1 or capacity is not None):
             self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
                                       self.timer)
-        self.chunks = build_chunks(model, lay, self.plan.schedule)
+        self.chunks = build_chunks(model, lay, self.plan.parallel, self.plan.schedule)
         apply_recompute(self.chunks, self.plan.recompute)
         self.chunk_index = chunk_ids(lay, self.plan.schedule)
         self.local = nn.ModuleList(self.chunks)

@@ -35,6 +35,7 @@ class Capabilities:
     zero_bubble_with_fsdp: bool  # zb_h1 / dualpipev together with fsdp > 1
     zb_h1_single_chunk: bool  # zb_h1 with virtual: 1
     tied_embeddings_pipeline: bool
+    uneven_pipeline: bool  # parallel.stage_layers: chunks of different layer counts
     mtp_pipeline: bool  # multi-token prediction modules with pipeline > 1
     precisions: tuple[str, ...]
     grad_dtypes: tuple[str, ...]
@@ -57,6 +58,7 @@ TRAINER = Capabilities(
     zero_bubble_with_fsdp=False,  # measured: parameters 3e-2 off one process's after 5 steps (not diagnosed)
     zb_h1_single_chunk=False,
     tied_embeddings_pipeline=False,
+    uneven_pipeline=True,  # backend.pipeline builds each chunk from ParallelSpec.chunk_layer_range
     mtp_pipeline=False,  # backend.mtp runs after the head of an unsplit model
     precisions=("bf16", "fp32"),  # bf16: autocast on CUDA and CPU (backend.train)
     grad_dtypes=("fp32",),  # fp32 parameters, so fp32 gradients, reduced in fp32
@@ -71,7 +73,7 @@ EVERYTHING = Capabilities(
     recompute=("none", "selective", "full"), optimizer_state=("hbm", "host"),
     schedules=PLAN_SCHEDULES, zero_bubble_with_experts=True,
     zero_bubble_with_fsdp=True,
-    zb_h1_single_chunk=True, tied_embeddings_pipeline=True, mtp_pipeline=True, precisions=("bf16", "fp8", "fp32"),
+    zb_h1_single_chunk=True, tied_embeddings_pipeline=True, uneven_pipeline=True, mtp_pipeline=True, precisions=("bf16", "fp8", "fp32"),
     grad_dtypes=("bf16", "fp32"), master_weights=(True, False), attention_kernels=("flash", "materialized"),
     dropout=True,
 )
@@ -94,6 +96,8 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
     if p.pipeline > 1 and spec.mtp is not None and not caps.mtp_pipeline:
         out.append("parallel.pipeline: the trainer runs multi-token prediction (model mtp) after the head of an "
                    "unsplit model; use pipeline 1")
+    if p.stage_layers and not caps.uneven_pipeline:
+        out.append("parallel.stage_layers: uneven pipeline splits are not implemented by the trainer")
     if p.pipeline == 1 and p.virtual > 1:
         out.append("parallel.virtual: virtual stages need pipeline > 1")
     if p.pipeline > 1:

@@ -19,6 +19,13 @@ slices (expert data parallelism), sharded ZeRO-3 style over the FSDP part of tho
     from rackcast.plan import load_plan
     par = load_plan("examples/plans/marin-535b-hero.yaml").parallel
     par.gpus, par.stage_ranks, par.expert_group, par.expert_data    # 704, 704, 64, 11
+
+Layers split over the model chunks evenly (layers / chunks each) unless `stage_layers` lists each chunk's count
+(index = global chunk, in layer order): an uneven split, as Megatron-LM's --decoder-first-pipeline-num-layers /
+--decoder-last-pipeline-num-layers set the first and last stages apart, for models whose layers do not divide the
+chunks (DeepSeek-V3's 61 over PP4 x VP4). `uneven_split` builds the splits the planner offers. `chunk_layers` /
+`layer_ranks` / `rank_layers` are the one place layers are assigned to chunks and ranks: the stage work, the memory
+model, the simulator's workload and the trainer's pipeline (backend.pipeline) all ask them.
 """
 
 from __future__ import annotations
@@ -47,6 +54,29 @@ def rank_chunks(schedule: str, pipeline: int, chunks_per_rank: int, rank: int) -
     return [rank + i * pipeline for i in range(chunks_per_rank)]
 
 
+# The planner's uneven splits (uneven_split): where the layers left over from layers // chunks go.
+SPLIT_RULES = ("front", "middle", "back")
+
+
+def uneven_split(layers: int, chunks: int, rule: str) -> tuple[int, ...]:
+    """Layers per chunk when `layers` do not divide `chunks`: every chunk gets layers // chunks and the remainder r
+    goes one each to r chunks: the first r ("front": the last chunk, which also runs the head and loss, is lighter),
+    the last r ("back": the first chunk, whose rank holds the most in-flight micro-batches, is lighter), or the
+    middle r ("middle": both ends lighter, as Megatron-LM's account_for_embedding_in_pipeline_split and
+    account_for_loss_in_pipeline_split count the embedding and the loss as a layer each)."""
+    base, extra = divmod(layers, chunks)
+    if rule == "front":
+        heavy = range(extra)
+    elif rule == "back":
+        heavy = range(chunks - extra, chunks)
+    elif rule == "middle":
+        start = (chunks - extra) // 2
+        heavy = range(start, start + extra)
+    else:
+        raise ValueError(f"uneven_split: rule {rule!r} is not one of {SPLIT_RULES}")
+    return tuple(base + (c in heavy) for c in range(chunks))
+
+
 @dataclass(frozen=True)
 class ParallelSpec:
     """Degrees of the plan's GPU grid (the plan file's `parallel:` block) and the sizes derived from them."""
@@ -60,6 +90,9 @@ class ParallelSpec:
     expert_tensor: Annotated[int, Range(1, 2**24)] = 1
     context: Annotated[int, Range(1, 2**24)] = 1
     sequence_parallel: bool = False  # with tensor > 1: shard norms and dropout along the sequence
+    # Layers of each model chunk (index = global chunk, pipeline x virtual entries, summing to the model's layers);
+    # empty: layers / chunks each (see the module docstring).
+    stage_layers: tuple[Annotated[int, Range(1, 2**20)], ...] = ()
 
     # ------------------------------------------------------------------------------------------ dense groups
     @property
@@ -132,16 +165,25 @@ class ParallelSpec:
         """Model chunks pipeline rank `rank` holds under `schedule` (see rank_chunks)."""
         return rank_chunks(schedule, self.pipeline, self.chunks_per_rank, rank)
 
+    def chunk_layers(self, layers: int) -> list[int]:
+        """Layers of each model chunk (index = chunk): `stage_layers` when set, else layers / chunks each."""
+        return list(self.stage_layers) if self.stage_layers else [layers // self.chunks] * self.chunks
+
+    def chunk_layer_range(self, chunk: int, layers: int) -> range:
+        """Layer indices model chunk `chunk` holds (consecutive; chunks in layer order)."""
+        counts = self.chunk_layers(layers)
+        start = sum(counts[:chunk])
+        return range(start, start + counts[chunk])
+
     def rank_layers(self, rank: int, schedule: str, layers: int) -> list[int]:
-        """Layer indices pipeline rank `rank` holds: chunk c holds layers [c x L/chunks, (c + 1) x L/chunks)."""
-        per_chunk = layers // self.chunks
-        return [c * per_chunk + j for c in self.rank_chunks(rank, schedule) for j in range(per_chunk)]
+        """Layer indices pipeline rank `rank` holds: the layers of its chunks (chunk_layer_range), in the order it
+        first runs them."""
+        return [i for c in self.rank_chunks(rank, schedule) for i in self.chunk_layer_range(c, layers)]
 
     def layer_ranks(self, schedule: str, layers: int) -> list[int]:
         """Pipeline rank holding each layer (index = layer): the inverse of rank_layers, for sums over stages."""
-        per_chunk = layers // self.chunks
         owner = self.chunk_ranks(schedule)
-        return [owner[i // per_chunk] for i in range(layers)]
+        return [owner[c] for c, n in enumerate(self.chunk_layers(layers)) for _ in range(n)]
 
     # ----------------------------------------------------------------------------------------------- batch
     def microbatches(self, global_batch: int, micro_batch: int) -> int:
@@ -168,9 +210,19 @@ class ParallelSpec:
         for kv in {a.kv_heads_local, a.kv_heads_global}:
             if kv % self.tensor and self.tensor % kv:
                 fail("parallel.tensor", f"{kv} KV heads neither divide nor are divisible by tensor={self.tensor}")
-        if spec.layers % (self.pipeline * self.virtual):
+        if self.stage_layers:
+            if len(self.stage_layers) != self.chunks:
+                fail("parallel.stage_layers", f"lists {len(self.stage_layers)} chunks, but pipeline x virtual = "
+                                              f"{self.pipeline} x {self.virtual} = {self.chunks}")
+            if min(self.stage_layers) < 1:
+                fail("parallel.stage_layers", f"every chunk needs at least one layer, got {list(self.stage_layers)}")
+            if sum(self.stage_layers) != spec.layers:
+                fail("parallel.stage_layers", f"sums to {sum(self.stage_layers)} layers, but model {spec.name} has "
+                                              f"{spec.layers}")
+        elif spec.layers % (self.pipeline * self.virtual):
             fail("parallel.pipeline", f"{spec.layers} layers are not divisible by pipeline x virtual = "
-                                      f"{self.pipeline} x {self.virtual}")
+                                      f"{self.pipeline} x {self.virtual}; list each chunk's layers in "
+                                      "parallel.stage_layers for an uneven split")
         if self.virtual > 1 and schedule not in VIRTUAL_SCHEDULES:
             fail("parallel.virtual", f"virtual={self.virtual} needs an interleaved or V schedule, not {schedule}")
         if schedule in V_SHAPED_SCHEDULES and self.virtual != 2:

@@ -95,13 +95,12 @@ class Workload:
         self.n_chunks = par.chunks
         owner = par.chunk_ranks(plan.schedule)
         self.chunk_rank = owner
-        per_chunk = spec.layers // self.n_chunks
         moe = spec.moe
         self.x = spec.expert_input_dim if moe else 0
         self.expert_size = costs.expert_gemm_size(self.tokens_mb, spec, par.expert)
         self.stages: list[StageWork] = []
         for s in range(par.pipeline):
-            chunks = {c: [self._layer(i) for i in range(c * per_chunk, (c + 1) * per_chunk)]
+            chunks = {c: [self._layer(i) for i in par.chunk_layer_range(c, spec.layers)]
                       for c in range(self.n_chunks) if owner[c] == s}
             self.stages.append(self._stage(s, chunks))
         self.loads = ExpertLoads(spec, plan, self, seed) if moe else None

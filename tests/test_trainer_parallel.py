@@ -22,6 +22,7 @@ LAYOUTS = {
     "dp2": ({"data": 2}, 2),
     "ep2": ({"data": 2, "expert": 2}, 2),
     "pp2": ({"pipeline": 2}, 2),
+    "pp2-uneven": ({"pipeline": 2, "stage_layers": [3, 1]}, 2),  # parallel.stage_layers: 3 layers, then 1
     "ep2xdp2": ({"data": 4, "expert": 2}, 4),
 }
 
