@@ -1,6 +1,6 @@
 """The layout search space: which parallel layouts and knobs the planner enumerates, and how one becomes a Plan.
 
-Axes: data, fsdp, tensor, pipeline (+ virtual chunks; where the layers do not divide the chunks, the uneven splits
+Axes: data (with its ZeRO stage 0-2, parallel.zero), fsdp, tensor, pipeline (+ virtual chunks; where the layers do not divide the chunks, the uneven splits
 rackcast.layout.uneven_split builds: the remainder on the first, middle or last chunks), expert, expert_tensor and context degrees; micro-batch;
 global batch (fixed or a range); pipeline schedule; recomputation; optimizer state in HBM or host memory; dropless
 or capacity expert transport; the GPUs used per domain (64 or 72 on an NVL72 rack).
@@ -38,9 +38,10 @@ CAPACITY_FACTOR = 1.15
 RECOMPUTE = ("none", "selective", "full")
 OPT_LOCATIONS = ("hbm", "host")
 TRANSPORTS = ("dropless", "capacity")
+ZERO_STAGES = (0, 1, 2)
 
 
-DEGREES = ("data", "fsdp", "tensor", "pipeline", "virtual", "expert", "expert_tensor", "context")
+DEGREES = ("data", "fsdp", "tensor", "pipeline", "virtual", "expert", "expert_tensor", "context", "zero")
 LAYOUT_COLUMNS = ("usable", *DEGREES, "stage_layers", "global_batch", "micro_batch", "schedule", "recompute",
                   "opt_location", "transport")  # Layout.as_row's keys (stage_layers: "15,16,15,15", or "" if even)
 
@@ -76,6 +77,8 @@ class Layout:
             parts.append(f"p{par.pipeline}" + (f"v{par.virtual}" if par.virtual > 1 else ""))
         if par.stage_layers:
             parts.append("L" + ",".join(map(str, par.stage_layers)))
+        if par.zero:
+            parts.append(f"z{par.zero}")
         return " ".join(parts)
 
     @cached_property
@@ -120,6 +123,7 @@ class SpaceOptions:
     recompute: tuple[str, ...] = RECOMPUTE
     opt_locations: tuple[str, ...] = OPT_LOCATIONS
     transports: tuple[str, ...] = TRANSPORTS
+    zero_stages: tuple[int, ...] = ZERO_STAGES  # ZeRO stages of the data replicas (parallel.zero), where data > 1
     # Only layouts this executor can run are offered (rackcast.capabilities); EVERYTHING plans beyond the trainer.
     capabilities: Capabilities = TRAINER
 
@@ -300,8 +304,9 @@ def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_s
     for u in usable_options(options, default_usable, domain_size):
         for d, f, t, c, p, e, et in structures(spec, domains, u, options):
             pars = {v: [ParallelSpec(data=d, fsdp=f, tensor=t, pipeline=p, virtual=v, expert=e, expert_tensor=et,
-                                     context=c, sequence_parallel=t > 1, stage_layers=split)
-                        for split in layer_splits(spec.layers, p * v, options.capabilities)]
+                                     context=c, sequence_parallel=t > 1, stage_layers=split, zero=z)
+                        for split in layer_splits(spec.layers, p * v, options.capabilities)
+                        for z in zero_stages(options, d, f)]
                     for v in {1, *options.virtuals, 2}}
             base = Layout(u, pars[1][0], options.global_batch or fallback, 1, "1f1b", "none", "hbm", "dropless")
             reason = check(base, spec, domains, options.capabilities)
@@ -332,6 +337,17 @@ def layer_splits(layers: int, chunks: int, capabilities: Capabilities = TRAINER)
     if layers % chunks == 0 or layers < chunks or not capabilities.uneven_pipeline:
         return [()]
     return list(dict.fromkeys(uneven_split(layers, chunks, rule) for rule in SPLIT_RULES))
+
+
+def zero_stages(options: SpaceOptions, data: int, fsdp: int) -> tuple[int, ...]:
+    """The ZeRO stages offered for `data` replicas (parallel.zero): those asked for and the executor runs
+    (rackcast.capabilities: its `zero` stages, and whether it shards over replicas that fsdp shards already);
+    only 0 for one replica."""
+    caps = options.capabilities
+    if data == 1:
+        return (0,)
+    return tuple(z for z in options.zero_stages if z in caps.zero and (z == 0 or fsdp == 1 or caps.zero_with_fsdp)) \
+        or (0,)
 
 
 def _knob_dependent(reason: str) -> bool:

@@ -10,11 +10,12 @@ Grid convention (Megatron-style "MoE parallel folding"):
     gpus = data x fsdp x context x tensor x pipeline
 Ranks are numbered innermost first — tensor, context, fsdp, data, then pipeline outermost — so a small group stays
 inside one scale-up domain. `data` replicas hold full copies of their shard; `fsdp` shards parameters, gradients and
-optimizer state (ZeRO-3); `context` splits the sequence; `tensor` splits matrices; `pipeline` splits the layers into
-stages of `virtual` model chunks each. Expert layers re-fold the ranks of one stage: a run of `expert x
-expert_tensor` consecutive ranks (the expert group) holds one full set of experts — `expert` ways by expert,
-`expert_tensor` ways by width — and exchanges tokens by all-to-all; the stage's other ranks hold copies of the same
-slices (expert data parallelism), sharded ZeRO-3 style over the FSDP part of those copies.
+optimizer state (ZeRO-3); `zero` (1 or 2) shards optimizer state (and gradients) over the data replicas too
+(ZeRO-1/2: the derived `state_shards`, `grad_shards`); `context` splits the sequence; `tensor` splits matrices;
+`pipeline` splits the layers into stages of `virtual` model chunks each. Expert layers re-fold the ranks of one
+stage: a run of `expert x expert_tensor` consecutive ranks (the expert group) holds one full set of experts —
+`expert` ways by expert, `expert_tensor` ways by width — and exchanges tokens by all-to-all; the stage's other ranks
+hold copies of the same slices (expert data parallelism), sharded ZeRO-3 style over the FSDP part of those copies.
 
     from rackcast.plan import load_plan
     par = load_plan("examples/plans/marin-535b-hero.yaml").parallel
@@ -93,6 +94,11 @@ class ParallelSpec:
     # Layers of each model chunk (index = global chunk, pipeline x virtual entries, summing to the model's layers);
     # empty: layers / chunks each (see the module docstring).
     stage_layers: tuple[Annotated[int, Range(1, 2**20)], ...] = ()
+    # ZeRO stage of the data replicas (Rajbhandari et al., ZeRO, arXiv:1910.02054): 0, each replica keeps its
+    # optimizer state, fp32 master and gradients whole (DDP); 1, the replicas shard optimizer state and master
+    # (ZeRO-1, P_os; Megatron-LM's distributed optimizer); 2, gradients too (ZeRO-2, P_os+g). Weights sharded as
+    # well (ZeRO-3, P_os+g+p) is the `fsdp` axis.
+    zero: Annotated[int, Range(0, 2)] = 0
 
     # ------------------------------------------------------------------------------------------ dense groups
     @property
@@ -119,6 +125,29 @@ class ParallelSpec:
     def reduction_outer(self) -> int:
         """Outer level of that reduction: the data replicas (all-reduce of the inner level's shard)."""
         return self.data
+
+    # ------------------------------------------------------------------------------------------------ ZeRO
+    # Array-friendly: `x ** (stage >= k)` is x where the ZeRO stage shards over x, else 1.
+    @property
+    def state_shards(self) -> int:
+        """Ways the dense optimizer state and fp32 master are sharded: fsdp, times data from ZeRO-1 on."""
+        return self.fsdp * self.data ** (self.zero >= 1)
+
+    @property
+    def grad_shards(self) -> int:
+        """Ways the dense gradients are sharded: fsdp, times data under ZeRO-2."""
+        return self.fsdp * self.data ** (self.zero >= 2)
+
+    @property
+    def expert_state_shards(self) -> int:
+        """Ways the experts' optimizer state and master are sharded: expert_fsdp, times the expert replicas from
+        ZeRO-1 on (Megatron-LM shards them over the expert-data-parallel group)."""
+        return self.expert_fsdp * self.expert_replicas ** (self.zero >= 1)
+
+    @property
+    def expert_grad_shards(self) -> int:
+        """Ways the experts' gradients are sharded: expert_fsdp, times the expert replicas under ZeRO-2."""
+        return self.expert_fsdp * self.expert_replicas ** (self.zero >= 2)
 
     # ----------------------------------------------------------------------------------------- expert groups
     @property
@@ -241,5 +270,8 @@ class ParallelSpec:
             if self.stage_ranks % self.expert_group:
                 fail("parallel.expert", f"expert x expert_tensor = {self.expert_group} must divide "
                                         f"data x fsdp x context x tensor = {self.stage_ranks}")
+        if self.zero > 0 and self.data == 1:
+            fail("parallel.zero", f"ZeRO-{self.zero} shards over the data replicas and needs data > 1 (fsdp already "
+                                  "shards weights, gradients and optimizer state)")
         if self.sequence_parallel and self.tensor == 1:
             fail("parallel.sequence_parallel", "needs tensor > 1")

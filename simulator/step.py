@@ -225,6 +225,10 @@ class _Rank:
             elif host > 0:
                 yield self.start(comm)
             self.phases[phase] += env.now - t0
+        t0 = env.now
+        for comm in work.gather_comms or ():  # ZeRO-1/2: the updated weights, one collective at a time
+            yield self.start(comm)
+        self.phases["exposed_dp_comm"] += env.now - t0
         self.finish = env.now
 
 

@@ -74,6 +74,7 @@ class StageWork:
     optimizer_s: float
     host_bytes: float  # optimizer state + master moved each way between host and GPU
     reduction_comms: list = None  # the stage's whole gradient reduction, when it runs after the backward
+    gather_comms: list = None  # ZeRO-1/2: the updated weights' all-gather after the optimizer step
     embed_ops: float = 0.0  # the embedding's framework ops (forward) on the stage holding the first chunk
     head_ops: float = 0.0  # the head and loss ops (forward) on the stage holding the last chunk
 
@@ -159,6 +160,7 @@ class Workload:
         return StageWork(stage=s, chunks=chunks, head_s=head_s, embed_s=embed_s, top_params=top,
                          embed_params=rp.embed_end, head_params=rp.head_end, static_bytes=static,
                          reduction_comms=self.reduction_comms(rp.dense, rp.expert),
+                         gather_comms=self.parameter_gather_comms(rp.dense, rp.expert),
                          io_bytes=2 * W_BYTES * spec.d_model * self.tokens_mb, optimizer_s=optimizer_s,
                          host_bytes=host_bytes, embed_ops=embed_ops, head_ops=head_ops)
 
@@ -289,10 +291,11 @@ class Workload:
                  W_BYTES * params)]
 
     def grad_buffer_bytes(self, lw: LayerWork) -> float:
-        """Unsharded gradient buffer of one layer during its backward (FSDP only; memory.py counts one layer)."""
+        """Unsharded gradient buffer of one layer during its backward (FSDP or ZeRO-2 only; memory.py counts one
+        layer)."""
         par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
-        out = g * lw.dense_params if par.fsdp > 1 else 0.0
-        if lw.moe and self.plan.parallel.expert_fsdp > 1:
+        out = g * lw.dense_params if par.fsdp > 1 or par.zero >= 2 else 0.0
+        if lw.moe and (self.plan.parallel.expert_fsdp > 1 or par.zero >= 2):
             out += g * lw.expert_params
         return out
 
@@ -301,7 +304,14 @@ class Workload:
         par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
         return [Comm(c.kind, c.axis, c.nbytes, c.stream, c.name)
                 for c in costs.gradient_reductions(dense_params * g, expert_params * g, par.reduction_inner,
-                                                   par.expert_fsdp) if c.nbytes > 0]
+                                                   par.expert_fsdp, par.zero) if c.nbytes > 0]
+
+    def parameter_gather_comms(self, dense_params: float, expert_params: float) -> list[Comm]:
+        """ZeRO-1/2: the updated weights' all-gather after the optimizer step (costs.parameter_gathers)."""
+        par = self.plan.parallel
+        return [Comm(c.kind, c.axis, c.nbytes, c.stream, c.name)
+                for c in costs.parameter_gathers(dense_params * W_BYTES, expert_params * W_BYTES,
+                                                 par.reduction_inner, par.expert_fsdp, par.zero) if c.nbytes > 0]
 
 
 class ExpertLoads:
