@@ -169,8 +169,7 @@ class Trainer:
             raise RackcastError("checkpoint_every/resume: checkpoints of FSDP-sharded expert stacks with expert "
                                 "parallelism are not supported yet (fsdp > 1 with expert > 1)", option="checkpoint_every")
         if self.plan.parallel.zero and args.resume:  # saved: each rank writes the state it holds; loaded: not yet
-            raise RackcastError("resume: resuming ZeRO-sharded optimizer state (parallel.zero) is not supported yet",
-                                option="resume")
+            raise RackcastError("resume: ZeRO-sharded optimizer state (parallel.zero) is not resumed yet", option="resume")
         if not self.can_checkpoint and self.rank == 0 and not args.quiet:
             print("note: no checkpoint is written (FSDP-sharded expert stacks with expert parallelism)", flush=True)
         if self.fsdp or lay.pp > 1:
@@ -284,11 +283,7 @@ class Trainer:
         t1 = self.timer.now()
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * self.lr_factor(step)
-        if self.zero:
-            self.zero.drop_foreign_grads()
-        self.optimizer.step()
-        if self.zero:
-            self.zero.broadcast()
+        self.zero.step(self.optimizer) if self.zero else self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.balancer.step()
         self.timer.add("optimizer", self.timer.now() - t1)

@@ -14,7 +14,7 @@ distributed optimizer runs it (a reduce-scatter, then an all-gather; simulator.c
 trainer's all-reduce and broadcasts move more bytes on its gloo reference runs, and train the same model.
 
     zero = ZeroOne(named_parameters, dp_group, edp_group, is_expert)
-    zero.drop_foreign_grads(); optimizer.step(); zero.broadcast()
+    zero.step(optimizer)        # drop_foreign_grads(), optimizer.step(), broadcast()
 """
 
 from __future__ import annotations
@@ -61,6 +61,12 @@ class ZeroOne:
         for p, _, _, mine in self.assigned:
             if not mine:
                 p.grad = None
+
+    def step(self, optimizer) -> None:
+        """The optimizer step on this rank's parameters, then everyone's updates shared."""
+        self.drop_foreign_grads()
+        optimizer.step()
+        self.broadcast()
 
     @torch.no_grad()
     def broadcast(self) -> None:

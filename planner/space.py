@@ -1,9 +1,10 @@
 """The layout search space: which parallel layouts and knobs the planner enumerates, and how one becomes a Plan.
 
-Axes: data (with its ZeRO stage 0-2, parallel.zero), fsdp, tensor, pipeline (+ virtual chunks; where the layers do not divide the chunks, the uneven splits
-rackcast.layout.uneven_split builds: the remainder on the first, middle or last chunks), expert, expert_tensor and context degrees; micro-batch;
-global batch (fixed or a range); pipeline schedule; recomputation; optimizer state in HBM or host memory; dropless
-or capacity expert transport; the GPUs used per domain (64 or 72 on an NVL72 rack).
+Axes: data (with its ZeRO stage 0-2, parallel.zero), fsdp, tensor, pipeline (+ virtual chunks; where the layers do
+not divide the chunks, the uneven splits rackcast.layout.uneven_split builds: the remainder on the first, middle or
+last chunks), expert, expert_tensor and context degrees; micro-batch; global batch (fixed or a range); pipeline
+schedule; recomputation; optimizer state in HBM or host memory; dropless or capacity expert transport; the GPUs used
+per domain (64 or 72 on an NVL72 rack).
 
 Only layouts whose degrees multiply to the GPU count are generated. Placement rule: tensor x context groups are the
 innermost ranks and must divide the GPUs used per domain, so tensor- and context-parallel traffic never crosses the

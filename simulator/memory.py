@@ -4,8 +4,9 @@ The partition follows the plan's layout (see rackcast/plan.py): dense matrices s
 `pipeline`, experts by `expert x expert_tensor`; parameters, gradients and optimizer state of the dense part are
 sharded `fsdp` ways (ZeRO-3), the experts' by the FSDP part of their expert-data group; `parallel.zero` shards the
 optimizer state and master (ZeRO-1) and the gradients (ZeRO-2) over the data replicas as well (Rajbhandari et al.,
-ZeRO: Memory Optimizations Toward Training Trillion Parameter Models, arXiv:1910.02054, section 5 and figure 1). The heaviest pipeline rank
-is reported by default (rank 0 holds the embedding and the most in-flight micro-batches); `rank` picks another.
+ZeRO: Memory Optimizations Toward Training Trillion Parameter Models, arXiv:1910.02054, section 5 and figure 1).
+Pipeline rank 0 is reported by default (it holds the embedding and the most in-flight micro-batches: the heaviest
+under an even split; under an uneven one, parallel.stage_layers, another rank may hold more); `rank` picks another.
 
 Activations per layer per token are the tensors a layer saves for its backward pass, counted component by
 component in simulator.activations, in one of two modes (`activations`): "fused" (the default, what a production
