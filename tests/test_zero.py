@@ -137,3 +137,14 @@ def test_zero_one_keeps_state_for_its_own_parameters_and_every_rank_ends_with_th
         assert g["held"] == 2 * g["owned"]  # AdamW's two moments, for the owned parameters only
     for a, b in zip(got[0]["params"], got[1]["params"]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_candidate_too_large_to_simulate_keeps_its_estimate_instead_of_ending_the_search():
+    # ZeRO-1 lets wide data-parallel layouts fit, and with them steps of more routing draws than simulator.step
+    # runs (check_work): planner.verify keeps such a candidate's estimate and goes on.
+    from rackcast.planner import verify
+
+    plan = load_plan(str(PLANS / "tiny-2proc-ep.yaml"))
+    big = replace(plan, batch=replace(plan.batch, global_batch=2**22, micro_batch=1))
+    assert "simulate runs at most" in verify._simulate_one(big)["refused"]
+    assert "refused" not in verify._simulate_one(plan)
