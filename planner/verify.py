@@ -12,7 +12,8 @@ Candidates are sorted by estimate, so the rule stops at the first one that fails
 and the rule is applied in estimate order, so which candidates end up simulated does not depend on the number of
 worker processes: the pool simulates the next `workers` candidates at once (speculatively), and results past the
 stopping point are dropped. A cap bounds the work; when it stops the search early the result says which candidate
-could still have won. Ctrl-C stops the simulations cleanly and keeps what was simulated. `verify_ranking` applies
+could still have won. Ctrl-C stops the simulations cleanly and keeps what was simulated. A candidate whose step is
+too large to simulate (simulator.step.check_work) keeps its estimate and counts as not best. `verify_ranking` applies
 the rule to a layout search's result (planner.search) with simulator.step.
 
     from rackcast.planner.verify import ESTIMATE_BAND, verify, verify_ranking

@@ -125,3 +125,15 @@ def test_estimate_and_simulator_agree_on_uneven_pipeline_splits(pipeline, schedu
     validate(plan, plan.model_spec(), plan.topology_spec().gpus)
     est, sim = estimate(plan), simulate(plan, record=False)
     assert _rel(est.step_time_s, sim.step_time_s) <= BAND, (split, est.phases_s, sim.phases_s)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_estimate_and_simulator_agree_under_zero(zero):
+    # The Megatron-style GPT plan (24 data replicas): ZeRO-1/2 reduce-scatter the gradients over the replicas and
+    # all-gather the updated weights after the optimizer step (simulator.costs.gradient_reductions,
+    # parameter_gathers), in both paths alike.
+    plan = load_plan(str(PLANS / "gpt-145b-megatron.yaml"))
+    plan = replace(plan, parallel=replace(plan.parallel, zero=zero))
+    est, sim = estimate(plan), simulate(plan, record=False)
+    assert _rel(est.step_time_s, sim.step_time_s) <= BAND, (est.phases_s, sim.phases_s)
+    assert _rel(est.phases_s["exposed_dp_comm"], sim.phases_s["exposed_dp_comm"]) <= BAND

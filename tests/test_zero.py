@@ -125,6 +125,7 @@ def _worker(rank: int, world: int, port: int, out: str):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_zero_one_keeps_state_for_its_own_parameters_and_every_rank_ends_with_the_same_weights(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
