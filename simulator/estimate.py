@@ -17,7 +17,8 @@ Overlap: the expert all-to-all hides behind shared-expert compute, FSDP gathers 
 (the first layer's of each forward or backward and the embedding / head ends are exposed), the data-parallel
 gradient reduction behind the last micro-batch's backward when the plan overlaps it (plan.overlap_grad_reduce),
 else after it (under ZeRO-1/2 a reduce-scatter, then the updated weights' all-gather after the optimizer step,
-exposed); the rest is exposed. simulator.workload and step model the same, op by op; tests/
+exposed; under ZeRO-2 every earlier micro-batch's reduction too, hidden behind the following micro-batches' work
+where it can be); the rest is exposed. simulator.workload and step model the same, op by op; tests/
 test_estimate_vs_simulator.py holds the two within 5%.
 Host per-op overhead (only where the topology's efficiency.host_op_s is measured, e.g. a calibrated CPU): the op
 counts of the backend model (simulator.op_counts) per step, as simulator.host_overhead models them (rank 0's own
@@ -295,6 +296,10 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     # produced its gradients, so the backward of all but the first layer processed hides it; otherwise it all waits.
     window = (2 * h["fwd"] + h["rec"]) * (1.0 - 1.0 / np.maximum(f["layers"], 1))
     dp_exposed = np.where(f["overlap_grad_reduce"] > 0, np.maximum(0.0, dp_t - window), dp_t) + gather_t
+    # ZeRO-2 keeps only its gradient shard, so every micro-batch but the last reduces its gradients too, in the
+    # background of the following micro-batches' work; what they cannot hide is exposed.
+    early_t = np.where(f["zero"] >= 2, (m - 1) * dp_t, 0.0)
+    dp_exposed = dp_exposed + np.maximum(0.0, early_t - (m - 1) * h["total"])
     optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], f["ns_size"], topo) + balancing_time(f, topo) + \
         costs.muon_gather_time(f, topo)
     host_t = costs.host_link_time(f["host_bytes"], topo)
@@ -316,7 +321,7 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
         "optimizer": optimizer_t + op_o,
         "host_transfer": host_t,
         "expert_a2a_total": m * h["a2a_total"],
-        "dp_comm_total": dp_t + gather_t,
+        "dp_comm_total": dp_t + gather_t + early_t,
     }
 
 

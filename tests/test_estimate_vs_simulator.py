@@ -131,9 +131,15 @@ def test_estimate_and_simulator_agree_on_uneven_pipeline_splits(pipeline, schedu
 def test_estimate_and_simulator_agree_under_zero(zero):
     # The Megatron-style GPT plan (24 data replicas): ZeRO-1/2 reduce-scatter the gradients over the replicas and
     # all-gather the updated weights after the optimizer step (simulator.costs.gradient_reductions,
-    # parameter_gathers), in both paths alike.
-    plan = load_plan(str(PLANS / "gpt-145b-megatron.yaml"))
-    plan = replace(plan, parallel=replace(plan.parallel, zero=zero))
+    # parameter_gathers), in both paths alike; ZeRO-2 reduces every micro-batch's gradients, which its many
+    # micro-batches cannot hide (a slower step than ZeRO-1's in both).
+    base = load_plan(str(PLANS / "gpt-145b-megatron.yaml"))
+    plan = replace(base, parallel=replace(base.parallel, zero=zero))
     est, sim = estimate(plan), simulate(plan, record=False)
     assert _rel(est.step_time_s, sim.step_time_s) <= BAND, (est.phases_s, sim.phases_s)
-    assert _rel(est.phases_s["exposed_dp_comm"], sim.phases_s["exposed_dp_comm"]) <= BAND
+    dp = est.phases_s["exposed_dp_comm"] - sim.phases_s["exposed_dp_comm"]
+    assert abs(dp) <= BAND * sim.step_time_s, (est.phases_s, sim.phases_s)
+    if zero == 2:
+        one = replace(base, parallel=replace(base.parallel, zero=1))
+        assert est.step_time_s > 1.2 * estimate(one).step_time_s
+        assert sim.step_time_s > 1.2 * simulate(one, record=False).step_time_s
