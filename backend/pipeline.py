@@ -1,7 +1,8 @@
 """Pipeline parallelism with torch.distributed.pipelining: stage chunks of the model and the plan's schedule class.
 
-The model's layers split into pipeline x virtual equal chunks; chunk 0 also holds the embedding and the last chunk
-the output head. A chunk keeps the full model's parameter names (`embed.*`, `layers.<i>.*`, `head.*`) so
+The model's layers split into pipeline x virtual chunks as the plan's layout assigns them
+(rackcast.layout.ParallelSpec.chunk_layer_range: equal chunks, or the uneven split parallel.stage_layers lists);
+chunk 0 also holds the embedding and the last chunk the output head. A chunk keeps the full model's parameter names (`embed.*`, `layers.<i>.*`, `head.*`) so
 checkpoints merge back into one model. Chunks go to ranks loop-style (chunk v*P + stage on stage `stage`) for
 gpipe / 1f1b / interleaved_1f1b / zb_h1, and V-style (chunks stage and 2P-1-stage) for dualpipev.
 Schedules: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved_1f1b -> ScheduleInterleaved1F1B,
@@ -19,19 +20,18 @@ import torch
 from torch import Tensor, nn
 
 from rackcast.backend.parallel import Layout, PhaseTimer
-from rackcast.layout import rank_chunks
+from rackcast.layout import ParallelSpec, rank_chunks
 from rackcast.vocab import TORCH_SCHEDULE_CLASSES
 
 
 class StageChunk(nn.Module):
-    """Layers [chunk*L/n, (chunk+1)*L/n) of `model`, plus its embedding (first chunk) and head (last chunk)."""
+    """The layers `layers` (a range) of `model`, plus its embedding (first chunk) and head (last chunk)."""
 
-    def __init__(self, model: nn.Module, chunk: int, chunks: int):
+    def __init__(self, model: nn.Module, chunk: int, chunks: int, layers: range):
         super().__init__()
-        per = len(model.layers) // chunks
         self.chunk, self.chunks = chunk, chunks
         self.embed = model.embed if chunk == 0 else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(chunk * per, (chunk + 1) * per)})
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
         self.head = model.head if chunk == chunks - 1 else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -47,9 +47,10 @@ def chunk_ids(layout: Layout, schedule: str) -> list[int]:
     return rank_chunks(schedule, layout.pp, layout.virtual, layout.stage)
 
 
-def build_chunks(model: nn.Module, layout: Layout, schedule: str) -> list[StageChunk]:
-    chunks = layout.pp * layout.virtual
-    return [StageChunk(model, c, chunks) for c in chunk_ids(layout, schedule)]
+def build_chunks(model: nn.Module, layout: Layout, par: ParallelSpec, schedule: str) -> list[StageChunk]:
+    """This process's stage chunks, each with the layers the plan's layout `par` assigns it."""
+    return [StageChunk(model, c, par.chunks, par.chunk_layer_range(c, len(model.layers)))
+            for c in chunk_ids(layout, schedule)]
 
 
 def _timed(fn, timer: PhaseTimer, name: str):

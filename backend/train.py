@@ -53,6 +53,7 @@ from rackcast.backend.fsdp import set_gradient_sync, shard_model
 from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.backend.recompute import apply_recompute
+from rackcast.backend.zero import ZeroOne
 from rackcast.backend.cpu_runtime import configure_cpu_process
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
@@ -148,7 +149,7 @@ class Trainer:
         if spec.moe is not None and (lay.ep > 1 or capacity is not None):
             self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
                                       self.timer)
-        self.chunks = build_chunks(model, lay, self.plan.schedule)
+        self.chunks = build_chunks(model, lay, self.plan.parallel, self.plan.schedule)
         apply_recompute(self.chunks, self.plan.recompute)
         self.chunk_index = chunk_ids(lay, self.plan.schedule)
         self.local = nn.ModuleList(self.chunks)
@@ -167,6 +168,8 @@ class Trainer:
         if not self.can_checkpoint and (args.checkpoint_every or args.resume):
             raise RackcastError("checkpoint_every/resume: checkpoints of FSDP-sharded expert stacks with expert "
                                 "parallelism are not supported yet (fsdp > 1 with expert > 1)", option="checkpoint_every")
+        if self.plan.parallel.zero and args.resume:  # saved: each rank writes the state it holds; loaded: not yet
+            raise RackcastError("resume: ZeRO-sharded optimizer state (parallel.zero) is not resumed yet", option="resume")
         if not self.can_checkpoint and self.rank == 0 and not args.quiet:
             print("note: no checkpoint is written (FSDP-sharded expert stacks with expert parallelism)", flush=True)
         if self.fsdp or lay.pp > 1:
@@ -181,6 +184,8 @@ class Trainer:
             self.optimizer = HostOptimizer(self.optimizer)
         for g in self.optimizer.param_groups:
             g["initial_lr"] = g["lr"]
+        self.zero = ZeroOne(self.local.named_parameters(), self.groups.dp, self.groups.edp, is_expert_param) \
+            if self.plan.parallel.zero and self.groups else None  # ZeRO-1 (backend.zero)
         self.lr_factor = marin_lr_lambda(args.steps, o.warmup_fraction, o.lr_floor)
         dp_group = self.groups.dp if self.groups else None
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
@@ -278,7 +283,7 @@ class Trainer:
         t1 = self.timer.now()
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * self.lr_factor(step)
-        self.optimizer.step()
+        self.zero.step(self.optimizer) if self.zero else self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.balancer.step()
         self.timer.add("optimizer", self.timer.now() - t1)

@@ -218,10 +218,11 @@ def _verify_shapes(out: SizeResult, feasible: list[ShapeResult], objective: str,
         return simulate_plans([order[i].result.plan_for(order[i].best)], 1)[0]
 
     def on_result(i: int, sim: dict) -> None:
-        attach_simulation(order[i].result, order[i].best, sim)
+        if "refused" not in sim:  # a step too large to simulate keeps its estimate (planner.verify._simulate_one)
+            attach_simulation(order[i].result, order[i].best, sim)
 
     def score(sim: dict) -> float:
-        return (sim["days"] if objective == "days" else sim["mfu"]) if sim["fits"] else math.nan
+        return (sim["days"] if objective == "days" else sim["mfu"]) if sim.get("fits") else math.nan
 
     v = verify(estimates, simulate_one, score, objective=objective, band=band, cap=max(cap, top), minimum=top,
                workers=workers, on_result=on_result)

@@ -1,8 +1,10 @@
 """The layout search space: which parallel layouts and knobs the planner enumerates, and how one becomes a Plan.
 
-Axes: data, fsdp, tensor, pipeline (+ virtual chunks), expert, expert_tensor and context degrees; micro-batch;
-global batch (fixed or a range); pipeline schedule; recomputation; optimizer state in HBM or host memory; dropless
-or capacity expert transport; the GPUs used per domain (64 or 72 on an NVL72 rack).
+Axes: data (with its ZeRO stage 0-2, parallel.zero), fsdp, tensor, pipeline (+ virtual chunks; where the layers do
+not divide the chunks, the uneven splits rackcast.layout.uneven_split builds: the remainder on the first, middle or
+last chunks), expert, expert_tensor and context degrees; micro-batch; global batch (fixed or a range); pipeline
+schedule; recomputation; optimizer state in HBM or host memory; dropless or capacity expert transport; the GPUs used
+per domain (64 or 72 on an NVL72 rack).
 
 Only layouts whose degrees multiply to the GPU count are generated. Placement rule: tensor x context groups are the
 innermost ranks and must divide the GPUs used per domain, so tensor- and context-parallel traffic never crosses the
@@ -28,6 +30,7 @@ from rackcast.modelspec import FlopsConvention, ModelSpec, Recipe
 from rackcast.simulator.schedule_formulas import peak_in_flight
 from rackcast.plan import (BatchSpec, ExpertTransport, OptimizerSpec, ParallelSpec, Plan, TopologyRef,
                            validate)
+from rackcast.layout import SPLIT_RULES, uneven_split
 from rackcast.vocab import PLAN_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES
 
 # Marin's fixed-capacity transport ran at capacity factor 1.15 (https://github.com/marin-community/marin/issues/8435).
@@ -36,11 +39,12 @@ CAPACITY_FACTOR = 1.15
 RECOMPUTE = ("none", "selective", "full")
 OPT_LOCATIONS = ("hbm", "host")
 TRANSPORTS = ("dropless", "capacity")
+ZERO_STAGES = (0, 1, 2)
 
 
-DEGREES = ("data", "fsdp", "tensor", "pipeline", "virtual", "expert", "expert_tensor", "context")
-LAYOUT_COLUMNS = ("usable", *DEGREES, "global_batch", "micro_batch", "schedule", "recompute", "opt_location",
-                  "transport")  # Layout.as_row's keys
+DEGREES = ("data", "fsdp", "tensor", "pipeline", "virtual", "expert", "expert_tensor", "context", "zero")
+LAYOUT_COLUMNS = ("usable", *DEGREES, "stage_layers", "global_batch", "micro_batch", "schedule", "recompute",
+                  "opt_location", "transport")  # Layout.as_row's keys (stage_layers: "15,16,15,15", or "" if even)
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,9 @@ class Layout:
 
     def as_row(self) -> dict:
         """Flat columns (usable, the degrees, then the knobs) for tables, JSON and Parquet."""
-        return {k: getattr(self.parallel, k) if k in DEGREES else getattr(self, k) for k in LAYOUT_COLUMNS}
+        row = {k: getattr(self.parallel, k) if k in DEGREES else getattr(self, k, None) for k in LAYOUT_COLUMNS}
+        row["stage_layers"] = ",".join(map(str, self.parallel.stage_layers))
+        return row
 
     @cached_property
     def parallel_label(self) -> str:
@@ -70,6 +76,10 @@ class Layout:
                 parts.append(f"{short}{getattr(par, name)}")
         if par.pipeline > 1:
             parts.append(f"p{par.pipeline}" + (f"v{par.virtual}" if par.virtual > 1 else ""))
+        if par.stage_layers:
+            parts.append("L" + ",".join(map(str, par.stage_layers)))
+        if par.zero:
+            parts.append(f"z{par.zero}")
         return " ".join(parts)
 
     @cached_property
@@ -114,6 +124,7 @@ class SpaceOptions:
     recompute: tuple[str, ...] = RECOMPUTE
     opt_locations: tuple[str, ...] = OPT_LOCATIONS
     transports: tuple[str, ...] = TRANSPORTS
+    zero_stages: tuple[int, ...] = ZERO_STAGES  # ZeRO stages of the data replicas (parallel.zero), where data > 1
     # Only layouts this executor can run are offered (rackcast.capabilities); EVERYTHING plans beyond the trainer.
     capabilities: Capabilities = TRAINER
 
@@ -293,9 +304,12 @@ def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_s
     fallback = options.global_batch or default_global_batch(spec, default_usable, domains, tokens)
     for u in usable_options(options, default_usable, domain_size):
         for d, f, t, c, p, e, et in structures(spec, domains, u, options):
-            pars = {v: ParallelSpec(data=d, fsdp=f, tensor=t, pipeline=p, virtual=v, expert=e, expert_tensor=et,
-                                    context=c, sequence_parallel=t > 1) for v in {1, *options.virtuals, 2}}
-            base = Layout(u, pars[1], options.global_batch or fallback, 1, "1f1b", "none", "hbm", "dropless")
+            pars = {v: [ParallelSpec(data=d, fsdp=f, tensor=t, pipeline=p, virtual=v, expert=e, expert_tensor=et,
+                                     context=c, sequence_parallel=t > 1, stage_layers=split, zero=z)
+                        for split in layer_splits(spec.layers, p * v, options.capabilities)
+                        for z in zero_stages(options, d, f)]
+                    for v in {1, *options.virtuals, 2}}
+            base = Layout(u, pars[1][0], options.global_batch or fallback, 1, "1f1b", "none", "hbm", "dropless")
             reason = check(base, spec, domains, options.capabilities)
             if reason and not _knob_dependent(reason):
                 out.rejected.append((base, reason))
@@ -303,17 +317,38 @@ def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_s
             any_knobs = False
             for gb, mb, sched, v, tr in knob_variants(spec, options, d, f, p, fallback):
                 any_knobs = True
-                layout = Layout(u, pars[v], gb, mb, sched, "none", "hbm", tr)
-                reason = check(layout, spec, domains, options.capabilities)
-                if reason:
-                    out.rejected.append((layout, reason))
-                else:
-                    out.layouts.append(layout)
+                for par in pars[v]:
+                    layout = Layout(u, par, gb, mb, sched, "none", "hbm", tr)
+                    reason = check(layout, spec, domains, options.capabilities)
+                    if reason:
+                        out.rejected.append((layout, reason))
+                    else:
+                        out.layouts.append(layout)
             if not any_knobs:
                 out.rejected.append((base, check(base, spec, domains, options.capabilities) or
                                      f"batch.global_batch: {base.global_batch} sequences are not divisible by "
                                      f"data x fsdp = {d * f}"))
     return out
+
+
+def layer_splits(layers: int, chunks: int, capabilities: Capabilities = TRAINER) -> list[tuple[int, ...]]:
+    """The layer splits offered for `chunks` model chunks: the even one (stage_layers empty) where the layers divide
+    them, else each distinct uneven split (rackcast.layout.uneven_split) when the executor runs uneven splits; none
+    left means the even split, which validate then refuses with the reason."""
+    if layers % chunks == 0 or layers < chunks or not capabilities.uneven_pipeline:
+        return [()]
+    return list(dict.fromkeys(uneven_split(layers, chunks, rule) for rule in SPLIT_RULES))
+
+
+def zero_stages(options: SpaceOptions, data: int, fsdp: int) -> tuple[int, ...]:
+    """The ZeRO stages offered for `data` replicas (parallel.zero): those asked for and the executor runs
+    (rackcast.capabilities: its `zero` stages, and whether it shards over replicas that fsdp shards already);
+    only 0 for one replica."""
+    caps = options.capabilities
+    if data == 1:
+        return (0,)
+    return tuple(z for z in options.zero_stages if z in caps.zero and (z == 0 or fsdp == 1 or caps.zero_with_fsdp)) \
+        or (0,)
 
 
 def _knob_dependent(reason: str) -> bool:

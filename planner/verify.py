@@ -12,7 +12,8 @@ Candidates are sorted by estimate, so the rule stops at the first one that fails
 and the rule is applied in estimate order, so which candidates end up simulated does not depend on the number of
 worker processes: the pool simulates the next `workers` candidates at once (speculatively), and results past the
 stopping point are dropped. A cap bounds the work; when it stops the search early the result says which candidate
-could still have won. Ctrl-C stops the simulations cleanly and keeps what was simulated. `verify_ranking` applies
+could still have won. Ctrl-C stops the simulations cleanly and keeps what was simulated. A candidate whose step is
+too large to simulate (simulator.step.check_work) keeps its estimate and counts as not best. `verify_ranking` applies
 the rule to a layout search's result (planner.search) with simulator.step.
 
     from rackcast.planner.verify import ESTIMATE_BAND, verify, verify_ranking
@@ -28,6 +29,7 @@ from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from rackcast.errors import RackcastError
 from rackcast.plan import Plan
 from rackcast.simulator import metrics
 
@@ -159,9 +161,14 @@ def default_workers() -> int:
 
 # ---------------------------------------------------------------- the search's simulations
 def _simulate_one(plan: Plan) -> dict:
+    """The simulated figures of `plan`, or {"refused": the line} for a step too large to simulate
+    (simulator.step.check_work): the candidate keeps its estimate."""
     from rackcast.simulator.step import simulate
 
-    res = simulate(plan, seed=0)
+    try:
+        res = simulate(plan, seed=0)
+    except RackcastError as exc:
+        return {"refused": str(exc)}
     return {"step_time_s": float(res.step_time_s), "tokens_per_s": float(res.tokens_per_s), "mfu": float(res.mfu),
             "peak_memory_bytes": float(res.peak_memory_bytes),
             "phases_s": {k: float(v) for k, v in dict(res.phases_s).items()}}
@@ -197,10 +204,15 @@ def verify_ranking(result, progress=None) -> str:
         return _simulate_one(result.plan_for(ranked[i]))
 
     def score(sim: dict) -> float:
-        return _score(sim, r.objective) if sim["fits"] else math.nan
+        return _score(sim, r.objective) if sim.get("fits") else math.nan
+
+    refused: dict[int, str] = {}  # candidates too large to simulate: the refusal
 
     def on_result(i: int, sim: dict) -> None:
-        attach_simulation(result, ranked[i], sim)
+        if "refused" in sim:
+            refused[i] = sim["refused"]
+        else:
+            attach_simulation(result, ranked[i], sim)
 
     v = verify(estimates, simulate_one, score, objective=r.objective, band=r.band,
                cap=max(r.max_simulate, r.top), minimum=r.top, workers=r.workers, on_result=on_result, progress=progress)
@@ -213,7 +225,11 @@ def verify_ranking(result, progress=None) -> str:
     def fmt(value: float) -> str:
         return f"{value:.3g} days" if r.objective == "days" else f"MFU {100 * value:.1f}%"
 
-    head = f"{n} simulated (simulator.step, {r.workers} processes), best estimate first"
+    head = f"{n - len(refused)} simulated (simulator.step, {r.workers} processes), best estimate first"
+    if refused:
+        first = min(refused)
+        head += (f" ({len(refused)} too large to simulate keep their estimate, e.g. "
+                 f"{ranked[first].layout.parallel_label}: {refused[first]})")
     if v.reason == "all":
         return f"{head}: every ranked candidate"
     if v.reason == "interrupted":

@@ -35,6 +35,9 @@ class Capabilities:
     zero_bubble_with_fsdp: bool  # zb_h1 / dualpipev together with fsdp > 1
     zb_h1_single_chunk: bool  # zb_h1 with virtual: 1
     tied_embeddings_pipeline: bool
+    uneven_pipeline: bool  # parallel.stage_layers: chunks of different layer counts
+    zero: tuple[int, ...]  # ZeRO stages of the data replicas (parallel.zero)
+    zero_with_fsdp: bool  # parallel.zero >= 1 together with fsdp > 1
     mtp_pipeline: bool  # multi-token prediction modules with pipeline > 1
     precisions: tuple[str, ...]
     grad_dtypes: tuple[str, ...]
@@ -57,6 +60,9 @@ TRAINER = Capabilities(
     zero_bubble_with_fsdp=False,  # measured: parameters 3e-2 off one process's after 5 steps (not diagnosed)
     zb_h1_single_chunk=False,
     tied_embeddings_pipeline=False,
+    uneven_pipeline=True,  # backend.pipeline builds each chunk from ParallelSpec.chunk_layer_range
+    zero=(0, 1),  # backend.zero: ZeRO-1 (optimizer state sharded over the replicas); ZeRO-2 not implemented
+    zero_with_fsdp=False,
     mtp_pipeline=False,  # backend.mtp runs after the head of an unsplit model
     precisions=("bf16", "fp32"),  # bf16: autocast on CUDA and CPU (backend.train)
     grad_dtypes=("fp32",),  # fp32 parameters, so fp32 gradients, reduced in fp32
@@ -71,7 +77,7 @@ EVERYTHING = Capabilities(
     recompute=("none", "selective", "full"), optimizer_state=("hbm", "host"),
     schedules=PLAN_SCHEDULES, zero_bubble_with_experts=True,
     zero_bubble_with_fsdp=True,
-    zb_h1_single_chunk=True, tied_embeddings_pipeline=True, mtp_pipeline=True, precisions=("bf16", "fp8", "fp32"),
+    zb_h1_single_chunk=True, tied_embeddings_pipeline=True, uneven_pipeline=True, zero=(0, 1, 2), zero_with_fsdp=True, mtp_pipeline=True, precisions=("bf16", "fp8", "fp32"),
     grad_dtypes=("bf16", "fp32"), master_weights=(True, False), attention_kernels=("flash", "materialized"),
     dropout=True,
 )
@@ -94,6 +100,14 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
     if p.pipeline > 1 and spec.mtp is not None and not caps.mtp_pipeline:
         out.append("parallel.pipeline: the trainer runs multi-token prediction (model mtp) after the head of an "
                    "unsplit model; use pipeline 1")
+    if p.stage_layers and not caps.uneven_pipeline:
+        out.append("parallel.stage_layers: uneven pipeline splits are not implemented by the trainer")
+    if p.zero not in caps.zero:
+        out.append(f"parallel.zero: ZeRO-{p.zero} is not implemented by the trainer (it runs ZeRO "
+                   f"{' or '.join(map(str, caps.zero))})")
+    elif p.zero > 0 and p.fsdp > 1 and not caps.zero_with_fsdp:
+        out.append(f"parallel.zero: ZeRO-{p.zero} over data replicas that fsdp > 1 shards already is not "
+                   "implemented by the trainer")
     if p.pipeline == 1 and p.virtual > 1:
         out.append("parallel.virtual: virtual stages need pipeline > 1")
     if p.pipeline > 1:

@@ -10,15 +10,23 @@ Grid convention (Megatron-style "MoE parallel folding"):
     gpus = data x fsdp x context x tensor x pipeline
 Ranks are numbered innermost first — tensor, context, fsdp, data, then pipeline outermost — so a small group stays
 inside one scale-up domain. `data` replicas hold full copies of their shard; `fsdp` shards parameters, gradients and
-optimizer state (ZeRO-3); `context` splits the sequence; `tensor` splits matrices; `pipeline` splits the layers into
-stages of `virtual` model chunks each. Expert layers re-fold the ranks of one stage: a run of `expert x
-expert_tensor` consecutive ranks (the expert group) holds one full set of experts — `expert` ways by expert,
-`expert_tensor` ways by width — and exchanges tokens by all-to-all; the stage's other ranks hold copies of the same
-slices (expert data parallelism), sharded ZeRO-3 style over the FSDP part of those copies.
+optimizer state (ZeRO-3); `zero` (1 or 2) shards optimizer state (and gradients) over the data replicas too
+(ZeRO-1/2: the derived `state_shards`, `grad_shards`); `context` splits the sequence; `tensor` splits matrices;
+`pipeline` splits the layers into stages of `virtual` model chunks each. Expert layers re-fold the ranks of one
+stage: a run of `expert x expert_tensor` consecutive ranks (the expert group) holds one full set of experts —
+`expert` ways by expert, `expert_tensor` ways by width — and exchanges tokens by all-to-all; the stage's other ranks
+hold copies of the same slices (expert data parallelism), sharded ZeRO-3 style over the FSDP part of those copies.
 
     from rackcast.plan import load_plan
     par = load_plan("examples/plans/marin-535b-hero.yaml").parallel
     par.gpus, par.stage_ranks, par.expert_group, par.expert_data    # 704, 704, 64, 11
+
+Layers split over the model chunks evenly (layers / chunks each) unless `stage_layers` lists each chunk's count
+(index = global chunk, in layer order): an uneven split, as Megatron-LM's --decoder-first-pipeline-num-layers /
+--decoder-last-pipeline-num-layers set the first and last stages apart, for models whose layers do not divide the
+chunks (DeepSeek-V3's 61 over PP4 x VP4). `uneven_split` builds the splits the planner offers. `chunk_layers` /
+`layer_ranks` / `rank_layers` are the one place layers are assigned to chunks and ranks: the stage work, the memory
+model, the simulator's workload and the trainer's pipeline (backend.pipeline) all ask them.
 """
 
 from __future__ import annotations
@@ -47,6 +55,29 @@ def rank_chunks(schedule: str, pipeline: int, chunks_per_rank: int, rank: int) -
     return [rank + i * pipeline for i in range(chunks_per_rank)]
 
 
+# The planner's uneven splits (uneven_split): where the layers left over from layers // chunks go.
+SPLIT_RULES = ("front", "middle", "back")
+
+
+def uneven_split(layers: int, chunks: int, rule: str) -> tuple[int, ...]:
+    """Layers per chunk when `layers` do not divide `chunks`: every chunk gets layers // chunks and the remainder r
+    goes one each to r chunks: the first r ("front": the last chunk, which also runs the head and loss, is lighter),
+    the last r ("back": the first chunk, whose rank holds the most in-flight micro-batches, is lighter), or the
+    middle r ("middle": both ends lighter, as Megatron-LM's account_for_embedding_in_pipeline_split and
+    account_for_loss_in_pipeline_split count the embedding and the loss as a layer each)."""
+    base, extra = divmod(layers, chunks)
+    if rule == "front":
+        heavy = range(extra)
+    elif rule == "back":
+        heavy = range(chunks - extra, chunks)
+    elif rule == "middle":
+        start = (chunks - extra) // 2
+        heavy = range(start, start + extra)
+    else:
+        raise ValueError(f"uneven_split: rule {rule!r} is not one of {SPLIT_RULES}")
+    return tuple(base + (c in heavy) for c in range(chunks))
+
+
 @dataclass(frozen=True)
 class ParallelSpec:
     """Degrees of the plan's GPU grid (the plan file's `parallel:` block) and the sizes derived from them."""
@@ -60,6 +91,14 @@ class ParallelSpec:
     expert_tensor: Annotated[int, Range(1, 2**24)] = 1
     context: Annotated[int, Range(1, 2**24)] = 1
     sequence_parallel: bool = False  # with tensor > 1: shard norms and dropout along the sequence
+    # Layers of each model chunk (index = global chunk, pipeline x virtual entries, summing to the model's layers);
+    # empty: layers / chunks each (see the module docstring).
+    stage_layers: tuple[Annotated[int, Range(1, 2**20)], ...] = ()
+    # ZeRO stage of the data replicas (Rajbhandari et al., ZeRO, arXiv:1910.02054): 0, each replica keeps its
+    # optimizer state, fp32 master and gradients whole (DDP); 1, the replicas shard optimizer state and master
+    # (ZeRO-1, P_os; Megatron-LM's distributed optimizer); 2, gradients too (ZeRO-2, P_os+g). Weights sharded as
+    # well (ZeRO-3, P_os+g+p) is the `fsdp` axis.
+    zero: Annotated[int, Range(0, 2)] = 0
 
     # ------------------------------------------------------------------------------------------ dense groups
     @property
@@ -86,6 +125,29 @@ class ParallelSpec:
     def reduction_outer(self) -> int:
         """Outer level of that reduction: the data replicas (all-reduce of the inner level's shard)."""
         return self.data
+
+    # ------------------------------------------------------------------------------------------------ ZeRO
+    # Array-friendly: `x ** (stage >= k)` is x where the ZeRO stage shards over x, else 1.
+    @property
+    def state_shards(self) -> int:
+        """Ways the dense optimizer state and fp32 master are sharded: fsdp, times data from ZeRO-1 on."""
+        return self.fsdp * self.data ** (self.zero >= 1)
+
+    @property
+    def grad_shards(self) -> int:
+        """Ways the dense gradients are sharded: fsdp, times data under ZeRO-2."""
+        return self.fsdp * self.data ** (self.zero >= 2)
+
+    @property
+    def expert_state_shards(self) -> int:
+        """Ways the experts' optimizer state and master are sharded: expert_fsdp, times the expert replicas from
+        ZeRO-1 on (Megatron-LM shards them over the expert-data-parallel group)."""
+        return self.expert_fsdp * self.expert_replicas ** (self.zero >= 1)
+
+    @property
+    def expert_grad_shards(self) -> int:
+        """Ways the experts' gradients are sharded: expert_fsdp, times the expert replicas under ZeRO-2."""
+        return self.expert_fsdp * self.expert_replicas ** (self.zero >= 2)
 
     # ----------------------------------------------------------------------------------------- expert groups
     @property
@@ -132,16 +194,25 @@ class ParallelSpec:
         """Model chunks pipeline rank `rank` holds under `schedule` (see rank_chunks)."""
         return rank_chunks(schedule, self.pipeline, self.chunks_per_rank, rank)
 
+    def chunk_layers(self, layers: int) -> list[int]:
+        """Layers of each model chunk (index = chunk): `stage_layers` when set, else layers / chunks each."""
+        return list(self.stage_layers) if self.stage_layers else [layers // self.chunks] * self.chunks
+
+    def chunk_layer_range(self, chunk: int, layers: int) -> range:
+        """Layer indices model chunk `chunk` holds (consecutive; chunks in layer order)."""
+        counts = self.chunk_layers(layers)
+        start = sum(counts[:chunk])
+        return range(start, start + counts[chunk])
+
     def rank_layers(self, rank: int, schedule: str, layers: int) -> list[int]:
-        """Layer indices pipeline rank `rank` holds: chunk c holds layers [c x L/chunks, (c + 1) x L/chunks)."""
-        per_chunk = layers // self.chunks
-        return [c * per_chunk + j for c in self.rank_chunks(rank, schedule) for j in range(per_chunk)]
+        """Layer indices pipeline rank `rank` holds: the layers of its chunks (chunk_layer_range), in the order it
+        first runs them."""
+        return [i for c in self.rank_chunks(rank, schedule) for i in self.chunk_layer_range(c, layers)]
 
     def layer_ranks(self, schedule: str, layers: int) -> list[int]:
         """Pipeline rank holding each layer (index = layer): the inverse of rank_layers, for sums over stages."""
-        per_chunk = layers // self.chunks
         owner = self.chunk_ranks(schedule)
-        return [owner[i // per_chunk] for i in range(layers)]
+        return [owner[c] for c, n in enumerate(self.chunk_layers(layers)) for _ in range(n)]
 
     # ----------------------------------------------------------------------------------------------- batch
     def microbatches(self, global_batch: int, micro_batch: int) -> int:
@@ -168,9 +239,19 @@ class ParallelSpec:
         for kv in {a.kv_heads_local, a.kv_heads_global}:
             if kv % self.tensor and self.tensor % kv:
                 fail("parallel.tensor", f"{kv} KV heads neither divide nor are divisible by tensor={self.tensor}")
-        if spec.layers % (self.pipeline * self.virtual):
+        if self.stage_layers:
+            if len(self.stage_layers) != self.chunks:
+                fail("parallel.stage_layers", f"lists {len(self.stage_layers)} chunks, but pipeline x virtual = "
+                                              f"{self.pipeline} x {self.virtual} = {self.chunks}")
+            if min(self.stage_layers) < 1:
+                fail("parallel.stage_layers", f"every chunk needs at least one layer, got {list(self.stage_layers)}")
+            if sum(self.stage_layers) != spec.layers:
+                fail("parallel.stage_layers", f"sums to {sum(self.stage_layers)} layers, but model {spec.name} has "
+                                              f"{spec.layers}")
+        elif spec.layers % (self.pipeline * self.virtual):
             fail("parallel.pipeline", f"{spec.layers} layers are not divisible by pipeline x virtual = "
-                                      f"{self.pipeline} x {self.virtual}")
+                                      f"{self.pipeline} x {self.virtual}; list each chunk's layers in "
+                                      "parallel.stage_layers for an uneven split")
         if self.virtual > 1 and schedule not in VIRTUAL_SCHEDULES:
             fail("parallel.virtual", f"virtual={self.virtual} needs an interleaved or V schedule, not {schedule}")
         if schedule in V_SHAPED_SCHEDULES and self.virtual != 2:
@@ -189,5 +270,8 @@ class ParallelSpec:
             if self.stage_ranks % self.expert_group:
                 fail("parallel.expert", f"expert x expert_tensor = {self.expert_group} must divide "
                                         f"data x fsdp x context x tensor = {self.stage_ranks}")
+        if self.zero > 0 and self.data == 1:
+            fail("parallel.zero", f"ZeRO-{self.zero} shards over the data replicas and needs data > 1 (fsdp already "
+                                  "shards weights, gradients and optimizer state)")
         if self.sequence_parallel and self.tensor == 1:
             fail("parallel.sequence_parallel", "needs tensor > 1")

@@ -96,15 +96,34 @@ class Collective(NamedTuple):
     name: str
 
 
-def gradient_reductions(dense_bytes, expert_bytes, inner, expert_fsdp) -> tuple[Collective, ...]:
+def gradient_reductions(dense_bytes, expert_bytes, inner, expert_fsdp, zero=0) -> tuple[Collective, ...]:
     """Gradient reduction of `dense_bytes` and `expert_bytes` of gradients: reduce-scatter inside the fsdp x context
-    group (`inner` ranks, axis "inner") and all-reduce of the shard across data replicas; for experts, reduce-scatter
-    inside their FSDP group (none when expert_fsdp is 1) and all-reduce of the shard across the remaining copies."""
+    group (`inner` ranks, axis "inner"), then across the data replicas an all-reduce of the shard, or under ZeRO-1/2
+    (`zero` >= 1) a reduce-scatter, each replica keeping the gradients of the state it updates (Rajbhandari et al.,
+    ZeRO, arXiv:1910.02054, section 7: a reduce-scatter of gradients and an all-gather of updated parameters instead
+    of one all-reduce; `parameter_gathers` is the second half); for experts, reduce-scatter inside their FSDP group
+    (none when expert_fsdp is 1), then the same choice across the remaining copies. Bytes are zero where a
+    collective does not apply (arrays of layouts share one list)."""
+    sharded = np.asarray(zero) >= 1
     return (Collective("reduce_scatter", "inner", dense_bytes, "dp", "grad reduce-scatter"),
-            Collective("all_reduce", "data", dense_bytes / inner, "dp", "grad all-reduce"),
+            Collective("all_reduce", "data", dense_bytes / inner * ~sharded, "dp", "grad all-reduce"),
+            Collective("reduce_scatter", "data", dense_bytes / inner * sharded, "dp", "grad reduce-scatter (zero)"),
             Collective("reduce_scatter", "expert_fsdp", expert_bytes * (expert_fsdp > 1), "edp",
                        "expert grad reduce-scatter"),
-            Collective("all_reduce", "expert_replicas", expert_bytes / expert_fsdp, "edp", "expert grad all-reduce"))
+            Collective("all_reduce", "expert_replicas", expert_bytes / expert_fsdp * ~sharded, "edp",
+                       "expert grad all-reduce"),
+            Collective("reduce_scatter", "expert_replicas", expert_bytes / expert_fsdp * sharded, "edp",
+                       "expert grad reduce-scatter (zero)"))
+
+
+def parameter_gathers(dense_bytes, expert_bytes, inner, expert_fsdp, zero=0) -> tuple[Collective, ...]:
+    """Under ZeRO-1/2 (`zero` >= 1), after the optimizer step: every data replica updated its shard of the weights
+    and all-gathers the others' (`dense_bytes`, `expert_bytes`: the weights in their stored dtype, before the
+    fsdp x context and expert-FSDP splits that gradient_reductions applies too); nothing otherwise."""
+    sharded = np.asarray(zero) >= 1
+    return (Collective("all_gather", "data", dense_bytes / inner * sharded, "dp", "param all-gather (zero)"),
+            Collective("all_gather", "expert_replicas", expert_bytes / expert_fsdp * sharded, "edp",
+                       "expert param all-gather (zero)"))
 
 
 # ------------------------------------------------------------------------------------------------------------ times

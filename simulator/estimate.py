@@ -16,7 +16,9 @@ sends are exposed only along the fill and the drain.
 Overlap: the expert all-to-all hides behind shared-expert compute, FSDP gathers behind the previous layer's compute
 (the first layer's of each forward or backward and the embedding / head ends are exposed), the data-parallel
 gradient reduction behind the last micro-batch's backward when the plan overlaps it (plan.overlap_grad_reduce),
-else after it; the rest is exposed. simulator.workload and step model the same, op by op; tests/
+else after it (under ZeRO-1/2 a reduce-scatter, then the updated weights' all-gather after the optimizer step,
+exposed; under ZeRO-2 every earlier micro-batch's reduction too, hidden behind the following micro-batches' work
+where it can be); the rest is exposed. simulator.workload and step model the same, op by op; tests/
 test_estimate_vs_simulator.py holds the two within 5%.
 Host per-op overhead (only where the topology's efficiency.host_op_s is measured, e.g. a calibrated CPU): the op
 counts of the backend model (simulator.op_counts) per step, as simulator.host_overhead models them (rank 0's own
@@ -196,6 +198,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "dense_grad_bytes": rp.dense * g_bytes,
         **reduction_groups(plan, pl),
         "expert_grad_bytes": rp.expert * g_bytes,
+        "zero": par.zero, "dense_weight_bytes": rp.dense * w_bytes, "expert_weight_bytes": rp.expert * w_bytes,
         "efsdp_n": par.expert_fsdp, "efsdp_out": pl.expert_fsdp.span == "scale_out",
         "efsdp_pd": group_per_domain(pl.expert_fsdp),
         "erep_n": par.expert_replicas, "erep_out": pl.expert_replicas.span == "scale_out",
@@ -283,11 +286,20 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     dp_t = sum(collective_time(topo, c.kind, f[groups[c.axis] + "_n"], c.nbytes, f[groups[c.axis] + "_out"],
                                f[groups[c.axis] + "_pd"])
                for c in costs.gradient_reductions(f["dense_grad_bytes"], f["expert_grad_bytes"], f["inner_n"],
-                                                  f["efsdp_n"]))
+                                                  f["efsdp_n"], f["zero"]))
+    # ZeRO-1/2: the updated weights' all-gather over the replicas follows the optimizer step, exposed.
+    gather_t = sum(collective_time(topo, c.kind, f[groups[c.axis] + "_n"], c.nbytes, f[groups[c.axis] + "_out"],
+                                   f[groups[c.axis] + "_pd"])
+                   for c in costs.parameter_gathers(f["dense_weight_bytes"], f["expert_weight_bytes"], f["inner_n"],
+                                                    f["efsdp_n"], f["zero"]))
     # Overlapped (plan.overlap_grad_reduce): each layer's reduction starts once the last micro-batch's backward has
     # produced its gradients, so the backward of all but the first layer processed hides it; otherwise it all waits.
     window = (2 * h["fwd"] + h["rec"]) * (1.0 - 1.0 / np.maximum(f["layers"], 1))
-    dp_exposed = np.where(f["overlap_grad_reduce"] > 0, np.maximum(0.0, dp_t - window), dp_t)
+    dp_exposed = np.where(f["overlap_grad_reduce"] > 0, np.maximum(0.0, dp_t - window), dp_t) + gather_t
+    # ZeRO-2 keeps only its gradient shard, so every micro-batch but the last reduces its gradients too, in the
+    # background of the following micro-batches' work; what they cannot hide is exposed.
+    early_t = np.where(f["zero"] >= 2, (m - 1) * dp_t, 0.0)
+    dp_exposed = dp_exposed + np.maximum(0.0, early_t - (m - 1) * h["total"])
     optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], f["ns_size"], topo) + balancing_time(f, topo) + \
         costs.muon_gather_time(f, topo)
     host_t = costs.host_link_time(f["host_bytes"], topo)
@@ -309,7 +321,7 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
         "optimizer": optimizer_t + op_o,
         "host_transfer": host_t,
         "expert_a2a_total": m * h["a2a_total"],
-        "dp_comm_total": dp_t,
+        "dp_comm_total": dp_t + gather_t + early_t,
     }
 
 

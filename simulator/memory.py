@@ -2,8 +2,11 @@
 
 The partition follows the plan's layout (see rackcast/plan.py): dense matrices split by `tensor`, layers by
 `pipeline`, experts by `expert x expert_tensor`; parameters, gradients and optimizer state of the dense part are
-sharded `fsdp` ways (ZeRO-3), the experts' by the FSDP part of their expert-data group. The heaviest pipeline rank
-is reported by default (rank 0 holds the embedding and the most in-flight micro-batches); `rank` picks another.
+sharded `fsdp` ways (ZeRO-3), the experts' by the FSDP part of their expert-data group; `parallel.zero` shards the
+optimizer state and master (ZeRO-1) and the gradients (ZeRO-2) over the data replicas as well (Rajbhandari et al.,
+ZeRO: Memory Optimizations Toward Training Trillion Parameter Models, arXiv:1910.02054, section 5 and figure 1).
+Pipeline rank 0 is reported by default (it holds the embedding and the most in-flight micro-batches: the heaviest
+under an even split; under an uneven one, parallel.stage_layers, another rank may hold more); `rank` picks another.
 
 Activations per layer per token are the tensors a layer saves for its backward pass, counted component by
 component in simulator.activations, in one of two modes (`activations`): "fused" (the default, what a production
@@ -180,27 +183,35 @@ def inflight_chunk_microbatches(schedule: str, p: int, m: int, v: int, rank: int
 
 def optimizer_state_bytes(rp: RankParams, plan: Plan | PlanArrays, dtype: str | None = None) -> tuple:
     """(fp32 master, optimizer state) bytes per GPU for this rank's shard of the parameters (no master copy when
-    the weights are kept in fp32 already)."""
-    shard = rp.dense / plan.parallel.fsdp + rp.expert / plan.parallel.expert_fsdp
+    the weights are kept in fp32 already): sharded fsdp ways, and over the data replicas too from ZeRO-1 on
+    (ParallelSpec.state_shards; Rajbhandari et al., ZeRO, arXiv:1910.02054, section 5.1: P_os keeps K x Psi / N_d
+    bytes of optimizer state per device, K = 12 for mixed-precision Adam: master, momentum, variance)."""
+    par = plan.parallel
+    dense_shards, expert_shards = par.state_shards, par.expert_state_shards
+    shard = rp.dense / dense_shards + rp.expert / expert_shards
     master = FP32 * shard if keeps_master(plan, dtype) else 0.0 * shard
-    trained = shard - rp.frozen / plan.parallel.fsdp  # parameters without a gradient get no state (backend.optim)
+    trained = shard - rp.frozen / dense_shards  # parameters without a gradient get no state (backend.optim)
     if plan.optimizer.name == "adamw":
         return master, 2 * FP32 * trained
     # MuonH: 1 momentum buffer for matrices, Adam (2) for adam-only groups, AdamH (2) for the head.
-    return master, FP32 * (trained + (rp.adam_only + rp.head) / plan.parallel.fsdp + rp.expert_adam / plan.parallel.expert_fsdp)
+    return master, FP32 * (trained + (rp.adam_only + rp.head) / dense_shards + rp.expert_adam / expert_shards)
 
 
 def static_bytes(rp: RankParams, plan: Plan | PlanArrays, dtype: str | None = None) -> dict:
     """Bytes per GPU that live for the whole step: weights, gradients, master, optimizer state (HBM) and what is
     kept in host memory instead when the plan offloads the optimizer. `dtype`: the dtype weights are kept in
-    (default: the plan's precision, with an fp32 master)."""
+    (default: the plan's precision, with an fp32 master). Weights are sharded fsdp ways (ZeRO-3); gradients fsdp
+    ways, and over the data replicas too under ZeRO-2 (ParallelSpec.grad_shards; ZeRO, section 5.2: P_os+g keeps
+    2 x Psi / N_d bytes of fp16 gradients); optimizer state see optimizer_state_bytes."""
     par = plan.parallel
     shard = rp.dense / par.fsdp + rp.expert / plan.parallel.expert_fsdp
     g_bytes = grad_bytes(plan, dtype)
     master, states = optimizer_state_bytes(rp, plan, dtype)
     host = state_location(plan) == "host"
-    return {"weights": weight_bytes(plan, dtype) * shard,
-            "gradients": g_bytes * (np.where(par.fsdp > 1, shard, rp.dense + rp.expert) - rp.frozen / par.fsdp),
+    grads_sharded = (par.fsdp > 1) | (par.zero >= 2)
+    grads = np.where(grads_sharded, rp.dense / par.grad_shards + rp.expert / par.expert_grad_shards,
+                     rp.dense + rp.expert) - rp.frozen / par.grad_shards
+    return {"weights": weight_bytes(plan, dtype) * shard, "gradients": g_bytes * grads,
             "master": np.where(host, 0.0, master), "optimizer": np.where(host, 0.0, states),
             "host": np.where(host, master + states, 0.0)}
 
@@ -231,6 +242,9 @@ def memory_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None
     buffers = np.where(par.fsdp > 1, 2 * w_bytes * rp.dense_layer_max + g_bytes * rp.dense_layer_max +
                        w_bytes * ends, 0.0)
     buffers = buffers + np.where(efsdp > 1, 2 * w_bytes * rp.expert_layer_max + g_bytes * rp.expert_layer_max, 0.0)
+    # ZeRO-2 without fsdp: one layer's whole gradients wait for their reduce-scatter (ZeRO's bucketed reduction).
+    buffers = buffers + np.where((par.zero >= 2) & (par.fsdp == 1), g_bytes * rp.dense_layer_max, 0.0) + \
+        np.where((par.zero >= 2) & (efsdp == 1), g_bytes * rp.expert_layer_max, 0.0)
     tokens_mb = plan.tokens_per_microbatch(spec)
     m = plan.microbatches
     # Per token of a micro-batch: the layers' saved activations (sum, largest layer) and the attention cores.

@@ -78,10 +78,12 @@ def newton_schulz_parts(spec: ModelSpec, layers) -> tuple[float, float]:
 def newton_schulz_split(parts: tuple, plan) -> float:
     """One rank's share of newton_schulz_parts (arrays for PlanArrays): dense matrices split `tensor` ways and
     orthogonalised whole on every rank of the fsdp group (backend.optim.orthogonalise; see muon_gather), expert
-    matrices over the expert ranks and the experts' own FSDP shards (whole experts per shard)."""
+    matrices over the expert ranks and the experts' own FSDP shards (whole experts per shard); under ZeRO-1/2 the
+    data replicas (the expert replicas for experts) split the matrices between them."""
     par = plan.parallel
     dense, expert = parts
-    return dense / par.tensor + expert / (par.expert * par.expert_fsdp)
+    # ZeRO-1/2: each data replica orthogonalises the whole matrices whose state it holds (a 1 / data share).
+    return dense / (par.tensor * (par.state_shards // par.fsdp)) + expert / (par.expert * par.expert_state_shards)
 
 
 def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float:
@@ -122,7 +124,7 @@ def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
     The update reads weights and gradients and writes weights, and reads and writes the fp32 master and the
     optimizer state; when those live on the host they cross the host link in and out."""
     par = plan.parallel
-    shard = rp.dense / par.fsdp + rp.expert / par.expert_fsdp
+    shard = rp.dense / par.state_shards + rp.expert / par.expert_state_shards  # what this rank updates (ZeRO-1/2)
     w_bytes, g_bytes = BYTES["bf16"], BYTES[plan.grad_dtype]
     master, state = optimizer_state_bytes(rp, plan)
     hbm = shard * (2 * w_bytes + g_bytes) + 2 * (master + state)

@@ -1,7 +1,7 @@
 """Many plans as arrays: the layout fields that differ between candidates, one numpy array per field.
 
 The planner prices tens of thousands of layouts of one model on one topology. `PlanArrays` holds them as columns
-(the parallel degrees, GPUs used per domain, batch, schedule, recomputation, optimizer-state location, expert
+(the parallel degrees and layers per chunk, GPUs used per domain, batch, schedule, recomputation, optimizer-state location, expert
 transport) over a template Plan that supplies every other field. The cost functions that take a plan
 (simulator.estimate.plan_features, simulator.memory.memory_breakdown, rank_params, ...) take a PlanArrays too and
 answer with arrays, one element per plan, from the same formulas:
@@ -35,7 +35,8 @@ PARALLEL_FIELDS = tuple(f.name for f in dc_fields(ParallelSpec))
 COLUMNS = (*PARALLEL_FIELDS, "usable", "global_batch", "micro_batch", "schedule", "recompute", "state_location",
            "transport")
 _STRING_COLUMNS = ("schedule", "recompute", "state_location")
-LAYER_SET = ("pipeline", "virtual", "schedule")  # the fields that decide which layers a pipeline rank holds
+_OBJECT_COLUMNS = ("transport", "stage_layers")  # ExpertTransport objects; layers per chunk (tuples)
+LAYER_SET = ("pipeline", "virtual", "schedule", "stage_layers")  # what decides which layers a pipeline rank holds
 
 
 class PlanArrays:
@@ -94,8 +95,11 @@ class PlanArrays:
         values = self._values[name]
         if name in _STRING_COLUMNS:
             return np.array(values)[self._codes[name]]
-        if name == "transport":
-            return np.array(values, dtype=object)[self._codes[name]]
+        if name in _OBJECT_COLUMNS:
+            table = np.empty(len(values), dtype=object)  # filled one by one: tuples must not become a 2-d array
+            for i, v in enumerate(values):
+                table[i] = v
+            return table[self._codes[name]]
         return np.array(values, dtype=np.int64)[self._codes[name]]
 
     @property
@@ -195,9 +199,10 @@ def _encode(column: Sequence) -> tuple[list, np.ndarray]:
     objects: list = []
     codes = np.empty(len(column), dtype=np.int64)
     for i, v in enumerate(column):
-        k = index.get(id(v))
+        key = v if isinstance(v, tuple) else id(v)  # tuples (layers per chunk) by value
+        k = index.get(key)
         if k is None:
-            k = index[id(v)] = len(objects)
+            k = index[key] = len(objects)
             objects.append(v)
         codes[i] = k
     return objects, codes

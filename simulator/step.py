@@ -194,7 +194,10 @@ class _Rank:
             elif a.kind in ("B", "BW") and c < last_chunk:
                 yield from self.wait_dep(("G", c + 1, i))
             overlap = sim.plan.overlap_grad_reduce
-            ops = sim.chunk_ops(work, a, reduce=overlap and last_grad.get(c) == idx, top=idx == final)
+            # ZeRO-2 keeps only its shard of the gradients: every micro-batch's backward reduces its layers'
+            # gradients as they come (in the background), not only the last one's.
+            each = sim.plan.parallel.zero >= 2 and a.kind in ("BW", "W") and last_grad.get(c) != idx
+            ops = sim.chunk_ops(work, a, reduce=each or (overlap and last_grad.get(c) == idx), top=idx == final)
             yield from self.run(ops, {})
             if a.kind != "W":
                 key = ("F" if a.kind == "F" else "G", c, i)
@@ -225,6 +228,10 @@ class _Rank:
             elif host > 0:
                 yield self.start(comm)
             self.phases[phase] += env.now - t0
+        t0 = env.now
+        for comm in work.gather_comms or ():  # ZeRO-1/2: the updated weights, one collective at a time
+            yield self.start(comm)
+        self.phases["exposed_dp_comm"] += env.now - t0
         self.finish = env.now
 
 

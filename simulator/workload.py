@@ -74,6 +74,7 @@ class StageWork:
     optimizer_s: float
     host_bytes: float  # optimizer state + master moved each way between host and GPU
     reduction_comms: list = None  # the stage's whole gradient reduction, when it runs after the backward
+    gather_comms: list = None  # ZeRO-1/2: the updated weights' all-gather after the optimizer step
     embed_ops: float = 0.0  # the embedding's framework ops (forward) on the stage holding the first chunk
     head_ops: float = 0.0  # the head and loss ops (forward) on the stage holding the last chunk
 
@@ -95,13 +96,12 @@ class Workload:
         self.n_chunks = par.chunks
         owner = par.chunk_ranks(plan.schedule)
         self.chunk_rank = owner
-        per_chunk = spec.layers // self.n_chunks
         moe = spec.moe
         self.x = spec.expert_input_dim if moe else 0
         self.expert_size = costs.expert_gemm_size(self.tokens_mb, spec, par.expert)
         self.stages: list[StageWork] = []
         for s in range(par.pipeline):
-            chunks = {c: [self._layer(i) for i in range(c * per_chunk, (c + 1) * per_chunk)]
+            chunks = {c: [self._layer(i) for i in par.chunk_layer_range(c, spec.layers)]
                       for c in range(self.n_chunks) if owner[c] == s}
             self.stages.append(self._stage(s, chunks))
         self.loads = ExpertLoads(spec, plan, self, seed) if moe else None
@@ -160,6 +160,7 @@ class Workload:
         return StageWork(stage=s, chunks=chunks, head_s=head_s, embed_s=embed_s, top_params=top,
                          embed_params=rp.embed_end, head_params=rp.head_end, static_bytes=static,
                          reduction_comms=self.reduction_comms(rp.dense, rp.expert),
+                         gather_comms=self.parameter_gather_comms(rp.dense, rp.expert),
                          io_bytes=2 * W_BYTES * spec.d_model * self.tokens_mb, optimizer_s=optimizer_s,
                          host_bytes=host_bytes, embed_ops=embed_ops, head_ops=head_ops)
 
@@ -290,10 +291,11 @@ class Workload:
                  W_BYTES * params)]
 
     def grad_buffer_bytes(self, lw: LayerWork) -> float:
-        """Unsharded gradient buffer of one layer during its backward (FSDP only; memory.py counts one layer)."""
+        """Unsharded gradient buffer of one layer during its backward (FSDP or ZeRO-2 only; memory.py counts one
+        layer)."""
         par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
-        out = g * lw.dense_params if par.fsdp > 1 else 0.0
-        if lw.moe and self.plan.parallel.expert_fsdp > 1:
+        out = g * lw.dense_params if par.fsdp > 1 or par.zero >= 2 else 0.0
+        if lw.moe and (self.plan.parallel.expert_fsdp > 1 or par.zero >= 2):
             out += g * lw.expert_params
         return out
 
@@ -302,7 +304,14 @@ class Workload:
         par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
         return [Comm(c.kind, c.axis, c.nbytes, c.stream, c.name)
                 for c in costs.gradient_reductions(dense_params * g, expert_params * g, par.reduction_inner,
-                                                   par.expert_fsdp) if c.nbytes > 0]
+                                                   par.expert_fsdp, par.zero) if c.nbytes > 0]
+
+    def parameter_gather_comms(self, dense_params: float, expert_params: float) -> list[Comm]:
+        """ZeRO-1/2: the updated weights' all-gather after the optimizer step (costs.parameter_gathers)."""
+        par = self.plan.parallel
+        return [Comm(c.kind, c.axis, c.nbytes, c.stream, c.name)
+                for c in costs.parameter_gathers(dense_params * W_BYTES, expert_params * W_BYTES,
+                                                 par.reduction_inner, par.expert_fsdp, par.zero) if c.nbytes > 0]
 
 
 class ExpertLoads:

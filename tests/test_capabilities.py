@@ -8,6 +8,7 @@ import yaml
 
 from rackcast.capabilities import EVERYTHING, TRAINER, refusals
 from rackcast.cli.train import check_lines
+from conftest import PLANS
 from rackcast.plan import load_plan, save_plan
 
 PROBLEMS = [(model, topology) for model in ("tiny-moe", "marin-ladder-d768")
@@ -58,3 +59,27 @@ def test_refusals_name_master_weights_and_the_unrunnable_axes(tmp_path):
     reasons = refusals(plan, plan.model_spec())
     assert [r.split(":")[0] for r in reasons] == ["optimizer.master_weights"]
     assert refusals(plan, plan.model_spec(), EVERYTHING) == []
+
+
+def test_the_planner_offers_uneven_splits_only_where_the_layers_do_not_divide_and_the_trainer_runs_them():
+    from dataclasses import replace
+
+    from rackcast.planner.space import SpaceOptions, enumerate_space, layer_splits
+    from rackcast.presets import load_model
+
+    spec = load_model("deepseek-v3-class")  # 61 layers: no pipeline depth > 1 divides them
+    assert layer_splits(64, 8) == [()]
+    assert layer_splits(61, 4) == [(16, 15, 15, 15), (15, 16, 15, 15), (15, 15, 15, 16)]
+    options = SpaceOptions(global_batch=2048, contexts=(1,), expert_tensors=(1,), micro_batches=(1,))
+    offered = enumerate_space(spec, 32, 8, 8, options, 1e12).layouts
+    piped = [lay for lay in offered if lay.parallel.pipeline > 1]
+    assert piped and all(sum(lay.parallel.stage_layers) == 61 for lay in piped)
+    assert {len(set(lay.parallel.stage_layers)) for lay in piped} == {2}  # base and base + 1 layers
+    no_uneven = replace(TRAINER, uneven_pipeline=False)
+    plan = load_plan(str(PLANS / "tiny-2proc-pp.yaml"))
+    uneven = replace(plan, parallel=replace(plan.parallel, stage_layers=(3, 1)))
+    assert refusals(uneven, uneven.model_spec()) == []
+    assert refusals(uneven, uneven.model_spec(), no_uneven) == [
+        "parallel.stage_layers: uneven pipeline splits are not implemented by the trainer"]
+    fewer = enumerate_space(spec, 32, 8, 8, replace(options, capabilities=no_uneven), 1e12).layouts
+    assert not [lay for lay in fewer if lay.parallel.pipeline > 1]

@@ -104,3 +104,42 @@ def test_capacity_mode_pays_for_its_padded_buffers_in_both():
         assert got["capacity"].step_time_s > 1.03 * got["dropless"].step_time_s
         assert got["capacity"].drop_fraction < 0.01
     assert _rel(est["capacity"].step_time_s, sim["capacity"].step_time_s) <= BAND
+
+
+@pytest.mark.parametrize("rule", ["front", "middle", "back"])
+@pytest.mark.parametrize("pipeline,schedule", [(3, "1f1b"), (3, "interleaved_1f1b"), (5, "1f1b")])
+def test_estimate_and_simulator_agree_on_uneven_pipeline_splits(pipeline, schedule, rule):
+    # The sweep's model (16 layers) over 3 or 5 stages (6 chunks interleaved): the layers do not divide the chunks,
+    # so parallel.stage_layers lists an uneven split (rackcast.layout.uneven_split); both paths take each stage's
+    # layers from ParallelSpec.layer_ranks and must agree as they do on even splits.
+    from rackcast.layout import uneven_split
+
+    virtual = 2 if schedule in VIRTUAL_SCHEDULES else 1
+    plan = _sweep_plan(1, "1f1b")
+    split = uneven_split(plan.model_spec().layers, pipeline * virtual, rule)
+    gpus = STAGE_GPUS * pipeline
+    domains = -(-gpus // 64)
+    plan = replace(plan, topology=TopologyRef("gb200-nvl72", domains, gpus // domains), schedule=schedule,
+                   parallel=replace(plan.parallel, pipeline=pipeline, virtual=virtual, stage_layers=split),
+                   batch=BatchSpec(STAGE_GPUS * 30, 1))  # 30 micro-batches: a multiple of 3 and 5 stages
+    validate(plan, plan.model_spec(), plan.topology_spec().gpus)
+    est, sim = estimate(plan), simulate(plan, record=False)
+    assert _rel(est.step_time_s, sim.step_time_s) <= BAND, (split, est.phases_s, sim.phases_s)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_estimate_and_simulator_agree_under_zero(zero):
+    # The Megatron-style GPT plan (24 data replicas): ZeRO-1/2 reduce-scatter the gradients over the replicas and
+    # all-gather the updated weights after the optimizer step (simulator.costs.gradient_reductions,
+    # parameter_gathers), in both paths alike; ZeRO-2 reduces every micro-batch's gradients, which its many
+    # micro-batches cannot hide (a slower step than ZeRO-1's in both).
+    base = load_plan(str(PLANS / "gpt-145b-megatron.yaml"))
+    plan = replace(base, parallel=replace(base.parallel, zero=zero))
+    est, sim = estimate(plan), simulate(plan, record=False)
+    assert _rel(est.step_time_s, sim.step_time_s) <= BAND, (est.phases_s, sim.phases_s)
+    dp = est.phases_s["exposed_dp_comm"] - sim.phases_s["exposed_dp_comm"]
+    assert abs(dp) <= BAND * sim.step_time_s, (est.phases_s, sim.phases_s)
+    if zero == 2:
+        one = replace(base, parallel=replace(base.parallel, zero=1))
+        assert est.step_time_s > 1.2 * estimate(one).step_time_s
+        assert sim.step_time_s > 1.2 * simulate(one, record=False).step_time_s

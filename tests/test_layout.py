@@ -70,3 +70,55 @@ def test_the_plan_validator_prints_one_line_and_exits_2_on_a_refusal(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "rackcast.plan", str(PLANS / "tiny-1proc.yaml")], capture_output=True,
                         text=True, cwd=ROOT)
     assert ok.returncode == 0 and ok.stdout.strip().endswith(": ok")
+
+
+# ------------------------------------------------------------------------------------------- uneven layer splits
+def test_uneven_split_spreads_the_remainder_by_rule():
+    from rackcast.layout import uneven_split
+
+    assert uneven_split(61, 16, "front") == (4,) * 13 + (3,) * 3
+    assert uneven_split(61, 16, "back") == (3,) * 3 + (4,) * 13
+    assert uneven_split(61, 16, "middle") == (3,) + (4,) * 13 + (3,) * 2
+    for rule in ("front", "middle", "back"):
+        split = uneven_split(94, 8, rule)
+        assert sum(split) == 94 and max(split) - min(split) == 1
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved_1f1b", 2), ("dualpipev", 2)])
+def test_stage_layers_assign_consecutive_layers_to_chunks_and_ranks(schedule, virtual):
+    split = (5, 3, 4, 2, 1, 6)[: 3 * virtual] if virtual == 2 else (5, 3, 4)
+    layers = sum(split)
+    par = ParallelSpec(pipeline=3, virtual=virtual, stage_layers=split)
+    ranges = [par.chunk_layer_range(c, layers) for c in range(par.chunks)]
+    assert [len(r) for r in ranges] == list(split)
+    assert [i for r in ranges for i in r] == list(range(layers))  # consecutive, in chunk order
+    owner = par.layer_ranks(schedule, layers)
+    for rank in range(3):
+        held = par.rank_layers(rank, schedule, layers)
+        assert sorted(held) == [i for i, r in enumerate(owner) if r == rank]
+        assert len(held) == sum(split[c] for c in par.rank_chunks(rank, schedule))
+
+
+def test_an_empty_split_is_the_even_one():
+    even = ParallelSpec(pipeline=4, virtual=2)
+    listed = ParallelSpec(pipeline=4, virtual=2, stage_layers=(2,) * 8)
+    assert even.layer_ranks("interleaved_1f1b", 16) == listed.layer_ranks("interleaved_1f1b", 16)
+    assert even.rank_layers(1, "interleaved_1f1b", 16) == [2, 3, 10, 11]
+
+
+@pytest.mark.parametrize("split,message", [
+    ("[1, 1, 2]", "parallel.stage_layers: lists 3 chunks, but pipeline x virtual = 2 x 1 = 2"),
+    ("[2, 1]", "parallel.stage_layers: sums to 3 layers, but model tiny-moe has 4"),
+    ("[4, 0]", "parallel.stage_layers[1]: "),
+])
+def test_a_bad_split_is_refused_with_one_line_naming_the_file_and_field(tmp_path, split, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((PLANS / "tiny-2proc-pp.yaml").read_text().replace("  pipeline: 2\n",
+                                                                      f"  pipeline: 2\n  stage_layers: {split}\n"))
+    out = subprocess.run([sys.executable, "-m", "rackcast.plan", str(bad)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"rackcast.plan: error: {bad}: {message}"), lines
+    good = tmp_path / "good.yaml"
+    good.write_text(bad.read_text().replace(split, "[3, 1]"))
+    assert load_plan(str(good)).parallel.stage_layers == (3, 1)

@@ -206,7 +206,8 @@ def test_optimizer_state_and_gradients_equal_what_the_backend_keeps(plan_name):
     plan = load_plan(PLANS / f"{plan_name}.yaml")
     spec = plan.model_spec()
     for stage in range(plan.parallel.pipeline):
-        chunks = nn.ModuleList(build_chunks(build_model(spec, seed=0), Layout.of(plan, stage), plan.schedule))
+        chunks = nn.ModuleList(build_chunks(build_model(spec, seed=0), Layout.of(plan, stage), plan.parallel,
+                                            plan.schedule))
         optimizer = build_optimizer(chunks, "muonh")
         trained = [p for p in chunks.parameters() if p.requires_grad]
         for p in trained:

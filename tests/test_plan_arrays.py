@@ -15,7 +15,7 @@ from rackcast.planner.space import SpaceOptions, enumerate_space, fast_spec, mak
 from rackcast.presets import load_model
 from rackcast.simulator.estimate import estimate, plan_features, step_time
 from rackcast.simulator.memory import memory_breakdown
-from rackcast.simulator.plan_arrays import PlanArrays
+from rackcast.simulator.plan_arrays import PARALLEL_FIELDS, PlanArrays
 from rackcast.topologies import load_topology
 
 RTOL = 1e-12
@@ -44,9 +44,7 @@ def _sample(model: str, topology: str, domains: int, global_batch: int, k: int):
 
 def _arrays(plans) -> PlanArrays:
     pars = [p.parallel for p in plans]
-    columns = {k: [getattr(par, k) for par in pars] for k in ("data", "fsdp", "tensor", "pipeline", "virtual",
-                                                               "expert", "expert_tensor", "context",
-                                                               "sequence_parallel")}
+    columns = {k: [getattr(par, k) for par in pars] for k in PARALLEL_FIELDS}
     columns.update(usable=[p.topology.usable_gpus for p in plans], global_batch=[p.batch.global_batch for p in plans],
                    micro_batch=[p.batch.micro_batch for p in plans], schedule=[p.schedule for p in plans],
                    recompute=[p.recompute for p in plans],
