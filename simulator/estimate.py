@@ -69,16 +69,24 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
     return expected_max_load_factor(transport, experts, top_k, ep, tokens_group, seed=seed)
 
 
-def _stage_compute_s(gemm, head, attn, experts, rec_gemm, rec_attn, rec_experts, elem, gemm_size, expert_size,
-                     topo: Topology):
+def _stage_compute_s(gemm, head, attn, experts, rec_gemm, rec_attn, rec_experts, elem, dense: costs.GemmShape,
+                     grouped: costs.GemmShape, topo: Topology):
     """(forward, recomputation, elementwise) seconds of one stage's micro-batch from its FLOPs and bytes (costs):
-    dense GEMMs and the head at the GEMM efficiency of gemm_size, the attention core at the attention efficiency,
-    routed experts on the grouped-GEMM curve at expert_size, elementwise traffic memory-bound."""
-    fwd = costs.gemm_time(gemm + head, gemm_size, topo) + costs.attention_time(attn, topo) + \
-        costs.grouped_gemm_time(experts, expert_size, topo)
-    rec = costs.gemm_time(rec_gemm, gemm_size, topo) + costs.attention_time(rec_attn, topo) + \
-        costs.grouped_gemm_time(rec_experts, expert_size, topo)
+    dense GEMMs and the head at the GEMM efficiency of the `dense` shape, the attention core at the attention
+    efficiency, routed experts at the grouped-GEMM efficiency of the `grouped` shape, elementwise traffic
+    memory-bound."""
+    gemm_eff = costs.gemm_efficiency(dense, topo)
+    expert_eff = costs.grouped_gemm_efficiency(grouped, topo)
+    peak = topo.peak_flops("bf16")
+    fwd = (gemm + head) / (peak * gemm_eff) + costs.attention_time(attn, topo) + experts / (peak * expert_eff)
+    rec = rec_gemm / (peak * gemm_eff) + costs.attention_time(rec_attn, topo) + rec_experts / (peak * expert_eff)
     return fwd, rec, costs.memory_bound_time(elem, topo)
+
+
+def _shapes(f: dict) -> tuple[costs.GemmShape, costs.GemmShape]:
+    """The dense and the grouped expert GEMM shapes of a features dict (plan_features)."""
+    return (costs.GemmShape(f["gemm_m"], f["gemm_n"], f["gemm_k"]),
+            costs.GemmShape(f["expert_m"], f["expert_n"], f["expert_k"], f["expert_groups"]))
 
 
 STAGE_KEYS = ("gemm_flops", "head_flops", "attn_flops", "expert_flops", "shared_flops", "rec_gemm_flops",
@@ -119,8 +127,10 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
             p.tokens_per_microbatch(spec) * p.parallel.expert_group, seed=p.seed))
     full = np.asarray(plan.recompute == "full", dtype=float)
     recomputed_attn = np.asarray(plan.recompute != "none", dtype=float)
-    gemm_size = costs.gemm_size(tokens_mb, spec, t)
-    expert_size = costs.expert_gemm_size(tokens_mb, spec, par.expert)
+    dense_shape = costs.gemm_shape(tokens_mb, spec, t)
+    # The most loaded rank's experts: balanced rows x the routing draw's imbalance (capacity: the padded rows).
+    expert_shape = costs.expert_shape(costs.expert_rows(tokens_mb, spec, par.expert_group) * m_imbalance, spec,
+                                      par.expert, par.expert_tensor)
 
     # Every stage's work (simulator.stage_work), padded to the deepest pipeline: rows[name][..., stage].
     width = int(np.max(par.pipeline))
@@ -136,7 +146,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     head_end = top.get("head", 0) + top.get("final_norm", 0) + top.get("final_gated_norm", 0)
     gathered = col(par.fsdp > 1) * w_bytes / tt  # FSDP all-gathers: layers one at a time, each end as its own unit
     # Per stage and micro-batch on one rank. Expert-tensor ranks split each expert's width but process every row of
-    # their experts: per-rank expert FLOPs and GEMM shapes stay those of expert_tensor = 1 (costs.expert_gemm_size).
+    # their experts: per-rank expert FLOPs stay those of expert_tensor = 1 (costs.expert_shape: rows x width / et).
     # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head.
     stage = {
         "gemm_flops": rows["gemm"] * tok / tt, "head_flops": (rows["head"] + rows["embed"]) * tok / tt,
@@ -152,8 +162,9 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     }
     fwd, rec, elem = _stage_compute_s(stage["gemm_flops"], stage["head_flops"], stage["attn_flops"],
                                       stage["expert_flops"], stage["rec_gemm_flops"], stage["rec_attn_flops"],
-                                      stage["rec_expert_flops"], stage["elementwise_bytes"], col(gemm_size),
-                                      col(expert_size), topo)
+                                      stage["rec_expert_flops"], stage["elementwise_bytes"],
+                                      costs.GemmShape(*(col(v) for v in dense_shape)),
+                                      costs.GemmShape(*(col(v) for v in expert_shape)), topo)
     valid = np.arange(width) < col(par.pipeline)
     heavy = np.argmax(np.where(valid, 3 * fwd + rec + elem, -np.inf), axis=-1)[..., None]  # sets the steady state
     others = valid & (np.arange(width) != heavy)
@@ -182,7 +193,9 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "microbatches": m, "chunks_per_rank": par.chunks_per_rank,
         "bubble_f": bub_f, "bubble_b": bub_b, "bubble_w": bub_w,
         **stage_features,
-        "tokens_mb": tokens_mb, "gemm_size": gemm_size, "expert_gemm_size": expert_size,
+        "tokens_mb": tokens_mb, "gemm_m": dense_shape.m, "gemm_n": dense_shape.n, "gemm_k": dense_shape.k,
+        "expert_m": expert_shape.m, "expert_n": expert_shape.n, "expert_k": expert_shape.k,
+        "expert_groups": expert_shape.groups,
         "recompute_full": full, "overlap_grad_reduce": float(plan.overlap_grad_reduce),
         "tp_n": t, "tp_out": pl.tensor.span == "scale_out", "tp_pd": group_per_domain(pl.tensor),
         "tp_bytes": costs.tensor_bytes(tokens_mb, spec),
@@ -201,7 +214,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "erep_n": par.expert_replicas, "erep_out": pl.expert_replicas.span == "scale_out",
         "erep_pd": group_per_domain(pl.expert_replicas),
         "fsdp_n": par.fsdp, "fsdp_out": pl.fsdp.span == "scale_out", "fsdp_pd": group_per_domain(pl.fsdp),
-        "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": costs.newton_schulz_size(spec),
+        "opt_bytes": opt_bytes, "ns_flops": ns, "ns_dim": spec.d_model,
         "bal_count": bal_count, "bal_hist_bytes": bal_hist, "bal_max_bytes": bal_max,
         "muon_gather_bytes": muon_bytes, "muon_norm_count": muon_norms,
         "host_bytes": host_bytes,
@@ -222,7 +235,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     g = lambda k: f[pre + k]  # noqa: E731
     fwd, rec, elem = _stage_compute_s(g("gemm_flops"), g("head_flops"), g("attn_flops"), g("expert_flops"),
                                       g("rec_gemm_flops"), g("rec_attn_flops"), g("rec_expert_flops"),
-                                      g("elementwise_bytes"), f["gemm_size"], f["expert_gemm_size"], topo)
+                                      g("elementwise_bytes"), *_shapes(f), topo)
     full = f["recompute_full"]
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
@@ -232,7 +245,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     cp_exposed = layers * (np.maximum(0.0, cp_one - attn_layer) * (1 + full) + np.maximum(0.0, 2 * cp_one -
                                                                                            2 * attn_layer))
     a2a_one = collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
-    shared_layer = costs.gemm_time(g("shared_flops"), f["gemm_size"], topo) / np.maximum(moe, 1)
+    shared_layer = costs.gemm_time(g("shared_flops"), _shapes(f)[0], topo) / np.maximum(moe, 1)
     # Forward (and its recomputation): two exchanges under half the shared experts each; backward: under all of it.
     a2a_exposed = 2 * moe * ((1 + full) * np.maximum(0.0, a2a_one - shared_layer / 2) +
                              np.maximum(0.0, a2a_one - shared_layer))
@@ -288,7 +301,8 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     # produced its gradients, so the backward of all but the first layer processed hides it; otherwise it all waits.
     window = (2 * h["fwd"] + h["rec"]) * (1.0 - 1.0 / np.maximum(f["layers"], 1))
     dp_exposed = np.where(f["overlap_grad_reduce"] > 0, np.maximum(0.0, dp_t - window), dp_t)
-    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], f["ns_size"], topo) + balancing_time(f, topo) + \
+    ns_shape = costs.GemmShape(f["ns_dim"], f["ns_dim"], f["ns_dim"])
+    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], ns_shape, topo) + balancing_time(f, topo) + \
         costs.muon_gather_time(f, topo)
     host_t = costs.host_link_time(f["host_bytes"], topo)
     # Host per-op overhead (features in ops; zero without measured host_op_s), blocking: added, not overlapped.
