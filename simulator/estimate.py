@@ -344,6 +344,7 @@ class Estimate:
     drop_fraction: float
     flops_convention: str
     gpus: int
+    band: dict  # simulator.metrics.error_band: the stack profile's band around step time, MFU and days
 
     def as_dict(self) -> dict:
         return {
@@ -353,7 +354,7 @@ class Estimate:
             "step_time_s": self.step_time_s, "phases_s": self.phases_s,
             "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
             "model_flops_per_step": self.model_flops_per_step, "days_to_budget": self.days_to_budget,
-            "drop_fraction": self.drop_fraction, "flops_convention": self.flops_convention,
+            "drop_fraction": self.drop_fraction, "flops_convention": self.flops_convention, "band": self.band,
         }
 
 
@@ -373,5 +374,6 @@ def estimate(plan: Plan, convention: FlopsConvention = FlopsConvention(), spec: 
         host_bytes_per_host=metrics.host_bytes_per_host(mem.host, topo), host_capacity_bytes=topo.host.memory_bytes,
         step_time_s=step, phases_s={k: times[k] for k in PHASES}, tokens_per_step=tokens,
         tokens_per_s=rate.tokens_per_s, mfu=rate.mfu, model_flops_per_step=model_flops,
-        days_to_budget=rate.days_to_budget, drop_fraction=feats["drop_fraction"], flops_convention=convention.label, gpus=topo.gpus,
+        days_to_budget=rate.days_to_budget, drop_fraction=feats["drop_fraction"], flops_convention=convention.label,
+        gpus=topo.gpus, band=metrics.error_band(step, rate.mfu, rate.days_to_budget, topo),
     )

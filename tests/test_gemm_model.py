@@ -115,3 +115,21 @@ def test_a_plan_names_its_profile_round_trips_and_rejects_an_unknown_one(tmp_pat
     out = subprocess.run([sys.executable, "-m", "rackcast.plan", str(bad)], capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "topology.profile" in out.stderr and "tpu-jax" in out.stderr
+
+
+def test_estimate_and_simulate_carry_the_profiles_error_band(capsys):
+    from rackcast.cli import main
+    from rackcast.simulator.step import simulate
+
+    plan = load_plan(str(PLANS / "marin-535b-hero.yaml"))
+    b = load_profile("megatron-te").error_band
+    est = estimate(plan)
+    assert est.band["relative"] == b > 0 and est.band["stack"] == "megatron-te"
+    assert est.band["step_time_s"] == pytest.approx([est.step_time_s * (1 - b), est.step_time_s * (1 + b)])
+    assert est.band["mfu"] == pytest.approx([est.mfu / (1 + b), est.mfu / (1 - b)])
+    assert est.band["days_to_budget"] == pytest.approx([est.days_to_budget * (1 - b), est.days_to_budget * (1 + b)])
+    assert est.as_dict()["band"] == est.band
+    sim = simulate(plan, record=False)
+    assert sim.band["step_time_s"] == pytest.approx([sim.step_time_s * (1 - b), sim.step_time_s * (1 + b)])
+    assert main(["estimate", str(PLANS / "marin-535b-hero.yaml")]) == 0
+    assert f"band +-{100 * b:.0f}% (stack profile megatron-te" in capsys.readouterr().out.replace("\n", " ")
