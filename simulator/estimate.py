@@ -207,6 +207,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "pp_hops_out": pl.pipeline.domains - 1, "pp_hops_up": par.pipeline - pl.pipeline.domains,
         "pp_bytes": costs.pipeline_bytes(tokens_mb, spec),
         "dense_grad_bytes": rp.dense * g_bytes,
+        "top_grad_bytes": (rp.embed_end + rp.head_end) * g_bytes,  # the embedding/head ends this rank holds
         **reduction_groups(plan, pl),
         "expert_grad_bytes": rp.expert * g_bytes,
         "efsdp_n": par.expert_fsdp, "efsdp_out": pl.expert_fsdp.span == "scale_out",
@@ -273,6 +274,14 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
             "F": fwd + elem / 2 + comm / 3, "B": fwd + rec + elem / 2 + comm / 3, "W": fwd + comm / 3}
 
 
+def _reduction_time(f: dict, topo: Topology, dense_bytes, expert_bytes):
+    """Seconds of the gradient reduction of these bytes (costs.gradient_reductions) over the plan's groups."""
+    groups = {"inner": "inner", "data": "outer", "expert_fsdp": "efsdp", "expert_replicas": "erep"}
+    return sum(collective_time(topo, c.kind, f[groups[c.axis] + "_n"], c.nbytes, f[groups[c.axis] + "_out"],
+                               f[groups[c.axis] + "_pd"])
+               for c in costs.gradient_reductions(dense_bytes, expert_bytes, f["inner_n"], f["efsdp_n"]))
+
+
 def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     """Phase times (seconds) and the step time, elementwise over arrays of features."""
     f = {k: np.asarray(v, dtype=float) for k, v in f.items()}
@@ -292,15 +301,16 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     bubble_t = (f["bubble_f"] * o["F"] + f["bubble_b"] * o["B"] + f["bubble_w"] * o["W"]) / v
     pipeline_t = busy + bubble_t + pp_t
     # Gradient reduction (costs.gradient_reductions), hidden behind the last backward.
-    groups = {"inner": "inner", "data": "outer", "expert_fsdp": "efsdp", "expert_replicas": "erep"}
-    dp_t = sum(collective_time(topo, c.kind, f[groups[c.axis] + "_n"], c.nbytes, f[groups[c.axis] + "_out"],
-                               f[groups[c.axis] + "_pd"])
-               for c in costs.gradient_reductions(f["dense_grad_bytes"], f["expert_grad_bytes"], f["inner_n"],
-                                                  f["efsdp_n"]))
+    dp_t = _reduction_time(f, topo, f["dense_grad_bytes"], f["expert_grad_bytes"])
     # Overlapped (plan.overlap_grad_reduce): each layer's reduction starts once the last micro-batch's backward has
     # produced its gradients, so the backward of all but the first layer processed hides it; otherwise it all waits.
+    # What the stage produces last cannot hide: the first layer processed and the embedding/head ends, whose
+    # reduction starts after the stage's final action (as the workload issues it).
     window = (2 * h["fwd"] + h["rec"]) * (1.0 - 1.0 / np.maximum(f["layers"], 1))
-    dp_exposed = np.where(f["overlap_grad_reduce"] > 0, np.maximum(0.0, dp_t - window), dp_t)
+    layer_dense = (f["dense_grad_bytes"] - f["top_grad_bytes"]) / np.maximum(f["layers"], 1)
+    tail_t = _reduction_time(f, topo, f["top_grad_bytes"] + layer_dense,
+                             f["expert_grad_bytes"] / np.maximum(f["moe_layers"], 1))
+    dp_exposed = np.where(f["overlap_grad_reduce"] > 0, np.maximum(tail_t, dp_t - window), dp_t)
     ns_shape = costs.GemmShape(f["ns_dim"], f["ns_dim"], f["ns_dim"])
     optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], ns_shape, topo) + balancing_time(f, topo) + \
         costs.muon_gather_time(f, topo)
