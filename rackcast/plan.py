@@ -24,7 +24,7 @@ from rackcast.modelspec import ModelSpec, Recipe
 from rackcast.presets import load_model
 from rackcast.atomic import write_text_atomic
 from rackcast.strict import dump_yaml, from_data, load_yaml, to_data
-from rackcast.vocab import STAGE_BOUND_SCHEDULES, PlanSchedule
+from rackcast.vocab import DEFAULT_STACK_PROFILE, STAGE_BOUND_SCHEDULES, PlanSchedule
 
 
 
@@ -34,6 +34,8 @@ class TopologyRef:
     domains: Annotated[int, Range(1, 65536)] = 1  # racks or nodes
     # GPUs used per domain; 0 keeps the preset's default (64 of 72 on NVL72)
     usable_gpus: Annotated[int, Range(0, 4096)] = 0
+    # the software stack's kernel figures (topologies/profiles/*.yaml: eager-pytorch, megatron-te) or a YAML path
+    profile: Annotated[str, Text()] = DEFAULT_STACK_PROFILE
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ class Plan:
     def topology_spec(self):
         from rackcast.topologies import load_topology
 
-        return load_topology(self.topology.name, self.topology.domains, self.topology.usable_gpus or None)
+        return load_topology(self.topology.name, self.topology.domains, self.topology.usable_gpus or None,
+                             profile=self.topology.profile)
 
     @property
     def microbatches(self) -> int:
@@ -201,7 +204,10 @@ def load_plan(path: str, check: bool = True) -> Plan:
     """Load and (by default) validate a plan file against its model and topology."""
     plan = from_data(Plan, load_yaml(path), where=str(path))
     if check:
+        from rackcast.topologies.profiles import load_profile
+
         spec = _resolve("model", plan.model_spec, path)
+        _resolve("topology.profile", lambda: load_profile(plan.topology.profile), path)
         topo = _resolve("topology", plan.topology_spec, path)
         validate(plan, spec, topo.gpus, where=str(path))
     return plan

@@ -37,6 +37,10 @@ STAGE_BOUND_SCHEDULES = frozenset(SCHEDULES) - {"gpipe"}
 # Schedules that split the backward into input- and weight-gradient parts (zero-bubble and DualPipe).
 SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_h1", "zbv", "dualpipev"})
 
+# ------------------------------------------------------------------------------------------------ stack profiles
+# The stack profile a plan runs on when it names none (topologies/profiles/*.yaml, a plan's topology.profile).
+DEFAULT_STACK_PROFILE = "megatron-te"
+
 # --------------------------------------------------------------------------------------------------- step phases
 # Where rank 0's step time goes, as the closed-form estimate and the simulator report it (Estimate.phases_s).
 PHASES = ("compute", "exposed_expert_a2a", "exposed_tensor_comm", "exposed_fsdp_gather", "pipeline_p2p",

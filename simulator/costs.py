@@ -1,7 +1,7 @@
 """The cost model: what each op of a training step costs on a topology, the one definition that both the closed-form
 estimate (simulator.estimate) and the discrete-event workload (simulator.workload) call.
 
-Sizes (bytes a collective moves, the GEMM shape that picks an efficiency) and times (compute, memory-bound work, host
+Sizes (bytes a collective moves, the GEMM shapes that set an efficiency) and times (compute, memory-bound work, host
 copies, collectives, the optimizer step). Every function takes plain numbers or numpy arrays, which broadcast, so the
 planner can price many layouts at once.
 
@@ -9,15 +9,18 @@ Conventions:
 - hardware work (`HW`): the FLOPs kernels really execute — attention counted causally over its window, the output
   head included — which prices compute time; model FLOPs (the MFU numerator, simulator.metrics) follow the plan's
   FlopsConvention instead;
-- compute time = FLOPs / (bf16 peak x efficiency), the efficiency read from the topology's profile at the op's size:
-  dense GEMMs at the size of one `2 x tokens x d_model^2 / tensor` GEMM, routed experts at one expert's GEMM on the
-  grouped-GEMM curve, attention cores at the attention fraction; backward = 2 x forward;
+- compute time = FLOPs / (bf16 peak x efficiency), the efficiency of the op's GEMM shape (GemmShape: m x n x k,
+  groups): dense GEMMs as tokens x d_model / tensor x d_model, routed experts as one grouped GEMM of a rank's local
+  experts, each its routed rows x expert width x input width. Where the topology has measured curves (`rackcast
+  calibrate`) the efficiency is the curve's at one group's FLOPs; otherwise the shape model (gemm_seconds): output
+  tiles in waves over the SMs under the kernel-level ceiling, the HBM roofline, the launch floor. Attention cores
+  at the attention fraction; backward = 2 x forward;
 - memory-bound work (elementwise ops, the optimizer's state update) = bytes / (HBM bandwidth x memory_bound);
 - a collective of `nbytes` per rank (the nccl-tests size) over n ranks takes steps x latency + factor x nbytes /
   (bandwidth x efficiency(nbytes)) on the slowest hop of its span (simulator.collective_formulas).
 
     from rackcast.simulator import costs
-    costs.gemm_time(flops, costs.gemm_size(tokens_mb, spec, tensor), topo)
+    costs.gemm_time(flops, costs.gemm_shape(tokens_mb, spec, tensor), topo)
 """
 
 from __future__ import annotations
@@ -42,24 +45,40 @@ def efficiency(curve, sizes):
 
 
 # ------------------------------------------------------------------------------------------------------------ sizes
-def gemm_size(tokens_mb, spec: ModelSpec, tensor):
-    """FLOPs of one dense GEMM of a micro-batch (2 x tokens x d_model^2 / tensor): the size its efficiency is read at."""
-    return 2 * tokens_mb * spec.d_model * spec.d_model / tensor
+class GemmShape(NamedTuple):
+    """`groups` GEMMs of m x n x k each (rows x output columns x reduction), run as one kernel (a grouped GEMM when
+    groups > 1); fields are floats or arrays, which broadcast."""
+
+    m: object
+    n: object
+    k: object
+    groups: object = 1.0
 
 
-def expert_gemm_size(tokens_mb, spec: ModelSpec, expert):
-    """FLOPs of one routed expert's GEMM: the rows routed to it from the `expert` ranks of its group (at least one)
-    times its input and hidden widths. Expert-tensor ranks split the width but process every row of their experts,
-    so the GEMM per expert keeps the rows x width of expert_tensor = 1."""
+def gemm_shape(tokens_mb, spec: ModelSpec, tensor) -> GemmShape:
+    """The representative dense GEMM of a micro-batch: its tokens x (d_model / tensor) x d_model."""
+    return GemmShape(tokens_mb, spec.d_model / tensor, spec.d_model)
+
+
+def expert_rows(tokens_mb, spec: ModelSpec, expert_group):
+    """Rows routed to one expert per micro-batch, balanced routing: the expert group's tokens x top_k / experts."""
+    moe = spec.moe
+    return 0.0 * tokens_mb if moe is None else tokens_mb * expert_group * (moe.top_k / moe.experts)
+
+
+def expert_shape(rows, spec: ModelSpec, expert, expert_tensor) -> GemmShape:
+    """One rank's grouped expert GEMM: its experts / expert local experts, each `rows` (at least one) x its slice of
+    the expert width (expert_ffn / expert_tensor) x the expert input width."""
     moe = spec.moe
     if moe is None:
-        return 0.0 * tokens_mb
-    return 2 * np.maximum(tokens_mb * expert * (moe.top_k / moe.experts), 1.0) * spec.expert_input_dim * moe.expert_ffn
+        return GemmShape(1.0, 1.0, 1.0)  # no routed work to price
+    return GemmShape(np.maximum(rows, 1.0), moe.expert_ffn / expert_tensor, spec.expert_input_dim,
+                     moe.experts / expert)
 
 
-def newton_schulz_size(spec: ModelSpec) -> float:
-    """GEMM size the MuonH orthogonalisation runs at (one d_model^3 product)."""
-    return 2 * spec.d_model ** 3
+def newton_schulz_shape(spec: ModelSpec) -> GemmShape:
+    """The GEMM the MuonH orthogonalisation runs (one d_model^3 product)."""
+    return GemmShape(spec.d_model, spec.d_model, spec.d_model)
 
 
 def a2a_bytes(tokens_mb, spec: ModelSpec, expert_tensor):
@@ -127,14 +146,46 @@ def parameter_gathers(dense_bytes, expert_bytes, inner, expert_fsdp, zero=0) -> 
 
 
 # ------------------------------------------------------------------------------------------------------------ times
-def gemm_time(flops, size, topo: Topology):
-    """Dense GEMM work at the GEMM efficiency of `size`."""
-    return flops / (topo.peak_flops("bf16") * efficiency(topo.efficiency.gemm, size))
+def gemm_seconds(shape: GemmShape, topo: Topology, ceiling):
+    """One kernel of `shape` on the shape model: output tiles (tile_m x tile_n of the accelerator) of every group,
+    run in waves of one tile per SM, each tile 2 x tile_m x tile_n x k FLOPs at the SM's share of peak x `ceiling`
+    (a partly filled tile or wave costs a full one); no less than its operands and output moved at the memory-bound
+    HBM rate (the roofline), nor than the stack profile's launch floor."""
+    a, e = topo.accelerator, topo.efficiency
+    m, n, k, groups = (np.asarray(v, dtype=float) for v in shape)
+    tiles = groups * np.ceil(m / a.tile_m) * np.ceil(n / a.tile_n)
+    waves = np.ceil(tiles / a.sms)
+    compute = waves * 2.0 * a.tile_m * a.tile_n * k * a.sms / (topo.peak_flops("bf16") * ceiling)
+    memory = memory_bound_time(W_BYTES * groups * (m * k + k * n + m * n), topo)
+    return np.maximum(np.maximum(compute, memory), e.launch_s)
 
 
-def grouped_gemm_time(flops, size, topo: Topology):
-    """Routed-expert work at the grouped-GEMM efficiency of one expert's GEMM of `size`."""
-    return flops / (topo.peak_flops("bf16") * efficiency(topo.efficiency.grouped_gemm, size))
+def _efficiency(shape: GemmShape, topo: Topology, curve, ceiling):
+    """Fraction of dense peak a kernel of `shape` reaches: the measured curve at one group's FLOPs where there is
+    one, else the shape model's FLOPs / (peak x gemm_seconds)."""
+    m, n, k, groups = (np.asarray(v, dtype=float) for v in shape)
+    flops = 2.0 * m * n * k
+    if curve:
+        return efficiency(curve, flops)
+    return np.maximum(groups, 1e-30) * flops / (topo.peak_flops("bf16") * gemm_seconds(shape, topo, ceiling))
+
+
+def gemm_efficiency(shape: GemmShape, topo: Topology):
+    return _efficiency(shape, topo, topo.efficiency.gemm, topo.efficiency.gemm_ceiling)
+
+
+def grouped_gemm_efficiency(shape: GemmShape, topo: Topology):
+    return _efficiency(shape, topo, topo.efficiency.grouped_gemm, topo.efficiency.grouped_gemm_ceiling)
+
+
+def gemm_time(flops, shape: GemmShape, topo: Topology):
+    """Dense GEMM work of `flops` run as GEMMs of `shape` (gemm_efficiency)."""
+    return flops / (topo.peak_flops("bf16") * gemm_efficiency(shape, topo))
+
+
+def grouped_gemm_time(flops, shape: GemmShape, topo: Topology):
+    """Routed-expert work of `flops` run as grouped GEMMs of `shape` (grouped_gemm_efficiency)."""
+    return flops / (topo.peak_flops("bf16") * grouped_gemm_efficiency(shape, topo))
 
 
 def attention_time(flops, topo: Topology):
@@ -152,11 +203,11 @@ def host_link_time(nbytes, topo: Topology):
     return nbytes / (topo.host.link_bandwidth_Bps * topo.efficiency.host_link)
 
 
-def optimizer_time(update_bytes, newton_schulz_flops, ns_size, topo: Topology):
+def optimizer_time(update_bytes, newton_schulz_flops, ns_shape: GemmShape, topo: Topology):
     """The optimizer step on one rank (without its reductions): the update's HBM traffic plus the MuonH
-    orthogonalisation at the GEMM efficiency of `ns_size` (newton_schulz_size; simulator.optimizer_cost gives the
+    orthogonalisation at the GEMM efficiency of `ns_shape` (newton_schulz_shape; simulator.optimizer_cost gives the
     bytes and FLOPs)."""
-    return memory_bound_time(update_bytes, topo) + gemm_time(newton_schulz_flops, ns_size, topo)
+    return memory_bound_time(update_bytes, topo) + gemm_time(newton_schulz_flops, ns_shape, topo)
 
 
 def _flat_time(topo: Topology, kind: str, n, nbytes, span_out):

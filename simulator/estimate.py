@@ -71,16 +71,24 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
     return expected_max_load_factor(transport, experts, top_k, ep, tokens_group, seed=seed)
 
 
-def _stage_compute_s(gemm, head, attn, experts, rec_gemm, rec_attn, rec_experts, elem, gemm_size, expert_size,
-                     topo: Topology):
+def _stage_compute_s(gemm, head, attn, experts, rec_gemm, rec_attn, rec_experts, elem, dense: costs.GemmShape,
+                     grouped: costs.GemmShape, topo: Topology):
     """(forward, recomputation, elementwise) seconds of one stage's micro-batch from its FLOPs and bytes (costs):
-    dense GEMMs and the head at the GEMM efficiency of gemm_size, the attention core at the attention efficiency,
-    routed experts on the grouped-GEMM curve at expert_size, elementwise traffic memory-bound."""
-    fwd = costs.gemm_time(gemm + head, gemm_size, topo) + costs.attention_time(attn, topo) + \
-        costs.grouped_gemm_time(experts, expert_size, topo)
-    rec = costs.gemm_time(rec_gemm, gemm_size, topo) + costs.attention_time(rec_attn, topo) + \
-        costs.grouped_gemm_time(rec_experts, expert_size, topo)
+    dense GEMMs and the head at the GEMM efficiency of the `dense` shape, the attention core at the attention
+    efficiency, routed experts at the grouped-GEMM efficiency of the `grouped` shape, elementwise traffic
+    memory-bound."""
+    gemm_eff = costs.gemm_efficiency(dense, topo)
+    expert_eff = costs.grouped_gemm_efficiency(grouped, topo)
+    peak = topo.peak_flops("bf16")
+    fwd = (gemm + head) / (peak * gemm_eff) + costs.attention_time(attn, topo) + experts / (peak * expert_eff)
+    rec = rec_gemm / (peak * gemm_eff) + costs.attention_time(rec_attn, topo) + rec_experts / (peak * expert_eff)
     return fwd, rec, costs.memory_bound_time(elem, topo)
+
+
+def _shapes(f: dict) -> tuple[costs.GemmShape, costs.GemmShape]:
+    """The dense and the grouped expert GEMM shapes of a features dict (plan_features)."""
+    return (costs.GemmShape(f["gemm_m"], f["gemm_n"], f["gemm_k"]),
+            costs.GemmShape(f["expert_m"], f["expert_n"], f["expert_k"], f["expert_groups"]))
 
 
 STAGE_KEYS = ("gemm_flops", "head_flops", "attn_flops", "expert_flops", "shared_flops", "rec_gemm_flops",
@@ -121,8 +129,10 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
             p.tokens_per_microbatch(spec) * p.parallel.expert_group, seed=p.seed))
     full = np.asarray(plan.recompute == "full", dtype=float)
     recomputed_attn = np.asarray(plan.recompute != "none", dtype=float)
-    gemm_size = costs.gemm_size(tokens_mb, spec, t)
-    expert_size = costs.expert_gemm_size(tokens_mb, spec, par.expert)
+    dense_shape = costs.gemm_shape(tokens_mb, spec, t)
+    # The most loaded rank's experts: balanced rows x the routing draw's imbalance (capacity: the padded rows).
+    expert_shape = costs.expert_shape(costs.expert_rows(tokens_mb, spec, par.expert_group) * m_imbalance, spec,
+                                      par.expert, par.expert_tensor)
 
     # Every stage's work (simulator.stage_work), padded to the deepest pipeline: rows[name][..., stage].
     width = int(np.max(par.pipeline))
@@ -138,7 +148,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     head_end = top.get("head", 0) + top.get("final_norm", 0) + top.get("final_gated_norm", 0)
     gathered = col(par.fsdp > 1) * w_bytes / tt  # FSDP all-gathers: layers one at a time, each end as its own unit
     # Per stage and micro-batch on one rank. Expert-tensor ranks split each expert's width but process every row of
-    # their experts: per-rank expert FLOPs and GEMM shapes stay those of expert_tensor = 1 (costs.expert_gemm_size).
+    # their experts: per-rank expert FLOPs stay those of expert_tensor = 1 (costs.expert_shape: rows x width / et).
     # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head.
     stage = {
         "gemm_flops": rows["gemm"] * tok / tt, "head_flops": (rows["head"] + rows["embed"]) * tok / tt,
@@ -154,8 +164,9 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     }
     fwd, rec, elem = _stage_compute_s(stage["gemm_flops"], stage["head_flops"], stage["attn_flops"],
                                       stage["expert_flops"], stage["rec_gemm_flops"], stage["rec_attn_flops"],
-                                      stage["rec_expert_flops"], stage["elementwise_bytes"], col(gemm_size),
-                                      col(expert_size), topo)
+                                      stage["rec_expert_flops"], stage["elementwise_bytes"],
+                                      costs.GemmShape(*(col(v) for v in dense_shape)),
+                                      costs.GemmShape(*(col(v) for v in expert_shape)), topo)
     valid = np.arange(width) < col(par.pipeline)
     heavy = np.argmax(np.where(valid, 3 * fwd + rec + elem, -np.inf), axis=-1)[..., None]  # sets the steady state
     others = valid & (np.arange(width) != heavy)
@@ -184,7 +195,9 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "microbatches": m, "chunks_per_rank": par.chunks_per_rank,
         "bubble_f": bub_f, "bubble_b": bub_b, "bubble_w": bub_w,
         **stage_features,
-        "tokens_mb": tokens_mb, "gemm_size": gemm_size, "expert_gemm_size": expert_size,
+        "tokens_mb": tokens_mb, "gemm_m": dense_shape.m, "gemm_n": dense_shape.n, "gemm_k": dense_shape.k,
+        "expert_m": expert_shape.m, "expert_n": expert_shape.n, "expert_k": expert_shape.k,
+        "expert_groups": expert_shape.groups,
         "recompute_full": full, "overlap_grad_reduce": float(plan.overlap_grad_reduce),
         "tp_n": t, "tp_out": pl.tensor.span == "scale_out", "tp_pd": group_per_domain(pl.tensor),
         "tp_bytes": costs.tensor_bytes(tokens_mb, spec),
@@ -196,6 +209,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "pp_hops_out": pl.pipeline.domains - 1, "pp_hops_up": par.pipeline - pl.pipeline.domains,
         "pp_bytes": costs.pipeline_bytes(tokens_mb, spec),
         "dense_grad_bytes": rp.dense * g_bytes,
+        "top_grad_bytes": (rp.embed_end + rp.head_end) * g_bytes,  # the embedding/head ends this rank holds
         **reduction_groups(plan, pl),
         "expert_grad_bytes": rp.expert * g_bytes,
         "zero": par.zero, "dense_weight_bytes": rp.dense * w_bytes, "expert_weight_bytes": rp.expert * w_bytes,
@@ -204,7 +218,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "erep_n": par.expert_replicas, "erep_out": pl.expert_replicas.span == "scale_out",
         "erep_pd": group_per_domain(pl.expert_replicas),
         "fsdp_n": par.fsdp, "fsdp_out": pl.fsdp.span == "scale_out", "fsdp_pd": group_per_domain(pl.fsdp),
-        "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": costs.newton_schulz_size(spec),
+        "opt_bytes": opt_bytes, "ns_flops": ns, "ns_dim": spec.d_model,
         "bal_count": bal_count, "bal_hist_bytes": bal_hist, "bal_max_bytes": bal_max,
         "muon_gather_bytes": muon_bytes, "muon_norm_count": muon_norms,
         "host_bytes": host_bytes,
@@ -225,7 +239,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     g = lambda k: f[pre + k]  # noqa: E731
     fwd, rec, elem = _stage_compute_s(g("gemm_flops"), g("head_flops"), g("attn_flops"), g("expert_flops"),
                                       g("rec_gemm_flops"), g("rec_attn_flops"), g("rec_expert_flops"),
-                                      g("elementwise_bytes"), f["gemm_size"], f["expert_gemm_size"], topo)
+                                      g("elementwise_bytes"), *_shapes(f), topo)
     full = f["recompute_full"]
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
@@ -235,7 +249,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     cp_exposed = layers * (np.maximum(0.0, cp_one - attn_layer) * (1 + full) + np.maximum(0.0, 2 * cp_one -
                                                                                            2 * attn_layer))
     a2a_one = collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
-    shared_layer = costs.gemm_time(g("shared_flops"), f["gemm_size"], topo) / np.maximum(moe, 1)
+    shared_layer = costs.gemm_time(g("shared_flops"), _shapes(f)[0], topo) / np.maximum(moe, 1)
     # Forward (and its recomputation): two exchanges under half the shared experts each; backward: under all of it.
     a2a_exposed = 2 * moe * ((1 + full) * np.maximum(0.0, a2a_one - shared_layer / 2) +
                              np.maximum(0.0, a2a_one - shared_layer))
@@ -263,6 +277,14 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
             "F": fwd + elem / 2 + comm / 3, "B": fwd + rec + elem / 2 + comm / 3, "W": fwd + comm / 3}
 
 
+def _reduction_time(f: dict, topo: Topology, dense_bytes, expert_bytes):
+    """Seconds of the gradient reduction of these bytes (costs.gradient_reductions) over the plan's groups."""
+    groups = {"inner": "inner", "data": "outer", "expert_fsdp": "efsdp", "expert_replicas": "erep"}
+    return sum(collective_time(topo, c.kind, f[groups[c.axis] + "_n"], c.nbytes, f[groups[c.axis] + "_out"],
+                               f[groups[c.axis] + "_pd"])
+               for c in costs.gradient_reductions(dense_bytes, expert_bytes, f["inner_n"], f["efsdp_n"], f["zero"]))
+
+
 def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     """Phase times (seconds) and the step time, elementwise over arrays of features."""
     f = {k: np.asarray(v, dtype=float) for k, v in f.items()}
@@ -282,25 +304,28 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     bubble_t = (f["bubble_f"] * o["F"] + f["bubble_b"] * o["B"] + f["bubble_w"] * o["W"]) / v
     pipeline_t = busy + bubble_t + pp_t
     # Gradient reduction (costs.gradient_reductions), hidden behind the last backward.
-    groups = {"inner": "inner", "data": "outer", "expert_fsdp": "efsdp", "expert_replicas": "erep"}
-    dp_t = sum(collective_time(topo, c.kind, f[groups[c.axis] + "_n"], c.nbytes, f[groups[c.axis] + "_out"],
-                               f[groups[c.axis] + "_pd"])
-               for c in costs.gradient_reductions(f["dense_grad_bytes"], f["expert_grad_bytes"], f["inner_n"],
-                                                  f["efsdp_n"], f["zero"]))
+    dp_t = _reduction_time(f, topo, f["dense_grad_bytes"], f["expert_grad_bytes"])
     # ZeRO-1/2: the updated weights' all-gather over the replicas follows the optimizer step, exposed.
+    groups = {"inner": "inner", "data": "outer", "expert_fsdp": "efsdp", "expert_replicas": "erep"}
     gather_t = sum(collective_time(topo, c.kind, f[groups[c.axis] + "_n"], c.nbytes, f[groups[c.axis] + "_out"],
                                    f[groups[c.axis] + "_pd"])
                    for c in costs.parameter_gathers(f["dense_weight_bytes"], f["expert_weight_bytes"], f["inner_n"],
                                                     f["efsdp_n"], f["zero"]))
     # Overlapped (plan.overlap_grad_reduce): each layer's reduction starts once the last micro-batch's backward has
     # produced its gradients, so the backward of all but the first layer processed hides it; otherwise it all waits.
+    # What the stage produces last cannot hide: the first layer processed and the embedding/head ends, whose
+    # reduction starts after the stage's final action (as the workload issues it).
     window = (2 * h["fwd"] + h["rec"]) * (1.0 - 1.0 / np.maximum(f["layers"], 1))
-    dp_exposed = np.where(f["overlap_grad_reduce"] > 0, np.maximum(0.0, dp_t - window), dp_t) + gather_t
+    layer_dense = (f["dense_grad_bytes"] - f["top_grad_bytes"]) / np.maximum(f["layers"], 1)
+    tail_t = _reduction_time(f, topo, f["top_grad_bytes"] + layer_dense,
+                             f["expert_grad_bytes"] / np.maximum(f["moe_layers"], 1))
+    dp_exposed = np.where(f["overlap_grad_reduce"] > 0, np.maximum(tail_t, dp_t - window), dp_t) + gather_t
     # ZeRO-2 keeps only its gradient shard, so every micro-batch but the last reduces its gradients too, in the
     # background of the following micro-batches' work; what they cannot hide is exposed.
     early_t = np.where(f["zero"] >= 2, (m - 1) * dp_t, 0.0)
     dp_exposed = dp_exposed + np.maximum(0.0, early_t - (m - 1) * h["total"])
-    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], f["ns_size"], topo) + balancing_time(f, topo) + \
+    ns_shape = costs.GemmShape(f["ns_dim"], f["ns_dim"], f["ns_dim"])
+    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], ns_shape, topo) + balancing_time(f, topo) + \
         costs.muon_gather_time(f, topo)
     host_t = costs.host_link_time(f["host_bytes"], topo)
     # Host per-op overhead (features in ops; zero without measured host_op_s), blocking: added, not overlapped.
@@ -342,6 +367,7 @@ class Estimate:
     drop_fraction: float
     flops_convention: str
     gpus: int
+    band: dict  # simulator.metrics.error_band: the stack profile's band around step time, MFU and days
 
     def as_dict(self) -> dict:
         return {
@@ -351,7 +377,7 @@ class Estimate:
             "step_time_s": self.step_time_s, "phases_s": self.phases_s,
             "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
             "model_flops_per_step": self.model_flops_per_step, "days_to_budget": self.days_to_budget,
-            "drop_fraction": self.drop_fraction, "flops_convention": self.flops_convention,
+            "drop_fraction": self.drop_fraction, "flops_convention": self.flops_convention, "band": self.band,
         }
 
 
@@ -371,5 +397,6 @@ def estimate(plan: Plan, convention: FlopsConvention = FlopsConvention(), spec: 
         host_bytes_per_host=metrics.host_bytes_per_host(mem.host, topo), host_capacity_bytes=topo.host.memory_bytes,
         step_time_s=step, phases_s={k: times[k] for k in PHASES}, tokens_per_step=tokens,
         tokens_per_s=rate.tokens_per_s, mfu=rate.mfu, model_flops_per_step=model_flops,
-        days_to_budget=rate.days_to_budget, drop_fraction=feats["drop_fraction"], flops_convention=convention.label, gpus=topo.gpus,
+        days_to_budget=rate.days_to_budget, drop_fraction=feats["drop_fraction"], flops_convention=convention.label,
+        gpus=topo.gpus, band=metrics.error_band(step, rate.mfu, rate.days_to_budget, topo),
     )

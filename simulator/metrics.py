@@ -41,6 +41,18 @@ def step_metrics(tokens_per_step, step_time_s, model_flops, gpus, topo: Topology
     return StepMetrics(tokens_per_s, mfu, days_to_budget(token_budget, tokens_per_s))
 
 
+def error_band(step_time_s: float, mfu: float, days: float, topo: Topology) -> dict:
+    """The band a prediction carries: the stack profile's relative error band b (topologies.profiles; efficiency
+    .error_band of the topology the plan was priced on) around step time and days, and the MFU that goes with them
+    (step time x (1 -/+ b), MFU / (1 +/- b), days x (1 -/+ b)); empty where the topology carries no band."""
+    b = topo.efficiency.error_band
+    if not b:
+        return {}
+    return {"relative": b, "stack": topo.efficiency.stack,
+            "step_time_s": [step_time_s * (1 - b), step_time_s * (1 + b)],
+            "mfu": [mfu / (1 + b), mfu / (1 - b)], "days_to_budget": [days * (1 - b), days * (1 + b)]}
+
+
 def host_bytes_per_host(host_bytes_per_gpu, topo: Topology):
     """Host memory one host needs: what each of its GPUs keeps there (offloaded optimizer state) times its GPUs."""
     return host_bytes_per_gpu * topo.host.gpus_per_host

@@ -74,6 +74,7 @@ class SimResult:
     fits: bool
     seed: int
     reduced: bool
+    band: dict = field(default_factory=dict)  # simulator.metrics.error_band (the stack profile's band)
     timeline: Timeline = field(default_factory=Timeline, repr=False, compare=False)
 
     def as_dict(self) -> dict:
@@ -432,4 +433,4 @@ def simulate(plan: Plan, seed: int = 0, spec: ModelSpec | None = None, topo: Top
         model_flops_per_step=model_flops,
         days_to_budget=rate.days_to_budget,
         flops_convention=convention.label, gpus=topo.gpus, simulated_ranks=len(ranks), fits=fits, seed=seed,
-        reduced=reduce, timeline=sim.timeline)
+        reduced=reduce, band=metrics.error_band(step, rate.mfu, rate.days_to_budget, topo), timeline=sim.timeline)

@@ -7,8 +7,9 @@ context-parallel key/value shifts, expert dispatch and combine all-to-alls, FSDP
 reduce-scatter / all-reduce, pipeline sends), then the optimizer step with its host <-> GPU state movement.
 
 Every duration and every byte count comes from simulator.costs, the cost model the closed-form estimate uses too:
-GEMMs at the efficiency of one 2 x tokens x d_model^2 / tensor GEMM, the attention core at the attention efficiency
-(hardware work: causal, over the window), experts at the grouped-GEMM efficiency of one expert's GEMM, elementwise
+GEMMs at the efficiency of the tokens x d_model / tensor x d_model GEMM shape, the attention core at the attention
+efficiency (hardware work: causal, over the window), experts at the grouped-GEMM efficiency of the most loaded rank's
+grouped GEMM in the routing draw (its rows per local expert set the shape, costs.expert_shape), elementwise
 work as the activation bytes written in forward and read in backward, memory-bound; backward = 2 x forward.
 Host per-op overhead (only where the topology's efficiency.host_op_s is measured; simulator.host_overhead's
 model, op counts from simulator.op_counts): each layer's forward runs its ops x host_op_s.forward before its kernels
@@ -50,7 +51,7 @@ class LayerWork:
     core_s: float  # the attention core alone (selective recomputation redoes it)
     router_s: float  # router and latent projections (MoE) or the dense MLP
     shared_s: float  # shared experts (forward)
-    expert_s_per_row: float  # grouped expert GEMMs per routed row on the most loaded rank (forward)
+    expert_flops_per_row: float  # grouped expert GEMM FLOPs per routed row on this rank (forward)
     elem_s: float  # elementwise work of forward + backward
     dense_params: float  # this rank's dense parameters of the layer (after tensor split)
     expert_params: float  # this rank's routed-expert parameters of the layer (after expert split)
@@ -92,13 +93,13 @@ class Workload:
 
             self.counts = op_counts(spec, plan.optimizer.name)
         self.tokens_mb = plan.tokens_per_microbatch(spec)
-        self.gemm_size = costs.gemm_size(self.tokens_mb, spec, par.tensor)
+        self.gemm_shape = costs.gemm_shape(self.tokens_mb, spec, par.tensor)
+        self._expert_time: dict[float, float] = {}
         self.n_chunks = par.chunks
         owner = par.chunk_ranks(plan.schedule)
         self.chunk_rank = owner
         moe = spec.moe
         self.x = spec.expert_input_dim if moe else 0
-        self.expert_size = costs.expert_gemm_size(self.tokens_mb, spec, par.expert)
         self.stages: list[StageWork] = []
         for s in range(par.pipeline):
             chunks = {c: [self._layer(i) for i in par.chunk_layer_range(c, spec.layers)]
@@ -108,7 +109,7 @@ class Workload:
 
     # ------------------------------------------------------------------------------------------------ layers
     def _gemm_s(self, flops_per_token: float) -> float:
-        return float(costs.gemm_time(flops_per_token * self.tokens_mb / self.plan.parallel.tensor, self.gemm_size,
+        return float(costs.gemm_time(flops_per_token * self.tokens_mb / self.plan.parallel.tensor, self.gemm_shape,
                                      self.topo))
 
     def _layer(self, i: int) -> LayerWork:
@@ -119,17 +120,15 @@ class Workload:
         attn_gemm = sum(v for k, v in parts.items()
                         if k not in mlp_keys + ("attn_scores_values", "experts", "shared_experts"))
         per_row = 0.0
-        if spec.is_moe(i):
-            # A rank computes its 1/expert_tensor slice of every row routed to its block.
-            per_row = float(costs.grouped_gemm_time(parts["experts"] / spec.moe.top_k / par.expert_tensor,
-                                                    self.expert_size, self.topo))
+        if spec.is_moe(i):  # a rank computes its 1/expert_tensor slice of every row routed to its block
+            per_row = parts["experts"] / spec.moe.top_k / par.expert_tensor
         act = layer_activation_bytes_per_token(spec, i, plan) * self.tokens_mb
         pb = spec.layer_param_breakdown(i)
         sp = par.tensor if par.sequence_parallel else 1
         return LayerWork(
             index=i, moe=spec.is_moe(i), attn_s=self._gemm_s(attn_gemm) + core, core_s=core,
             router_s=self._gemm_s(sum(parts.get(k, 0.0) for k in mlp_keys)),
-            shared_s=self._gemm_s(parts.get("shared_experts", 0.0)), expert_s_per_row=per_row,
+            shared_s=self._gemm_s(parts.get("shared_experts", 0.0)), expert_flops_per_row=per_row,
             elem_s=costs.memory_bound_time(2 * act, self.topo),
             dense_params=(spec.layer_params(i) - pb.get("experts", 0)) / par.tensor,
             expert_params=pb.get("experts", 0) / par.expert_group,
@@ -149,7 +148,7 @@ class Workload:
         host_bytes = static.pop("host")  # resident on the host; the step moves it in and back out
         opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
         ns = newton_schulz_flops(spec, plan, layers)
-        optimizer_s = float(costs.optimizer_time(opt_bytes, ns, costs.newton_schulz_size(spec), self.topo)) + \
+        optimizer_s = float(costs.optimizer_time(opt_bytes, ns, costs.newton_schulz_shape(spec), self.topo)) + \
             self._balancing_s(layers) + self._muon_gather_s(layers)
         top = rp.dense - sum(lw.dense_params for c in chunks for lw in chunks[c])
         embed_ops = head_ops = 0.0
@@ -255,7 +254,18 @@ class Workload:
         return ops
 
     def _expert_s(self, lw: LayerWork, mb: int) -> float:
-        return lw.expert_s_per_row * self.loads.max_rows(lw.index, mb) if lw.moe else 0.0
+        """The grouped expert GEMM of the most loaded rank of the routing draw: its rows over its local experts set
+        the GEMM shape (costs.expert_shape), its rows x FLOPs per row the work."""
+        if not lw.moe:
+            return 0.0
+        rows = self.loads.max_rows(lw.index, mb)
+        per_flop = self._expert_time.get(rows)
+        if per_flop is None:
+            par = self.plan.parallel
+            shape = costs.expert_shape(rows * par.expert / self.spec.moe.experts, self.spec, par.expert,
+                                       par.expert_tensor)
+            per_flop = self._expert_time[rows] = float(costs.grouped_gemm_time(1.0, shape, self.topo))
+        return lw.expert_flops_per_row * rows * per_flop
 
     def _tp(self, key: str) -> list:
         par = self.plan.parallel

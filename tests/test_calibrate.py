@@ -12,6 +12,8 @@ from rackcast.validation.calibration import build_topology, header_for, write_to
 from rackcast.validation.fit import apply_factors, fit, synthetic
 from rackcast.plan import load_plan
 from rackcast.topologies import load_topology
+from rackcast.topologies.profiles import apply_profile, load_profile
+from rackcast.vocab import DEFAULT_STACK_PROFILE
 from rackcast.topologies.spec import HostOpTimes
 
 from conftest import PLANS, ROOT
@@ -88,7 +90,7 @@ def test_topology_from_measurements_round_trips(tmp_path):
     text = path.read_text()
     assert text.startswith("# test: this machine")
     back = load_topology(str(path))
-    assert back == topo
+    assert back == apply_profile(topo, load_profile(DEFAULT_STACK_PROFILE))  # the loader applies the default stack
     assert back.peak_flops("bf16") == pytest.approx(100e9)
     assert back.accelerator.hbm_bandwidth_Bps == pytest.approx(12e9)
     assert back.efficiency.memory_bound == pytest.approx(5 / 12, abs=1e-3)

@@ -21,11 +21,13 @@ from rackcast.errors import RackcastError
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan, inputs_hash, load_plan
 from rackcast.strict import bounds_markdown, load_yaml, parse_yaml, unbounded_numbers
+from rackcast.topologies.profiles import StackProfile
 from rackcast.topologies.reliability import ReliabilitySpec
 from rackcast.topologies.spec import Topology
 
 TINY = PLANS / "tiny-1proc.yaml"
-BOUNDED_FILES = {"plan": Plan, "model": ModelSpec, "topology": Topology, "reliability": ReliabilitySpec}
+BOUNDED_FILES = {"plan": Plan, "model": ModelSpec, "topology": Topology, "reliability": ReliabilitySpec,
+                 "stack profile": StackProfile}
 
 
 def _cli(capsys, *args: str) -> tuple[int, str, str]:

@@ -35,11 +35,11 @@ CASES = {  # name -> plan builder
     "tiny-2proc-pp": lambda: load_plan(str(PLANS / "tiny-2proc-pp.yaml")),
 }
 DIGESTS = {
-    "gpt-145b-megatron": "fd56a971c0e502b194d3d4409db583260a86b5e1bb4c0aee669a31a41e175979",
-    "hero": "19a4b5c128965df0b88987cd84df6088e846a1b708a46207954ea60ad7fb515c",
-    "hero-16-stages": "d930bec28e3962d9fcedea18f5ba9e2cb148da6c98b036b60f752f6e270a32ea",
-    "tiny-2proc-ep": "52a4102b72f2288a3b97368c833662c523d900c422cc44e779f1840b28035d95",
-    "tiny-2proc-pp": "17dba0c76929d8a8503af6324dc15bec4e9fac57ba788389bacbb0575fb2e27a",
+    "gpt-145b-megatron": "e1334932f6a1a58e74e9e66696490207efa5ee259fdd82aa94f06f450f8569cb",
+    "hero": "20f64a688c905c51a241e81d2704d0e6fad8f5d2ac516588e7e4917c21cdc5d1",
+    "hero-16-stages": "231cb73f0267c25ab6c1f4db91840aaaa8abb4ea3bf20bafd9388db04bc126fd",
+    "tiny-2proc-ep": "57364b4c4f9269c7da58c7577c386bf2f965bd58458976343771ef3d3e0fdce1",
+    "tiny-2proc-pp": "ac77f73add3341aa8827173c108e6845aea716c5edd4850bbcd41418c25e47bd",
 }
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal
 
 from rackcast.bounds import Items, Range, Text
@@ -98,8 +98,12 @@ class HostOpTimes:
 
 @dataclass(frozen=True)
 class EfficiencyProfile:
-    gemm: Annotated[list[CurvePoint], Items(256)]  # size = FLOPs of one GEMM; value = fraction of dense peak
-    grouped_gemm: Annotated[list[CurvePoint], Items(256)]  # size = FLOPs of one expert's GEMM in a grouped GEMM
+    """Achieved fractions of the peak figures. GEMMs are priced by the shape model of simulator.costs (tiles and
+    waves on the accelerator's SMs, HBM roofline, `gemm_ceiling` / `grouped_gemm_ceiling` for large shapes, from
+    kernel-level benchmarks) unless `gemm` / `grouped_gemm` hold measured curves (`rackcast calibrate`): a measured
+    curve wins. A stack profile (topologies.profiles) scales the ceilings, attention, memory-bound and collective
+    efficiencies and sets the launch floor and the error band; `stack` names the one applied."""
+
     attention: Annotated[float, Range(0, 1, above=True)]  # fraction of dense peak achieved by attention kernels
     memory_bound: Annotated[float, Range(0, 1, above=True)]  # fraction of HBM bandwidth achieved by elementwise ops
     host_link: Annotated[float, Range(0, 1, above=True)]  # fraction of the host link bandwidth achieved by copies
@@ -111,10 +115,23 @@ class EfficiencyProfile:
     # not measured. It dominates when kernels are tiny (small models on a CPU). Where measured, the estimate and the
     # simulator add it for the op counts of the backend model (simulator.host_overhead, simulator.op_counts).
     host_op_s: HostOpTimes = HostOpTimes()
+    # measured efficiency by FLOPs of one GEMM (size) / of one expert's GEMM in a grouped GEMM; empty: shape model
+    gemm: Annotated[list[CurvePoint], Items(256)] = field(default_factory=list)
+    grouped_gemm: Annotated[list[CurvePoint], Items(256)] = field(default_factory=list)
+    # fraction of dense peak a large, well-shaped (grouped) GEMM reaches: the shape model's ceiling
+    gemm_ceiling: Annotated[float, Range(0, 1)] = 0.0
+    grouped_gemm_ceiling: Annotated[float, Range(0, 1)] = 0.0
+    launch_s: Annotated[float, Range(0, 1)] = 0.0  # least time of one kernel (launch floor), from the stack profile
+    error_band: Annotated[float, Range(0, 1)] = 0.0  # relative error band of a prediction, from the stack profile
+    stack: Annotated[str, Text()] = ""  # the stack profile applied (topologies.profiles)
 
     def __post_init__(self):
-        _check_curve("gemm", self.gemm)
-        _check_curve("grouped_gemm", self.grouped_gemm)
+        for name in ("gemm", "grouped_gemm"):
+            if getattr(self, name):
+                _check_curve(name, getattr(self, name))
+            elif not 0.0 < getattr(self, name + "_ceiling") <= 1.0:
+                raise ValueError(f"efficiency.{name}_ceiling must lie in (0, 1] where efficiency.{name} has no "
+                                 "measured curve")
         for name in ("attention", "memory_bound", "host_link"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"efficiency.{name} must lie in (0, 1], got {getattr(self, name)}")
@@ -131,12 +148,6 @@ class EfficiencyProfile:
         """This profile with the host per-op overhead left out (no op counting)."""
         return replace(self, host_op_s=HostOpTimes())
 
-    def gemm_efficiency(self, flops: float) -> float:
-        return interpolate(self.gemm, flops)
-
-    def grouped_gemm_efficiency(self, flops_per_group: float) -> float:
-        return interpolate(self.grouped_gemm, flops_per_group)
-
     def collective_efficiency(self, kind: str, span: Span, message_bytes: float) -> float:
         curves = self.collectives[kind]
         return interpolate(curves.scale_up if span == "scale_up" else curves.scale_out, message_bytes)
@@ -148,6 +159,11 @@ class AcceleratorSpec:
     peak_flops: dict[str, Annotated[float, Range(0, 1e18, above=True)]]  # dense FLOP/s per dtype (bf16, fp32..)
     hbm_bytes: Annotated[float, Range(0, 2**50, above=True)]  # usable device memory
     hbm_bandwidth_Bps: Annotated[float, Range(0, 1e15, above=True)]
+    # streaming multiprocessors and the output tile (rows x columns) one SM computes at a time in a large bf16 GEMM:
+    # the shape model's tile and wave quantisation (simulator.costs); 0 where GEMMs are priced from measured curves
+    sms: Annotated[int, Range(0, 4096)] = 0
+    tile_m: Annotated[int, Range(0, 4096)] = 0
+    tile_n: Annotated[int, Range(0, 4096)] = 0
 
     def __post_init__(self):
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
@@ -231,6 +247,10 @@ class Topology:
         if self.domains > 1 and self.scale_out.nics_per_gpu == 0:
             raise ValueError(f"domains: {self.name} has no scale-out fabric (scale_out.nics_per_gpu: 0), so it is "
                              f"one {self.domain_label} only, not {self.domains}")
+        e, a = self.efficiency, self.accelerator
+        if (not e.gemm or not e.grouped_gemm) and min(a.sms, a.tile_m, a.tile_n) <= 0:
+            raise ValueError("accelerator.sms: the GEMM shape model needs sms, tile_m and tile_n > 0 where "
+                             "efficiency.gemm / grouped_gemm hold no measured curve")
         if self.domains > 1 and (self.scale_out.rails == 0 or self.scale_out.nic_bandwidth_Bps == 0):
             raise ValueError("scale_out: spanning several domains needs rails > 0 and nic_bandwidth_Bps > 0")
 

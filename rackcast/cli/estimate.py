@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from rackcast.cli.common import console, gib, human, print_json, refuse_unless_fits, table
+from rackcast.cli.common import band_line, console, gib, human, print_json, refuse_unless_fits, table
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import load_plan
 
@@ -53,6 +53,8 @@ def _run(args) -> int:
         f"{result.days_to_budget:.1f} days to {human(plan.tokens)} tokens (steady state, no failures)"
     out.print(f"tokens/s {human(result.tokens_per_s)}   MFU {100 * result.mfu:.1f}% of bf16 peak "
               f"({result.flops_convention})   {days}")
+    if result.band:
+        out.print(band_line(result.band))
     if result.drop_fraction:
         out.print(f"expected drop fraction (capacity transport): {100 * result.drop_fraction:.2f}%")
     refuse_unless_fits(args.plan, result.fits, result.memory.total, result.hbm_bytes)

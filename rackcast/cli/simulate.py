@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from rackcast.cli.common import bounded, console, gib, human, refuse_unless_fits, table
+from rackcast.cli.common import band_line, bounded, console, gib, human, refuse_unless_fits, table
 from rackcast.cli.estimate import add_convention_argument
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import Plan, load_plan
@@ -57,6 +57,8 @@ def _run(args) -> int:
         f"{result.days_to_budget:.1f} days to {human(plan.tokens)} tokens (steady state, no failures)"
     out.print(f"tokens/s {human(result.tokens_per_s)}   MFU {100 * result.mfu:.1f}% of bf16 peak "
               f"({result.flops_convention})   {days}")
+    if result.band:
+        out.print(band_line(result.band))
     out.print(f"peak memory per GPU {gib(result.peak_memory_bytes)} (memory timeline)   "
               f"drop fraction {100 * result.drop_fraction:.2f}%   {result.events} events")
     for label, path in (("trace", args.trace), ("parquet", args.parquet)):

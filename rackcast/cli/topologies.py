@@ -116,8 +116,14 @@ def _show(args) -> int:
     ]
     out.print(table("Links (bandwidth per GPU per direction; peak, before the efficiency profile)",
                     ["link", "bandwidth", "latency", "notes"], rows))
-    eff = topo.efficiency
+    eff, a = topo.efficiency, topo.accelerator
     out.print(f"efficiency profile: {eff.source}")
     out.print(f"  attention {eff.attention:.2f} of peak, memory-bound {eff.memory_bound:.2f} of memory bandwidth, "
-              f"host link {eff.host_link:.2f}; largest GEMM point {eff.gemm[-1].value:.2f} of peak")
+              f"host link {eff.host_link:.2f}; " + (f"largest measured GEMM point {eff.gemm[-1].value:.2f} of peak"
+                                                    if eff.gemm else
+                                                    f"GEMM shape model: ceilings {eff.gemm_ceiling:.3f} dense, "
+                                                    f"{eff.grouped_gemm_ceiling:.3f} grouped, {a.sms} SMs, "
+                                                    f"{a.tile_m} x {a.tile_n} tiles"))
+    out.print(f"  stack profile {eff.stack or '-'} (topologies/profiles): launch floor {eff.launch_s * 1e6:.3g} us, "
+              f"error band +-{100 * eff.error_band:.0f}%")
     return 0
