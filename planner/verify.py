@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from rackcast.plan import Plan
+from rackcast.errors import RackcastError
 from rackcast.simulator import metrics
 
 # The default error band of the closed-form estimate against the simulator (relative, on the step time), until the
@@ -64,6 +65,7 @@ def can_beat(estimate_score: float, best_simulated: float, objective: str, band:
     return estimate_score * (1.0 + band) > best_simulated
 
 
+UNSIMULATED = "unsimulated"  # a candidate's figures key: why simulate refused it (its estimate stands)
 _TASK: dict = {}  # the simulate_one of the running verify(); forked workers inherit it (closures do not pickle)
 
 
@@ -193,14 +195,22 @@ def verify_ranking(result, progress=None) -> str:
     r, ranked = result.request, result.ranked
     estimates = [row.days if r.objective == "days" else row.mfu for row in ranked]
 
+    too_large: list[str] = []  # candidates past simulate's work bound (simulator.step.check_work): estimate only
+
     def simulate_one(i: int) -> dict:
-        return _simulate_one(result.plan_for(ranked[i]))
+        try:
+            return _simulate_one(result.plan_for(ranked[i]))
+        except RackcastError as exc:
+            return {UNSIMULATED: str(exc)}
 
     def score(sim: dict) -> float:
-        return _score(sim, r.objective) if sim["fits"] else math.nan
+        return _score(sim, r.objective) if UNSIMULATED not in sim and sim["fits"] else math.nan
 
     def on_result(i: int, sim: dict) -> None:
-        attach_simulation(result, ranked[i], sim)
+        if UNSIMULATED in sim:
+            too_large.append(ranked[i].layout.parallel_label)
+        else:
+            attach_simulation(result, ranked[i], sim)
 
     v = verify(estimates, simulate_one, score, objective=r.objective, band=r.band,
                cap=max(r.max_simulate, r.top), minimum=r.top, workers=r.workers, on_result=on_result, progress=progress)
@@ -213,7 +223,11 @@ def verify_ranking(result, progress=None) -> str:
     def fmt(value: float) -> str:
         return f"{value:.3g} days" if r.objective == "days" else f"MFU {100 * value:.1f}%"
 
+    n -= len(too_large)
     head = f"{n} simulated (simulator.step, {r.workers} processes), best estimate first"
+    if too_large:
+        head += (f" ({len(too_large)} too large to simulate keep their closed-form figures: "
+                 f"{', '.join(too_large[:3])}{', ...' if len(too_large) > 3 else ''})")
     if v.reason == "all":
         return f"{head}: every ranked candidate"
     if v.reason == "interrupted":
