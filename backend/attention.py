@@ -8,7 +8,9 @@ RoPE on `rope_fraction` of each head's dims (none on global layers unless rope_o
 RMS q/k norm and a q multiplier; exclusive self-attention (each head's output loses its component along the token's
 own value vector, "XSA" in Marin's CausalSelfAttention); the per-head 2*sigmoid(x W_g) output gate, zero-initialised
 so it starts as the identity; causal short convolutions after the K and/or V projections. GPT models get biases on
-Q, K, V and O instead.
+Q, K, V and O instead. Frontier options from the spec: learned per-head RMS q/k norms
+(ModelSpec.qk_norm, Qwen3) and a learned sink logit per head that joins every softmax (attention.sinks, GPT-OSS;
+backend.sinks).
 
     .venv/bin/pytest -q tests/test_backend_model.py -k mask
 """
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rackcast.backend.layers import Normal, ShortConv, apply_rope, rms_norm, rotary_dims
+from rackcast.backend.layers import Normal, RMSNorm, ShortConv, apply_rope, rms_norm, rotary_dims
+from rackcast.backend.sinks import SinkLogits, attention_with_sinks
 from rackcast.modelspec import ModelSpec
 from rackcast.simulator.activations import window_query_block
 
@@ -106,6 +109,10 @@ class Attention(nn.Module):
         self.rot_dim = rotary_dims(a.head_dim, a.rope_fraction) if roped else 0
         self.rope_theta = spec.rope_theta
         self.qk_norm = qk_norm
+        # Learned per-head q/k gains (Qwen3) replace the parameter-free norm.
+        self.q_norm = RMSNorm(a.head_dim) if spec.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim) if spec.qk_norm else None
+        self.sinks = SinkLogits(a.heads) if a.sinks else None
         self.qk_multiplier = a.qk_multiplier
         self.exclusive = a.exclusive
 
@@ -120,7 +127,9 @@ class Attention(nn.Module):
         # Slice the stored heads to the layer's logical count (Marin: projection[:, :, :num_kv_heads, :]).
         k = k.view(b, s, self.kv_stored, self.head_dim)[:, :, : self.kv_heads]
         v = v.view(b, s, self.kv_stored, self.head_dim)[:, :, : self.kv_heads]
-        if self.qk_norm:
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
         if self.rot_dim:
             q, k = apply_rope(q, self.rot_dim, self.rope_theta), apply_rope(k, self.rot_dim, self.rope_theta)
@@ -130,7 +139,9 @@ class Attention(nn.Module):
         k = k.repeat_interleave(group, dim=2)
         v = v.repeat_interleave(group, dim=2)
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.window and self.window < s:
+        if self.sinks is not None:
+            y = attention_with_sinks(qt, kt, vt, self.sinks.logits, window_mask(s, self.window or s, x.device))
+        elif self.window and self.window < s:
             y = banded_attention(qt, kt, vt, self.window)
         else:
             y = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)

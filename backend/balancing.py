@@ -20,6 +20,9 @@ shared [min, max] grid. Every rank then computes the same beta. Without hooks th
     ... forward/backward of every micro-batch, optimizer.step() ...
     balancer.step()       # sets each MoE layer's router bias for the next step; returns beta per layer
 
+DeepSeek-V3's auxiliary-loss-free bias (AuxFreeBiasBalancer) is the other rule that sets the bias: a fixed step
+gamma x sign(mean load - load) per step instead of a quantile.
+
     .venv/bin/pytest -q tests/test_backend_model.py -k balancing
 """
 
@@ -93,7 +96,9 @@ class QuantileBalancer:
         reduce_max: Reduce | None = None,
     ):
         self.bins, self.reduce_counts, self.reduce_max = bins, reduce_counts, reduce_max
-        self.layers: list[MoE] = [m for m in model.modules() if isinstance(m, MoE) and m.router.bias is not None]
+        # A learned router bias (GPT-OSS) is trained by gradient, not set here.
+        self.layers: list[MoE] = [m for m in model.modules()
+                                  if isinstance(m, MoE) and m.router.bias is not None and not m.router.learned_bias]
         for moe in self.layers:
             moe.collect_margins = True
             moe.margins.clear()
@@ -125,3 +130,28 @@ class QuantileBalancer:
         for moe in self.layers:
             moe.collect_margins = False
             moe.margins.clear()
+
+
+class AuxFreeBiasBalancer:
+    """DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437 sec. 2.1.2): after each step, b_e += gamma x
+    sign(mean load - load_e), from the counts each MoE layer routed since the last step (MoE.step_counts), pooled
+    by `reduce_counts` (an in-place sum across ranks, e.g. dist.all_reduce). The bias only chooses experts."""
+
+    def __init__(self, model: nn.Module, rate: float, reduce_counts: Reduce | None = None):
+        self.moes = [m for m in model.modules() if isinstance(m, MoE)]
+        self.rate = rate
+        self.reduce_counts = reduce_counts
+        for moe in self.moes:
+            moe.count_steps = True
+
+    def step(self) -> None:
+        for moe in self.moes:
+            counts = moe.step_counts
+            if counts is None:
+                continue
+            counts = counts.float()
+            if self.reduce_counts is not None:
+                self.reduce_counts(counts)
+            with torch.no_grad():
+                moe.router.bias.add_(self.rate * torch.sign(counts.mean() - counts))
+            moe.step_counts = None

@@ -30,8 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rackcast.backend.attention import Attention
+from rackcast.backend.latent_attention import LatentAttention
 from rackcast.backend.layers import Mlp, Norm, ShortConv, default_init_std, init_module, make_normal
 from rackcast.backend.moe import MoE
+from rackcast.backend.mtp import MultiTokenPrediction
 from rackcast.modelspec import ModelSpec
 
 MARIN_Z_LOSS_WEIGHT = 1e-4  # removing z-loss made Marin's loss turn upward as output-norm gains grew
@@ -42,7 +44,8 @@ class Block(nn.Module):
         super().__init__()
         self.layer_index = layer
         self.attn_norm = Norm(spec.d_model, spec.norm, spec.gated_norm_rank)
-        self.attn = Attention(spec, layer, qk_norm=qk_norm)
+        self.attn = LatentAttention(spec, layer) if spec.attention.mla is not None else \
+            Attention(spec, layer, qk_norm=qk_norm)
         self.mlp_norm = Norm(spec.d_model, spec.norm, spec.gated_norm_rank)
         if spec.is_moe(layer):
             self.mlp: nn.Module = MoE(spec, combine_sum=combine_sum)
@@ -92,11 +95,13 @@ class OutputHead(nn.Module):
         self.proj = None if tied is not None else LMHead(spec.d_model, spec.vocab, bias=False)
         self._tied = [tied]  # a list, so the tied embedding is not registered twice as a submodule
 
+    @property
+    def weight(self) -> Tensor:
+        """The output projection [vocab, d_model] (the embedding when tied)."""
+        return self.proj.weight if self.proj is not None else self._tied[0].weight
+
     def forward(self, x: Tensor) -> Tensor:
-        x = self.norm(x)
-        if self.proj is not None:
-            return self.proj(x)
-        return F.linear(x, self._tied[0].weight)
+        return F.linear(self.norm(x), self.weight)
 
 
 class RackcastLM(nn.Module):
@@ -108,13 +113,19 @@ class RackcastLM(nn.Module):
             Block(spec, i, qk_norm=qk_norm, combine_sum=combine_sum) for i in range(spec.layers)
         )
         self.head = OutputHead(spec, self.embed.tok if spec.tied_embeddings else None)
+        self.mtp = MultiTokenPrediction(
+            spec, lambda: Block(spec, spec.layers - 1, qk_norm=qk_norm, combine_sum=combine_sum)
+        ) if spec.mtp is not None else None
 
     def forward(self, tokens: Tensor) -> Tensor:
-        """tokens [B, S] (S <= spec.seq_len) -> logits [B, S, vocab]."""
+        """tokens [B, S] (S <= spec.seq_len) -> logits [B, S, vocab] (carrying the MTP loss, backend.mtp)."""
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.head(x)
+        logits = self.head(x)
+        if self.mtp is not None:
+            logits = self.mtp.attach(logits, x, tokens, self.embed.tok, self.head.weight)
+        return logits
 
     def moe_layers(self) -> dict[int, MoE]:
         return {b.layer_index: b.mlp for b in self.layers if isinstance(b.mlp, MoE)}

@@ -19,6 +19,12 @@ Forward, per token x (full width d_model):
 
 Each forward records tokens per expert (`last_routing_counts`, and `routing_counts_sum` until reset) for logging.
 
+Frontier routing (backend.frontier_routing), chosen by the ModelSpec: a learned router bias (GPT-OSS: added to the
+logits, with a gradient) when the balancing method does not set it; node-limited top-k (moe.node_limit); the
+auxiliary load-balancing loss (balancing: aux_loss), attached to the layer's output (backend.attached_loss); the
+auxiliary-loss-free bias (balancing: aux_free_bias), stepped by frontier_routing.AuxFreeBiasBalancer from
+`step_counts`.
+
     .venv/bin/pytest -q tests/test_backend_model.py -k moe
 """
 
@@ -28,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rackcast.backend.attached_loss import AttachedLoss
+from rackcast.backend.frontier_routing import group_limited, switch_aux_loss
 from rackcast.backend.layers import Mlp, Normal, RMSNorm
 from rackcast.modelspec import ModelSpec
 from rackcast.simulator.op_counts import GROUPED_MM_ALIGN_BYTES
@@ -39,10 +47,11 @@ class Router(nn.Module):
 
     OPTIM_GROUP = "adam"
 
-    def __init__(self, d_model: int, experts: int, bias: bool):
+    def __init__(self, d_model: int, experts: int, bias: bool, learned_bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, d_model))
-        self.bias = nn.Parameter(torch.empty(experts), requires_grad=False) if bias else None
+        self.bias = nn.Parameter(torch.empty(experts), requires_grad=learned_bias) if bias else None
+        self.learned_bias = bias and learned_bias
 
     def init_weights(self, normal: Normal) -> None:
         normal(self.weight)
@@ -52,7 +61,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # Logits in fp32 even under autocast (Marin keeps the router path in fp32 before top-k and QB statistics).
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return F.linear(x.float(), self.weight.float())
+            return F.linear(x.float(), self.weight.float(), self.bias.float() if self.learned_bias else None)
 
 
 def _pad_to_alignment(t: Tensor, dims: tuple[int, ...]) -> Tensor:
@@ -181,7 +190,12 @@ class MoE(nn.Module):
         m, d = spec.moe, spec.d_model
         assert m is not None
         self.num_experts, self.top_k, self.combine_sum = m.experts, m.top_k, combine_sum
-        self.router = Router(d, m.experts, m.router_bias)
+        self.router = Router(d, m.experts, m.router_bias, learned_bias=not m.sets_router_bias)
+        self.groups, self.node_limit = m.expert_groups, m.node_limit
+        self.aux_loss_weight = m.aux_loss_weight if m.balance_method == "aux_loss" else 0.0
+        self.pending_aux_loss: Tensor | None = None
+        self.count_steps = False  # set by frontier_routing.AuxFreeBiasBalancer
+        self.step_counts: Tensor | None = None
         self.latent_down = nn.Linear(d, m.latent_dim, bias=False) if m.latent_dim else None
         self.latent_norm = RMSNorm(m.latent_dim) if m.latent_dim else None
         self.latent_up = nn.Linear(m.latent_dim, d, bias=False) if m.latent_dim else None
@@ -200,8 +214,10 @@ class MoE(nn.Module):
         logits = self.router(x)
         with torch.no_grad():
             biased = logits.detach()
-            if self.router.bias is not None:
+            if self.router.bias is not None and not self.router.learned_bias:
                 biased = biased + self.router.bias.float()
+            if self.node_limit:
+                biased = group_limited(biased, self.groups, self.node_limit)
             top_vals, top_idx = biased.topk(self.top_k + 1, dim=-1)
             if self.collect_margins and self.training:
                 self.margins.append(logits.detach() - top_vals[:, self.top_k :])
@@ -209,11 +225,15 @@ class MoE(nn.Module):
         weights = torch.sigmoid(logits.gather(1, ids))
         weights = weights * (self.combine_sum / weights.sum(-1, keepdim=True))
         self._record_counts(ids)
+        if self.aux_loss_weight and self.training:
+            self.pending_aux_loss = switch_aux_loss(logits, ids, self.aux_loss_weight)
         return ids, weights
 
     def _record_counts(self, ids: Tensor) -> None:
         counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).detach()
         self.last_routing_counts = counts
+        if self.count_steps and self.training:
+            self.step_counts = counts.clone() if self.step_counts is None else self.step_counts + counts
         self.routing_counts_sum = counts.clone() if self.routing_counts_sum is None else self.routing_counts_sum + counts
 
     def reset_routing_counts(self) -> None:
@@ -257,4 +277,6 @@ class MoE(nn.Module):
             routed = self.latent_up(routed)
         for shared in self.shared:
             routed = routed + shared(flat)
+        if self.pending_aux_loss is not None:
+            routed, self.pending_aux_loss = AttachedLoss.apply(routed, self.pending_aux_loss), None
         return routed.view(shape)

@@ -102,6 +102,28 @@ def newton_schulz(g: Tensor, steps: int = NEWTON_SCHULZ_STEPS, eps: float = 1e-7
     return x if wide else x.mT
 
 
+def orthogonalise(u: Tensor, steps: int = 5) -> Tensor:
+    """newton_schulz on whole matrices, also for FSDP2 shards (DTensors sharded along dim 0).
+
+    A 3-D expert stack [E, m, n] sharded along E holds whole matrices on each rank: orthogonalised locally, no
+    communication. A 2-D matrix sharded along its rows needs the whole matrix: its update is all-gathered
+    (full_tensor: (shards - 1) / shards of the matrix's fp32 bytes received per rank), orthogonalised on every rank
+    (the same result everywhere), and each rank keeps its own rows (no communication). The hyperball step that
+    follows needs the Frobenius norms of W, U and W' over the whole matrix: DTensor reduces them (three scalar
+    all-reduces per matrix).
+    """
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if not isinstance(u, DTensor):
+        return newton_schulz(u, steps)
+    within_matrices = any(isinstance(pl, Shard) and pl.dim >= u.ndim - 2 for pl in u.placements)
+    if not within_matrices:
+        local = newton_schulz(u.to_local(), steps)
+        return DTensor.from_local(local, u.device_mesh, u.placements, shape=u.shape, stride=u.stride())
+    return distribute_tensor(newton_schulz(u.full_tensor(), steps), u.device_mesh, u.placements,
+                             src_data_rank=None)
+
+
 def _fro(t: Tensor) -> Tensor:
     """Frobenius norm of each matrix (over the last two dims), kept broadcastable; whole-tensor for 1-D."""
     if t.ndim < 2:
@@ -166,8 +188,9 @@ class MuonH(torch.optim.Optimizer):
         return loss
 
     def _muonh(self, params: list[Tensor], roles: list[str], group: dict) -> None:
-        """Nesterov momentum over the group with foreach ops, then Newton-Schulz and the hyperball step batched
-        over the matrices of one role and shape (muonh_update_)."""
+        """Nesterov momentum over the group with foreach ops, then Newton-Schulz and the hyperball step: batched
+        over the matrices of one role and shape (muonh_update_) for plain tensors, one matrix at a time through
+        orthogonalise for FSDP2 shards (DTensors), whose whole matrices must be gathered first."""
         grads = [p.grad for p in params]
         bufs = []
         for p in params:
@@ -176,10 +199,17 @@ class MuonH(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(state["momentum_buffer"])
         mu = group["momentum"]
-        torch._foreach_mul_(bufs, mu)
-        torch._foreach_add_(bufs, grads)
-        updates = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
-        muonh_update_(params, updates, group["lr"], group["ns_steps"], roles)
+        plain, sharded = _split_sharded(range(len(params)), params)
+        for idx in (plain, sharded):  # foreach ops take lists of one tensor kind
+            if idx:
+                torch._foreach_mul_([bufs[i] for i in idx], mu)
+                torch._foreach_add_([bufs[i] for i in idx], [grads[i] for i in idx])
+        updates = [g.add(b, alpha=mu) if group["nesterov"] else b for g, b in zip(grads, bufs)]
+        if plain:
+            muonh_update_([params[i] for i in plain], [updates[i] for i in plain], group["lr"], group["ns_steps"],
+                          [roles[i] for i in plain] if roles else None)
+        for i in sharded:
+            hyperball_step_(params[i], orthogonalise(updates[i], group["ns_steps"]), group["lr"])
 
     def _adam(self, params: list[Tensor], group: dict) -> None:
         """Adam moments and direction m_hat / (sqrt(v_hat) + eps) over the group with foreach ops (one kernel per
@@ -191,11 +221,11 @@ class MuonH(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
-        by_step: dict[int, list[Tensor]] = {}  # bias corrections differ only where a parameter missed steps
-        for p in params:
-            by_step.setdefault(self.state[p]["step"], []).append(p)
+        by_step: dict[tuple, list[Tensor]] = {}  # bias corrections differ only where a parameter missed steps
+        for p in params:  # foreach ops take lists of one tensor kind (plain or FSDP2 DTensor)
+            by_step.setdefault((self.state[p]["step"], _is_sharded(p)), []).append(p)
         (b1, b2), eps = group["betas"], group["eps"]
-        for t, ps in by_step.items():
+        for (t, _), ps in by_step.items():
             grads = [p.grad for p in ps]
             exp_avg = [self.state[p]["exp_avg"] for p in ps]
             exp_avg_sq = [self.state[p]["exp_avg_sq"] for p in ps]
@@ -212,6 +242,18 @@ class MuonH(torch.optim.Optimizer):
                     hyperball_step_(p, u, group["lr"])
             else:
                 torch._foreach_add_(ps, direction, alpha=-group["lr"])
+
+
+def _is_sharded(t: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _split_sharded(indices, params: list[Tensor]) -> tuple[list[int], list[int]]:
+    """The indices of plain tensors and of FSDP2 DTensors among `params`."""
+    plain = [i for i in indices if not _is_sharded(params[i])]
+    return plain, [i for i in indices if _is_sharded(params[i])]
 
 
 def _matrices(t: Tensor) -> Tensor:

@@ -7,7 +7,8 @@ and the expert-parallel groups are runs of `expert` consecutive dp ranks of one 
 The mesh is `init_device_mesh(device, (pipeline, edp, ep), ("pp", "edp", "ep"))` with ("edp", "ep") flattened to
 "dp"; each axis is one process group.
 
-Data parallelism: the dense parameters are wrapped in DDP over "dp" (fsdp > 1 is refused: not implemented yet);
+Data parallelism: the dense parameters are wrapped in DDP over "dp" (with fsdp > 1 FSDP2 shards them instead,
+backend.fsdp);
 the expert stacks are left out of DDP and their gradients are summed over "edp" only and divided by dp, because each
 EP rank already holds the gradient contributions of every rank of its EP group (all_to_all's backward brings them).
 DDP's all-reduce runs through a comm hook that times it, so the data-parallel reduction is a measured phase.
@@ -29,46 +30,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rackcast.capabilities import refusals
 from rackcast.errors import RackcastError
 from rackcast.plan import Plan
-from rackcast.vocab import SPLIT_BACKWARD_SCHEDULES
 
 def validate_trainable(plan: Plan, where: str = "") -> None:
-    """Refuse, in one line naming the field, what the plan asks for that this trainer does not implement."""
-    p = plan.parallel
-    spec = plan.model_spec()
-
-    def fail(field_name: str, message: str):
-        raise RackcastError(f"{field_name}: {message}", where=where)
-
-    if p.tensor > 1:
-        fail("parallel.tensor", "tensor parallelism is not supported by the trainer")
-    if p.sequence_parallel:
-        fail("parallel.sequence_parallel", "sequence parallelism is not supported by the trainer")
-    if p.context > 1:
-        fail("parallel.context", "context parallelism is not supported by the trainer")
-    if p.expert_tensor > 1:
-        fail("parallel.expert_tensor", "expert tensor parallelism is not supported by the trainer")
-    if p.fsdp > 1:
-        fail("parallel.fsdp", "fully sharded data parallelism is not implemented by the trainer yet; "
-                              "use data parallelism (parallel.data) instead")
-    if p.expert > 1 and spec.moe is None:
-        fail("parallel.expert", f"model {spec.name} has no experts")
-    if p.pipeline > 1 and spec.tied_embeddings:
-        fail("parallel.pipeline", "tied embeddings across pipeline stages are not supported by the trainer")
-    if p.pipeline == 1 and p.virtual > 1:
-        fail("parallel.virtual", "virtual stages need pipeline > 1")
-    if plan.optimizer.state_location == "host":
-        fail("optimizer.state_location", "host-resident optimizer state is not supported by the trainer")
-    if plan.precision == "fp8":
-        fail("precision", "fp8 training is not supported by the trainer (bf16 autocast on GPU, fp32 on CPU)")
-    if plan.recompute != "none":
-        fail("recompute", "activation recomputation is not supported by the trainer")
-    if p.pipeline > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES and p.expert > 1:
-        fail("schedule", f"{plan.schedule} splits backward into input and weight parts, which the expert "
-                         "all-to-all does not support; use 1f1b, gpipe or interleaved_1f1b with expert > 1")
-    if p.pipeline > 1 and plan.schedule == "zb_h1" and p.virtual == 1:
-        fail("parallel.virtual", "zb_h1 runs as torch's ScheduleInterleavedZeroBubble, which needs virtual >= 2")
+    """Refuse, in one line naming the field, what the plan asks for that this trainer does not implement (the
+    first of rackcast.capabilities.refusals; `rackcast train PLAN --check` prints them all)."""
+    reasons = refusals(plan, plan.model_spec())
+    if reasons:
+        raise RackcastError(reasons[0], where=where)
 
 
 @dataclass(frozen=True)
@@ -85,6 +56,9 @@ class Layout:
     ep_rank: int
     edp_rank: int
     virtual: int
+    data: int = 1
+    fsdp: int = 1
+    expert_fsdp: int = 1  # ways FSDP shards the expert stacks (rackcast.layout.ParallelSpec.expert_fsdp; data replicates them)
 
     @property
     def edp(self) -> int:
@@ -96,7 +70,8 @@ class Layout:
         dp = p.batch_shards
         stage, dp_rank = divmod(rank, dp)
         return cls(rank=rank, world=p.gpus, pp=p.pipeline, dp=dp, ep=p.expert, stage=stage, dp_rank=dp_rank,
-                   ep_rank=dp_rank % p.expert, edp_rank=dp_rank // p.expert, virtual=p.chunks_per_rank)
+                   ep_rank=dp_rank % p.expert, edp_rank=dp_rank // p.expert, virtual=p.chunks_per_rank, data=p.data,
+                   fsdp=p.fsdp, expert_fsdp=p.expert_fsdp)
 
 
 class Groups:
@@ -112,6 +87,18 @@ class Groups:
         self.dp = self.dp_mesh.get_group() if layout.dp > 1 else None
         self.ep = self.mesh.get_group("ep") if layout.ep > 1 else None
         self.edp = self.mesh.get_group("edp") if layout.edp > 1 else None
+        self.edp_mesh = self.mesh["edp"] if layout.edp > 1 else None
+        self.fsdp_mesh = None  # FSDP2's mesh for the dense parameters (backend.fsdp): (data, fsdp) or (fsdp,)
+        self.expert_fsdp_mesh = None  # and for the expert stacks: (data, fsdp / expert) or (fsdp / expert,)
+        if layout.fsdp > 1:
+            dense = init_device_mesh(device.type, (layout.pp, layout.data, layout.fsdp),
+                                     mesh_dim_names=("pp", "replicate", "shard"))
+            self.fsdp_mesh = dense["replicate", "shard"] if layout.data > 1 else dense["shard"]
+            efsdp = layout.expert_fsdp
+            if efsdp > 1:  # the expert group is the innermost `ep` ranks of the fsdp group
+                experts = init_device_mesh(device.type, (layout.pp, layout.data, efsdp, layout.ep),
+                                           mesh_dim_names=("pp", "replicate", "shard", "ep"))
+                self.expert_fsdp_mesh = experts["replicate", "shard"] if layout.data > 1 else experts["shard"]
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -201,14 +188,15 @@ def _allreduce_flat(grads: list[torch.Tensor], group, divide: int) -> None:
 
 
 def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer: PhaseTimer,
-                 dense: bool = False) -> None:
-    """Expert gradients: sum over the expert-data replicas, divide by dp. With dense=True (pipeline stages, which
-    are not DDP-wrapped) also average the dense gradients over dp. One flat all-reduce per kind, timed."""
+                 dense: bool = False, experts: bool = True) -> None:
+    """Expert gradients (unless experts=False: FSDP2 reduces them): sum over the expert-data replicas, divide by dp.
+    With dense=True (pipeline stages, which are not DDP-wrapped) also average the dense gradients over dp. One flat
+    all-reduce per kind, timed."""
     if layout.dp == 1:
         return
     t0 = timer.now()
     named = [(n, p) for m in modules for n, p in m.named_parameters() if p.grad is not None]
-    experts = [p.grad for n, p in named if is_expert_param(n)]
+    experts = [p.grad for n, p in named if is_expert_param(n)] if experts else []
     if experts:
         _allreduce_flat(experts, groups.edp, layout.dp)
     if dense:

@@ -21,14 +21,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_plan(path: Path, parallel: dict, *, global_batch: int = 8, micro_batch: int = 2, schedule: str = "1f1b",
-               **extra) -> Path:
-    """A tiny-moe plan on local-cpu with as many processes as the layout needs (data x fsdp x pipeline)."""
+               optimizer: str = "muonh", precision: str = "fp32", **extra) -> Path:
+    """A tiny-moe plan on local-cpu with as many processes as the layout needs; fp32 (no autocast) so layouts can
+    be compared to one process to 1e-5. `optimizer_extra` adds fields to the optimizer block."""
     p = dict(parallel)
-    world = p.get("data", 1) * p.get("fsdp", 1) * p.get("pipeline", 1)
+    world = 1
+    for axis in ("data", "fsdp", "tensor", "context", "pipeline"):
+        world *= p.get(axis, 1)
+    opt = {"name": "muonh", "lr": 0.01, "adam_lr": 0.003} if optimizer == "muonh" else {"name": "adamw", "lr": 0.003}
+    opt.update(extra.pop("optimizer_extra", {}))
     plan = {"name": path.stem, "model": "tiny-moe",
             "topology": {"name": "local-cpu", "domains": 1, "usable_gpus": world},
             "parallel": p, "batch": {"global_batch": global_batch, "micro_batch": micro_batch},
-            "schedule": schedule, "optimizer": {"name": "muonh", "lr": 0.01, "adam_lr": 0.003}, **extra}
+            "schedule": schedule, "optimizer": opt, "precision": precision, **extra}
     write_text_atomic(path, yaml.safe_dump(plan, sort_keys=False))
     return path
 
@@ -47,6 +52,12 @@ def losses(out: Path) -> list[float]:
     import pyarrow.parquet as pq
 
     return pq.read_table(out / "metrics.parquet", columns=["loss"]).to_pydict()["loss"]
+
+
+def routing(out: Path) -> dict:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(out / "routing.parquet").to_pydict()
 
 
 def manifest(folder: Path) -> dict:

@@ -40,7 +40,8 @@ from torch import nn
 
 from rackcast.atomic import write_json_atomic
 from rackcast.backend import checkpoint, memprof, record
-from rackcast.backend.balancing import QuantileBalancer
+from rackcast.backend.attached_loss import AttachedLoss
+from rackcast.backend.balancing import AuxFreeBiasBalancer, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
 from rackcast.backend.launch import exit_with_parent
@@ -48,7 +49,10 @@ from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
+from rackcast.backend.fsdp import set_gradient_sync, shard_model
+from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
+from rackcast.backend.recompute import apply_recompute
 from rackcast.backend.cpu_runtime import configure_cpu_process
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
@@ -133,7 +137,11 @@ class Trainer:
         self.plan_hash = inputs_hash(self.plan)
         torch.manual_seed(self.plan.seed)
 
-        model = build_model(spec, seed=self.plan.seed, device=self.device)
+        if self.plan.attention_kernel == "materialized":  # SDPA's math backend only: the score matrix is held
+            for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp,
+                           torch.backends.cuda.enable_cudnn_sdp):
+                enable(False)  # these flags pick the SDPA kernel on CPU too (what nn.attention.sdpa_kernel sets)
+        model = build_model(spec, seed=self.plan.seed, device=self.device, combine_sum=self.plan.combine_sum)
         et = self.plan.expert_transport
         capacity = et.capacity_factor if et.mode == "capacity" else None
         self.moes = []
@@ -141,6 +149,7 @@ class Trainer:
             self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
                                       self.timer)
         self.chunks = build_chunks(model, lay, self.plan.schedule)
+        apply_recompute(self.chunks, self.plan.recompute)
         self.chunk_index = chunk_ids(lay, self.plan.schedule)
         self.local = nn.ModuleList(self.chunks)
         # Keep only the MoE layers this rank's stages hold: a reference to the others would keep the whole model's
@@ -150,29 +159,50 @@ class Trainer:
         del model
         self.view = checkpoint.global_view(self.chunks)  # this rank's parameters under the full model's names
         self.saver = checkpoint.Saver(self.out, asynchronous=args.async_checkpoint)
-        self.wrapped = self.chunks if lay.pp > 1 else [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
+        self.fsdp = lay.fsdp > 1
+        self.experts_sharded = self.fsdp and shard_model(self.chunks, self.groups, lay, self.plan, self.device)
+        # FSDP2 shards each rank's expert-parallel slice again; DCP would need both splits of the expert dimension
+        # recorded (an expert-parallel Shard inside an FSDP Shard), which checkpoint._globalise does not build yet.
+        self.can_checkpoint = not (self.experts_sharded and lay.ep > 1)
+        if not self.can_checkpoint and (args.checkpoint_every or args.resume):
+            raise RackcastError("checkpoint_every/resume: checkpoints of FSDP-sharded expert stacks with expert "
+                                "parallelism are not supported yet (fsdp > 1 with expert > 1)", option="checkpoint_every")
+        if not self.can_checkpoint and self.rank == 0 and not args.quiet:
+            print("note: no checkpoint is written (FSDP-sharded expert stacks with expert parallelism)", flush=True)
+        if self.fsdp or lay.pp > 1:
+            self.wrapped = self.chunks
+        else:
+            self.wrapped = [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
         o = self.plan.optimizer
-        self.optimizer = build_optimizer(self.local, o.name, lr=o.lr, adam_lr=o.adam_lr if o.name == "muonh" else None)
+        self.optimizer = build_optimizer(self.local, o.name, lr=o.lr, adam_lr=o.adam_lr if o.name == "muonh" else None,
+                                         betas=tuple(o.betas), eps=o.eps, momentum=o.momentum,
+                                         weight_decay=o.weight_decay)
+        if o.state_location == "host":
+            self.optimizer = HostOptimizer(self.optimizer)
         for g in self.optimizer.param_groups:
             g["initial_lr"] = g["lr"]
-        self.lr_factor = marin_lr_lambda(args.steps)
+        self.lr_factor = marin_lr_lambda(args.steps, o.warmup_fraction, o.lr_floor)
         dp_group = self.groups.dp if self.groups else None
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
         reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)) if dp_group else None
-        self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else BALANCE_BINS,
-                                         reduce_counts=reduce_sum, reduce_max=reduce_max)
+        if spec.moe is not None and spec.moe.balance_method == "aux_free_bias":
+            self.balancer = AuxFreeBiasBalancer(self.local, spec.moe.bias_update_rate, reduce_counts=reduce_sum)
+        else:
+            self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else BALANCE_BINS,
+                                             reduce_counts=reduce_sum, reduce_max=reduce_max)
         self.microbatches = self.plan.microbatches
+        AttachedLoss.backward_scale = 1.0 / self.microbatches  # MTP and auxiliary losses, as the main loss is scaled
         self.pipe = None
         if lay.pp > 1:
             self.pipe = Pipeline(self.wrapped, self.chunk_index, lay, self.plan.schedule, self.microbatches,
-                                 lambda out, tgt: next_token_loss(out, None, targets=tgt)[0], self.groups.pp,
+                                 lambda out, tgt: self._loss(out, None, tgt)[0], self.groups.pp,
                                  self.device, self.timer)
         self.has_last = lay.pp * lay.virtual - 1 in self.chunk_index
         self.routing = torch.zeros(spec.layers, spec.moe.experts if spec.moe else 1, dtype=torch.int64)
         self.rows: list[dict] = []
         self.start_step = 0
         topo = self.plan.topology_spec()
-        self.peak_dtype = "bf16" if self.cuda else "fp32"  # the dtype matmuls run in (CUDA: bf16 autocast)
+        self.peak_dtype = "bf16" if self.plan.precision == "bf16" else "fp32"  # the dtype matmuls run in
         self.param_dtype = DTYPE_NAMES.get(next(self.local.parameters()).dtype, "other")
         self.memory_measure = "cuda max_memory_allocated" if self.cuda else "torch profiler live tensor bytes"
         self.memory_peak = -1.0  # CPU: the measured peak live tensor bytes of this rank (-1: not measured yet)
@@ -193,8 +223,14 @@ class Trainer:
         self.eval_data = TokenData(folder, "eval", self.spec.seq_len, seed=self.plan.seed)
 
     # ------------------------------------------------------------------------------------------------ step
+    def _loss(self, logits, tokens, targets):
+        return next_token_loss(logits, tokens, targets=targets, z_loss_weight=self.plan.z_loss_weight)
+
     def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
+        """The plan's precision: bf16 autocast on CUDA or CPU, none for fp32."""
+        if self.plan.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def _to_device(self, tokens: torch.Tensor) -> torch.Tensor:
         """Host batch -> device: on CUDA through pinned memory, copied without blocking the host."""
@@ -227,15 +263,18 @@ class Trainer:
             module = self.wrapped[0]
             for i, (x, y) in enumerate(zip(tokens.chunk(self.microbatches), targets.chunk(self.microbatches))):
                 sync = i == self.microbatches - 1 or not hasattr(module, "no_sync")
+                if self.fsdp:
+                    set_gradient_sync(self.chunks, i == self.microbatches - 1)
                 with (contextlib.nullcontext() if sync else module.no_sync()), self._autocast():
-                    loss, parts = next_token_loss(module(x), x, targets=y)
+                    loss, parts = self._loss(module(x), x, y)
                 (loss / self.microbatches).backward()
                 loss_sum, ce_sum, z_sum = loss_sum + loss.item(), ce_sum + parts["ce"].item(), \
                     z_sum + parts["z_loss"].item()
                 count += 1
             self.timer.add("fwd_bwd", self.timer.now() - t0)
         if self.groups is not None:
-            reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None)
+            reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None and not self.fsdp,
+                         experts=not self.experts_sharded)
         t1 = self.timer.now()
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * self.lr_factor(step)
@@ -262,7 +301,7 @@ class Trainer:
         tokens = self._to_device(torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)))
         self.local.eval()
         with self._autocast():
-            loss, _ = next_token_loss(self.chunks[0](tokens), tokens, targets=_targets(tokens))
+            loss, _ = self._loss(self.chunks[0](tokens), tokens, _targets(tokens))
         self.local.train()
         for chunk in self.chunks:
             for layer in chunk.layers.values():
@@ -299,7 +338,7 @@ class Trainer:
         extra = {"step": step, "routing": routing, f"rng.{self.rank}": torch.get_rng_state()}
         if self.rank == 0:
             extra["rows"] = json.dumps(self.rows)  # one string: exact floats, NaN kept
-        self.saver.save(step, self.view, self.optimizer, extra, self._checkpoint_info(), self._shard_of(),
+        self.saver.save(step, self.view, getattr(self.optimizer, "inner", self.optimizer), extra, self._checkpoint_info(), self._shard_of(),
                         fail_hook=lambda where: self.fail(where))
         if self.rank == 0:
             record.write_metrics(self.out, self.rows)
@@ -316,7 +355,10 @@ class Trainer:
                   "rng.0": torch.get_rng_state()}
         if self.rank == 0:
             wanted["rows"] = ""
-        got = checkpoint.load(folder, self.view, self.optimizer, wanted, self._shard_of())
+        got = checkpoint.load(folder, self.view, getattr(self.optimizer, "inner", self.optimizer), wanted,
+                              self._shard_of())
+        if hasattr(self.optimizer, "sync_from_device"):
+            self.optimizer.sync_from_device()  # host copies of the loaded weights
         torch.set_rng_state(got.get(own_rng, got["rng.0"]))  # a rank the saving run did not have takes rank 0's
         self.routing = got["routing"] if self.rank == 0 else torch.zeros_like(self.routing)
         self.rows = json.loads(got["rows"]) if self.rank == 0 else []
@@ -409,7 +451,7 @@ class Trainer:
                 print(f"step {step + 1:>5}/{args.steps}  loss {row['loss']:.4f}{ev}  "
                       f"tok/s {row['tokens_per_s']:,.0f}  mfu {100 * row['mfu']:.2f}%  "
                       f"step {row['step_time_s']:.3f}s", flush=True)
-            if last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0):
+            if self.can_checkpoint and (last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
                 self.save(step + 1)
         if profiler is not None:
             profiler.stop()
@@ -435,7 +477,7 @@ class Trainer:
                 "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
                            "virtual": p.virtual, "schedule": self.plan.schedule,
                            "expert_transport": self.plan.expert_transport.mode,
-                           "data_parallel": "ddp" if p.pipeline == 1 else "flat all-reduce"},
+                           "data_parallel": "fsdp2" if p.fsdp > 1 else "ddp" if p.pipeline == 1 else "flat all-reduce"},
                 "torch": torch.__version__, "threads": self.threads, "tokens_per_step": self.tokens_per_step,
                 "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,

@@ -1,26 +1,49 @@
-"""Benchmark of the planner: the closed-form stage's layouts per second, the Marin layout search (closed form plus the
-verified ranking's simulations), the Marin model-size search, and layout searches on 16,384 GPUs (a Llama 3.1
-405B-class dense model and a DeepSeek-V3-class MoE on 2,048 HGX H100 nodes). Prints wall and CPU seconds per stage.
+"""Benchmark of the planner, in one run: the closed-form stage's layouts per second on one core (the per-layout
+scalar path the search used before, next to the array path it uses now), the Marin layout search, the Marin
+model-size search, layout searches on 16,384 GPUs (a Llama 3.1 405B-class dense model and a DeepSeek-V3-class MoE on
+2,048 HGX H100 nodes), and the simulated step the verified ranking runs most (16 pipeline stages, 16 micro-batches on
+the Marin hero cluster). Every figure is min / median / max wall seconds over --repeats runs (the machine may be
+shared: the spread is part of the figure), with the CPU seconds of the median run.
 
 Targets (issue 17): closed form >= 100,000 layouts/s on one core, Marin layout search <= 5 s, size search <= 10 s,
-each 16,384-GPU search <= 30 s. The DeepSeek-V3-class search uses a global batch of 16,384 sequences (one per GPU;
-the recipe's 15,360 does not divide any layout of 16,384 GPUs whose tensor x context groups stay inside a node).
+each 16,384-GPU search <= 30 s, the 16-stage step <= 0.3 s. The DeepSeek-V3-class search uses a global batch of
+16,384 sequences (one per GPU; the recipe's 15,360 does not divide any layout of 16,384 GPUs whose tensor x context
+groups stay inside a node). The 16,384-GPU searches forecast failures for --forecast-rows rows (the CLI's default
+is 10; at 2,048 nodes one row's Monte Carlo takes tens of seconds, so the benchmark times one and prints it apart).
 
-    .venv/bin/python benchmarks/bench_planner.py [--workers N] [--skip-size] [--skip-16k]
+    .venv/bin/python benchmarks/bench_planner.py [--repeats 3] [--workers N] [--scalar-sample 2000]
+                                                 [--skip-size] [--skip-16k] [--skip-step]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import resource
+import statistics
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
-from rackcast.planner.search import Request, search
+import numpy as np
+
+from rackcast.plan import load_plan, validate
+from rackcast.planner.search import Request, offloaded, search
 from rackcast.planner.size import size_search
-from rackcast.planner.space import SpaceOptions
+from rackcast.planner.space import SpaceOptions, enumerate_space, fast_spec, make_plan
 from rackcast.planner.verify import default_workers
+from rackcast.presets import load_model
+from rackcast.simulator import metrics
+from rackcast.simulator.estimate import plan_features, step_time
+from rackcast.simulator.memory import memory_breakdown
+from rackcast.topologies import load_topology
+
+HERO = Path(__file__).resolve().parent.parent / "examples" / "plans" / "marin-535b-hero.yaml"
+MARIN = dict(model="marin-535b-a23b", topology="gb200-nvl72", racks=11, tokens=18e12)
+LLAMA = dict(model="llama-3.1-405b", topology="h100-hgx", racks=2048, tokens=15.6e12)
+DEEPSEEK = dict(model="deepseek-v3-class", topology="h100-hgx", racks=2048, tokens=14.8e12)
 
 
 def cpu_s() -> float:
@@ -29,54 +52,143 @@ def cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def layout_search(title: str, request: Request) -> None:
-    wall0, cpu0 = time.perf_counter(), cpu_s()
-    r = search(request)
-    wall, cpu = time.perf_counter() - wall0, cpu_s() - cpu0
-    t, c = r.timings, r.counts
-    print(f"{title}: {c['enumerated']} enumerated, {c['ranked']} ranked, {c['simulated']} simulated")
-    print(f"  enumeration {t['enumerate_s']:.2f} s; closed-form stage {t['closed_form_s']:.2f} s "
-          f"({c['enumerated'] / max(t['closed_form_s'], 1e-9):,.0f} enumerated layouts/s, "
-          f"{c['ranked'] / max(t['closed_form_s'], 1e-9):,.0f} ranked/s, {request.workers} processes)")
-    if c["simulated"]:
-        print(f"  verified ranking: {c['simulated']} simulations in {t['simulate_s']:.2f} s "
-              f"({t['simulate_s'] / c['simulated']:.2f} s each, {request.workers} processes); "
-              f"forecast {t['forecast_s']:.2f} s")
-    print(f"  winner {r.winner.layout.label}: {r.winner.best_tokens_per_s / 1e6:.3f} M tokens/s "
-          f"({'simulated' if r.winner.sim else 'estimated'})")
-    print(f"  total {wall:.1f} s wall, {cpu:.1f} s CPU")
+def repeat(fn, repeats: int):
+    """[(wall, cpu, result)] of `repeats` calls of fn."""
+    out = []
+    for _ in range(repeats):
+        wall0, cpu0 = time.perf_counter(), cpu_s()
+        result = fn()
+        out.append((time.perf_counter() - wall0, cpu_s() - cpu0, result))
+    return out
+
+
+def spread(values) -> str:
+    values = sorted(values)
+    return f"{values[0]:.2f} / {statistics.median(values):.2f} / {values[-1]:.2f}"
+
+
+def median_run(runs):
+    return sorted(runs, key=lambda x: x[0])[len(runs) // 2]
+
+
+# ------------------------------------------------------------------------------------------------ closed form
+def scalar_closed_form(layouts, spec, r: Request) -> int:
+    """The closed-form stage as planner.search ran it before the array path, on one core: per layout, memory at each
+    recompute level (HBM, then host state), the lightest fitting choice validated, plan_features of that one plan;
+    then one step_time over the stacked features. Returns the candidates ranked."""
+    topos = {u: load_topology(r.topology, r.racks, u) for u in {lay.usable for lay in layouts}}
+    feats = []
+    for lay in layouts:
+        topo = topos[lay.usable]
+        for rc in ("none", "selective", "full"):
+            mem = memory_breakdown(spec, make_plan(replace(lay, recompute=rc), spec.name, r.topology, r.racks, spec))
+            chosen = None
+            for loc, m in (("hbm", mem), ("host", offloaded(mem))):
+                if metrics.fits_memory(m.total, m.host, topo):
+                    chosen = replace(lay, recompute=rc, opt_location=loc)
+                    break
+            if chosen is not None:
+                plan = make_plan(chosen, spec.name, r.topology, r.racks, spec)
+                validate(plan, spec, topo.gpus)
+                feats.append(plan_features(spec, plan, topo))
+                break
+    if feats:
+        step_time({k: np.array([f[k] for f in feats]) for k in feats[0]}, topos[layouts[0].usable])
+    return len(feats)
+
+
+def closed_form(repeats: int, sample: int) -> None:
+    spec = fast_spec(load_model(MARIN["model"]))
+    base = load_topology(MARIN["topology"], MARIN["racks"])
+    su = base.scale_up
+    found = enumerate_space(spec, MARIN["racks"], su.usable_gpus, su.domain_size, SpaceOptions(), MARIN["tokens"])
+    r = Request(**MARIN, top=0, simulate=False, forecast_rows=0, workers=1)
+    picked = random.Random(0).sample(found.layouts, min(sample, len(found.layouts)))
+    scalar = repeat(lambda: scalar_closed_form(picked, spec, r), repeats)
+    array = repeat(lambda: search(r), repeats)
+    enumerated = array[0][2].counts["enumerated"]
+    scalar_rates = [len(picked) / w for w, _, _ in scalar]
+    array_rates = [enumerated / res.timings["closed_form_s"] for _, _, res in array]
+    print(f"closed form on one core, Marin 535B on 11 x gb200-nvl72 ({enumerated:,} layouts enumerated, "
+          f"{len(found.layouts):,} valid): layouts/s min / median / max over {repeats} runs")
+    print(f"  scalar, per layout (the previous search; {len(picked):,} sampled valid layouts): "
+          f"{' / '.join(f'{x:,.0f}' for x in sorted(scalar_rates))}")
+    print(f"  arrays, all layouts at once (simulator.plan_arrays; enumerated layouts / closed-form stage): "
+          f"{' / '.join(f'{x:,.0f}' for x in sorted(array_rates))}")
+
+
+# ------------------------------------------------------------------------------------------------ searches
+def layout_search(title: str, request: Request, repeats: int) -> None:
+    runs = repeat(lambda: search(request), repeats)
+    wall, cpu, res = median_run(runs)
+    t, c = res.timings, res.counts
+    print(f"{title}: {c['enumerated']:,} enumerated, {c['ranked']:,} ranked, {c['simulated']} simulated")
+    print(f"  total wall s min / median / max: {spread(w for w, _, _ in runs)} (median run: {cpu:.1f} s CPU, "
+          f"{request.workers} processes)")
+    print(f"  median run: enumeration {t['enumerate_s']:.2f} s, closed form {t['closed_form_s']:.2f} s, verified "
+          f"ranking {t['simulate_s']:.2f} s ({c['simulated']} simulations), forecast {t['forecast_s']:.2f} s "
+          f"({max(request.top, request.forecast_rows)} rows)")
+    print(f"  winner {res.winner.layout.label}: {res.winner.best_tokens_per_s / 1e6:.3f} M tokens/s "
+          f"({'simulated' if res.winner.sim else 'estimated'})")
+
+
+def size(repeats: int, workers: int) -> None:
+    runs = repeat(lambda: size_search("marin-moe", MARIN["topology"], MARIN["racks"], MARIN["tokens"], top=10,
+                                      workers=workers), repeats)
+    wall, cpu, res = median_run(runs)
+    print(f"size search (marin-moe on 11 x gb200-nvl72, {len(res.shapes)} shapes): {res.enumerated:,} layouts "
+          f"enumerated, {res.candidates:,} ranked, {res.simulated} simulated")
+    print(f"  total wall s min / median / max: {spread(w for w, _, _ in runs)} (median run: {cpu:.1f} s CPU; closed "
+          f"form {res.timings['closed_form_s']:.1f} s, simulations {res.timings['simulate_s']:.1f} s)")
+
+
+def step(repeats: int) -> None:
+    from rackcast.simulator.step import simulate
+
+    hero = load_plan(str(HERO))
+    plan = replace(hero, parallel=replace(hero.parallel, fsdp=4, expert=4, pipeline=16))
+    simulate(plan, record=False)  # warm-up: imports, numba's cached kernels, the topology graph
+    runs = repeat(lambda: simulate(plan, record=False), repeats)
+    res = runs[0][2]
+    print(f"simulated step, hero cluster with 16 pipeline stages ({plan.microbatches} micro-batches, {res.events:,} "
+          f"events): wall s min / median / max {spread(w for w, _, _ in runs)}")
+
+
+def forecast_one(request: Request) -> None:
+    res = search(replace(request, top=0, simulate=False, forecast_rows=0))
+    from rackcast.planner.search import apply_forecast
+
+    wall0 = time.perf_counter()
+    apply_forecast(res, 1)
+    print(f"  one row's failure forecast (planner.forecast, 1,000 runs): {time.perf_counter() - wall0:.1f} s")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workers", type=int, default=default_workers())
-    ap.add_argument("--skip-size", action="store_true", help="leave out the model-size search")
-    ap.add_argument("--skip-16k", action="store_true", help="leave out the 16,384-GPU searches")
+    ap.add_argument("--scalar-sample", type=int, default=2000, help="valid layouts the scalar path prices")
+    ap.add_argument("--forecast-rows", type=int, default=1, help="rows forecast in the 16,384-GPU searches")
+    ap.add_argument("--skip-size", action="store_true")
+    ap.add_argument("--skip-16k", action="store_true")
+    ap.add_argument("--skip-step", action="store_true")
     args = ap.parse_args()
-    print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}, workers {args.workers}")
-    print("closed form: the per-layout path (simulator.estimate.plan_features per layout, one vectorised step_time); "
-          "an array path over all layouts at once is not in this version, so there is no second column")
-
-    layout_search("Marin layout search (marin-535b-a23b, 11 x gb200-nvl72, 18e12 tokens)",
-                  Request(model="marin-535b-a23b", topology="gb200-nvl72", racks=11, tokens=18e12,
-                          workers=args.workers))
+    print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}, workers {args.workers}, "
+          f"repeats {args.repeats}")
+    closed_form(args.repeats, args.scalar_sample)
+    layout_search("Marin layout search (marin-535b-a23b, 11 x gb200-nvl72, 18e12 tokens, as `make plan`)",
+                  Request(**MARIN, workers=args.workers), args.repeats)
     if not args.skip_size:
-        wall0, cpu0 = time.perf_counter(), cpu_s()
-        res = size_search("marin-moe", "gb200-nvl72", 11, 18e12, top=10, workers=args.workers)
-        wall, cpu = time.perf_counter() - wall0, cpu_s() - cpu0
-        cf, sim = res.timings["closed_form_s"], res.timings["simulate_s"]
-        print(f"size search (marin-moe, {len(res.shapes)} shapes): {res.enumerated} layouts enumerated, "
-              f"{res.candidates} ranked by the closed form, {res.simulated} simulated")
-        print(f"  closed-form stage {cf:.1f} s ({res.enumerated / cf:,.0f} enumerated layouts/s); simulated stage "
-              f"{sim:.1f} s")
-        print(f"  total {wall:.1f} s wall, {cpu:.1f} s CPU")
+        size(args.repeats, args.workers)
     if not args.skip_16k:
-        layout_search("16,384 GPUs, llama-3.1-405b on 2048 x h100-hgx, 15.6e12 tokens",
-                      Request(model="llama-3.1-405b", topology="h100-hgx", racks=2048, tokens=15.6e12,
-                              workers=args.workers))
-        layout_search("16,384 GPUs, deepseek-v3-class on 2048 x h100-hgx, 14.8e12 tokens, global batch 16,384",
-                      Request(model="deepseek-v3-class", topology="h100-hgx", racks=2048, tokens=14.8e12,
-                              workers=args.workers, options=SpaceOptions(global_batch=16384)))
+        for title, req in (("16,384 GPUs: llama-3.1-405b on 2,048 x h100-hgx", Request(**LLAMA)),
+                           ("16,384 GPUs: deepseek-v3-class on 2,048 x h100-hgx, global batch 16,384",
+                            Request(**DEEPSEEK, options=SpaceOptions(global_batch=16384)))):
+            req = replace(req, workers=args.workers, forecast_rows=args.forecast_rows)
+            layout_search(title, req, args.repeats)
+            forecast_one(req)
+    if not args.skip_step:
+        step(args.repeats)
     return 0
 
 

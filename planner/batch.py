@@ -43,7 +43,7 @@ def law_batch_tokens(compute_flops: float) -> float:
 
 def default_batch(spec: ModelSpec, gpus: int, tokens: float) -> BatchChoice:
     """The global batch a search uses when none is given (see the module docstring)."""
-    if spec.recipe is not None:
+    if spec.recipe is not None and spec.recipe.global_batch:
         b = spec.recipe.global_batch
         return BatchChoice(b, f"global batch {b:,} x {spec.seq_len:,} tokens ({_tokens(b * spec.seq_len)} per step): "
                               f"the recipe of {spec.name} ({spec.recipe.source})")

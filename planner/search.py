@@ -2,11 +2,11 @@
 
 Stages:
 1. planner.space enumerates the layouts; rackcast.plan.validate refuses those that do not divide evenly.
-2. Memory (simulator.memory, HBM and host) per layout. Recomputation and optimizer-state location only trade time
-   for memory in the estimate, so each layout keeps the lightest choices that fit: no recomputation before selective
-   before full, HBM state before host; a heavier choice is kept only where no lighter one fits.
-3. simulator.estimate.plan_features per candidate (in a process pool), stacked into numpy arrays; one call of
-   step_time ranks them all at once.
+2. Memory (simulator.memory, HBM and host) of every layout at once (simulator.plan_arrays). Recomputation and
+   optimizer-state location only trade time for memory in the estimate, so each layout keeps the lightest choices
+   that fit: no recomputation before selective before full, HBM state before host; a heavier choice is kept only
+   where no lighter one fits.
+3. simulator.estimate.plan_features and step_time over all the kept candidates at once, as arrays (one call each).
 4. The verified ranking (planner.verify): candidates are simulated (simulator.step) best estimate first until no
    unsimulated one could beat the best simulated one within the estimate's error band; simulated rows rank first.
 5. The failure forecast (planner.forecast) gives the table's rows their P50 days with failures and restarts.
@@ -16,9 +16,7 @@ Stages:
 from __future__ import annotations
 
 import math
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -31,17 +29,17 @@ from rackcast.presets import load_model
 from rackcast.simulator import metrics
 from rackcast.simulator.estimate import plan_features, step_time
 from rackcast.simulator.memory import MemoryBreakdown, attention_core_bytes_per_token, memory_breakdown
+from rackcast.simulator.plan_arrays import PARALLEL_FIELDS, PlanArrays
 from rackcast.topologies import load_topology
 from rackcast.topologies.spec import Topology
 from rackcast.units import GIB
 from rackcast.vocab import PHASES
 
-from rackcast.planner.space import (Enumeration, Layout, SpaceOptions, enumerate_space, fast_spec, make_plan,
-                           optimizer_for)
+from rackcast.planner.space import (Enumeration, Layout, SpaceOptions, enumerate_space, expert_transport, fast_spec,
+                                    make_plan, optimizer_for)
 from rackcast.planner.verify import ESTIMATE_BAND, MAX_SIMULATED, default_workers, verify_ranking
 
 OBJECTIVES = ("days", "mfu")
-CHUNK = 256  # layouts per task handed to a worker
 REFINE = 100  # best dropless layouts also tried with capacity transport
 
 
@@ -61,7 +59,7 @@ class Request:
     band: float = ESTIMATE_BAND  # the estimate's error band the verified ranking allows (planner.verify)
     max_simulate: int = MAX_SIMULATED
     command: str = ""
-    forecast_rows: int = 10  # rows whose days get the failure allowance (the table's rows)
+    forecast_rows: int = 10  # rows whose days get the failure allowance (the table's rows; 0 with top 0: none)
 
 
 @dataclass
@@ -152,80 +150,102 @@ def available_days(start: str, deadline: str) -> float:
     return float(days)
 
 
-# ---------------------------------------------------------------- the per-layout stage (runs in workers)
-_STATE: dict = {}
-
-
-def _fits(mem: MemoryBreakdown, topo: Topology) -> tuple[bool, float]:
-    return bool(metrics.fits_memory(mem.total, mem.host, topo)), metrics.host_bytes_per_host(mem.host, topo)
-
-
+# ---------------------------------------------------------------- the closed-form stage (arrays over layouts)
 def offloaded(mem: MemoryBreakdown) -> MemoryBreakdown:
     """The same layout with optimizer state and master weights in host memory (what simulator.memory does for
-    state_location: host: nothing else changes), without a second memory_breakdown call."""
-    return replace(mem, host=mem.master + mem.optimizer, master=0.0, optimizer=0.0)
+    state_location: host: nothing else changes), without a second memory_breakdown call; arrays pass through."""
+    return replace(mem, host=mem.master + mem.optimizer, master=0.0 * mem.master, optimizer=0.0 * mem.optimizer)
 
 
-def _memory_choices(layout: Layout, spec, topos, r: Request) -> list[tuple[Layout, bool, dict, float]]:
-    """The lightest fitting (recompute, optimizer location) choices, or the leanest failure."""
-    opts = r.options
-    topo = topos[layout.usable]
-    out, host_kept, leanest = [], False, None
-    levels = [x for x in ("none", "selective", "full") if x in opts.recompute]
-    if "none" in levels and "selective" in levels and not _selective_saves(spec, layout, r):
-        levels.remove("selective")  # it would hold the same memory as no recomputation and only cost time
-    for rc in levels:
-        mem = memory_breakdown(spec, make_plan(replace(layout, recompute=rc), spec.name, r.topology, r.racks, spec))
-        for loc in [x for x in ("hbm", "host") if x in opts.opt_locations]:
-            if loc == "host" and host_kept:
-                continue  # a lighter recomputation with host state already fits: this one is slower
+def layout_columns(layouts: list[Layout]) -> dict[str, list]:
+    """The layouts' fields as simulator.plan_arrays columns."""
+    pars = [lay.parallel for lay in layouts]
+    columns = {k: [getattr(p, k) for p in pars] for k in PARALLEL_FIELDS}
+    columns.update(usable=[lay.usable for lay in layouts], global_batch=[lay.global_batch for lay in layouts],
+                   micro_batch=[lay.micro_batch for lay in layouts], schedule=[lay.schedule for lay in layouts],
+                   recompute=[lay.recompute for lay in layouts], state_location=[lay.opt_location for lay in layouts],
+                   transport=[expert_transport(lay.transport) for lay in layouts])
+    return columns
+
+
+def plan_arrays(layouts: list[Layout], spec: ModelSpec, r: Request) -> PlanArrays:
+    """The layouts as one simulator.plan_arrays.PlanArrays (the plans make_plan would build, as columns)."""
+    return PlanArrays(make_plan(layouts[0], spec.name, r.topology, r.racks, spec), layout_columns(layouts))
+
+
+def _selective_saves(spec: ModelSpec, layouts: list[Layout], r: Request) -> np.ndarray:
+    """Per layout: whether selective recomputation drops anything (the materialised attention core; nothing with
+    flash attention). It depends on the tensor degree only."""
+    memo = {}
+    for lay in layouts:
+        t = lay.parallel.tensor
+        if t not in memo:
+            plan = make_plan(lay, spec.name, r.topology, r.racks, spec)
+            memo[t] = any(attention_core_bytes_per_token(spec, i, plan) > 0 for i in range(spec.layers))
+    return np.array([memo[lay.parallel.tensor] for lay in layouts], dtype=bool)
+
+
+def _memory_choices(layouts: list[Layout], spec: ModelSpec, topos, r: Request):
+    """For every layout, the lightest fitting (recompute, optimizer location) choices, or the leanest failure.
+    Returns (candidates, memory dicts, host bytes per host, fits) in layout order."""
+    opts, n = r.options, len(layouts)
+    levels = [x for x in ("none", "selective", "full") if x in opts.recompute and x in opts.capabilities.recompute]
+    locations = [x for x in ("hbm", "host") if x in opts.opt_locations and x in opts.capabilities.optimizer_state]
+    skip_selective = np.zeros(n, dtype=bool)
+    if "none" in levels and "selective" in levels:  # it would hold the same memory as none and only cost time
+        skip_selective = ~_selective_saves(spec, layouts, r)
+    arrays = plan_arrays(layouts, spec, r)
+    usable = arrays.usable
+    tried = []  # (level, location, MemoryBreakdown of arrays, fits, host bytes per host, tried mask)
+    done, host_kept = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    emitted = []  # (order, mask, index into tried)
+    for level in levels:
+        mem = memory_breakdown(spec, arrays.replace(recompute=[level] * n, state_location=["hbm"] * n))
+        active = ~done & ~(skip_selective if level == "selective" else np.zeros(n, dtype=bool))
+        for loc in locations:
             m = offloaded(mem) if loc == "host" else mem
-            ok, hph = _fits(m, topo)
-            cand = replace(layout, recompute=rc, opt_location=loc)
-            if ok:
-                out.append((cand, True, m.as_dict(), hph))
-                if loc == "hbm":
-                    return out
-                host_kept = True
-            elif leanest is None or m.total < leanest[2]["total"]:
-                leanest = (cand, False, m.as_dict(), hph)
-    return out or [leanest]
-
-
-def _selective_saves(spec, layout: Layout, r: Request) -> bool:
-    """Selective recomputation drops only the materialised attention core (none with flash attention)."""
-    memo = _STATE.setdefault("selective", {})
-    tensor = layout.parallel.tensor
-    if tensor not in memo:
-        plan = make_plan(layout, spec.name, r.topology, r.racks, spec)
-        memo[tensor] = any(attention_core_bytes_per_token(spec, i, plan) > 0 for i in range(spec.layers))
-    return memo[tensor]
-
-
-def _evaluate_chunk(layouts: list[Layout]) -> list[tuple]:
-    spec, topos, r = _STATE["spec"], _STATE["topos"], _STATE["request"]
-    out = []
-    for layout in layouts:
-        choices = _STATE["memo"].get(layout) or _memory_choices(layout, spec, topos, r)
-        for cand, ok, mem, hph in choices:
-            feats, reason = None, ""
-            if ok:
-                plan = make_plan(cand, spec.name, r.topology, r.racks, spec)
-                try:
-                    validate(plan, spec, topos[cand.usable].gpus)  # the final choice is validated too
-                    feats = plan_features(spec, plan, topos[cand.usable])
-                except (RackcastError, ValueError) as exc:
-                    reason = str(exc)
-            out.append((cand, ok, mem, hph, feats, reason))
-    return out
-
-
-def _run_chunks(chunks, workers: int):
-    if workers <= 1 or len(chunks) <= 1:
-        return [_evaluate_chunk(c) for c in chunks]
-    ctx = multiprocessing.get_context("fork")  # workers inherit _STATE (spec, topologies) without pickling
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        return list(pool.map(_evaluate_chunk, chunks))
+            fits, hph = np.zeros(n, dtype=bool), np.zeros(n)
+            for u, topo in topos.items():
+                here = usable == u
+                fits[here] = metrics.fits_memory(m.total[here], m.host[here], topo)
+                hph[here] = metrics.host_bytes_per_host(m.host[here], topo)
+            mask = active & ~host_kept if loc == "host" else active.copy()
+            tried.append((level, loc, m, fits, hph, mask))
+            ok = fits & mask
+            emitted.append((len(emitted), ok, len(tried) - 1))
+            if loc == "hbm":
+                done |= ok
+                active &= ~ok
+            else:
+                host_kept |= ok
+    any_fit = np.zeros(n, dtype=bool)
+    for _, ok, _ in emitted:
+        any_fit |= ok
+    # The leanest failure: the first smallest total among the choices tried (every one, where nothing fit).
+    totals = np.array([np.where(mask, m.total, np.inf) for _, _, m, _, _, mask in tried])
+    leanest = np.argmin(totals, axis=0)
+    picks = [(np.flatnonzero(ok), order, k, True) for order, ok, k in emitted]
+    picks.append((np.flatnonzero(~any_fit), len(emitted), None, False))
+    index = np.concatenate([p[0] for p in picks])
+    order = np.concatenate([np.full(len(p[0]), p[1]) for p in picks])
+    sort = np.lexsort((order, index))  # per layout, in the order its choices were tried
+    which = np.concatenate([np.full(len(p[0]), -1 if p[2] is None else p[2]) for p in picks])[sort]
+    index = index[sort]
+    which = np.where(which < 0, leanest[index], which)
+    fits = np.concatenate([np.full(len(p[0]), p[3]) for p in picks])[sort]
+    parts = ("weights", "gradients", "master", "optimizer", "activations", "buffers", "total", "host")
+    columns = {k: np.zeros(len(index)) for k in (*parts, "hph")}
+    for k, (_, _, m, _, hph, _) in enumerate(tried):
+        sel = which == k
+        d = m.as_dict()
+        for part in parts:
+            columns[part][sel] = np.broadcast_to(d[part], (n,))[index[sel]]
+        columns["hph"][sel] = hph[index[sel]]
+    lists = {k: v.tolist() for k, v in columns.items()}
+    mems = [dict(zip(parts, vals)) for vals in zip(*(lists[p] for p in parts))]
+    cands = [Layout(lay.usable, lay.parallel, lay.global_batch, lay.micro_batch, lay.schedule, tried[k][0],
+                    tried[k][1], lay.transport) for lay, k in zip((layouts[i] for i in index.tolist()), which.tolist())]
+    return cands, mems, lists["hph"], fits.tolist()
 
 
 # ---------------------------------------------------------------- search
@@ -281,15 +301,14 @@ def search(r: Request, progress=None) -> Result:
     t0 = time.perf_counter()
     usables = sorted({lay.usable for lay in found.layouts} | set(r.options.usable or ()))
     topos = {u: load_topology(r.topology, r.racks, u) for u in usables}
-    _STATE.update(spec=fspec, topos=topos, request=r, memo={}, selective={})
-    if base.efficiency.host_op_s.measured:  # count the model's ops once, before the pool's workers fork
+    if base.efficiency.host_op_s.measured:  # count the model's ops once
         from rackcast.simulator.op_counts import op_counts
 
         op_counts(spec, optimizer_for(spec))
     rows = [Row(layout=lay, status="invalid", reason=why) for lay, why in found.rejected]
-    ranked = _evaluate(found.layouts, rows, spec, base, topos, r)
+    ranked = _evaluate(found.layouts, rows, fspec, base, topos, r)
     if "capacity" in r.options.transports and "dropless" in r.options.transports and spec.moe is not None:
-        ranked += _refine_capacity(ranked, rows, spec, base, topos, r)
+        ranked += _refine_capacity(ranked, rows, fspec, base, topos, r)
     timings["closed_form_s"] = time.perf_counter() - t0
     _sort(ranked, r.objective, simulated=False)
 
@@ -310,7 +329,8 @@ def search(r: Request, progress=None) -> Result:
     t0 = time.perf_counter()
     if progress:
         progress(0, 0, "forecasting failures and restarts")
-    result.days_note = apply_forecast(result, max(r.top, r.forecast_rows, 1))
+    rows_forecast = max(r.top, r.forecast_rows)
+    result.days_note = apply_forecast(result, rows_forecast) if rows_forecast else "no failure forecast (0 rows)"
     timings["forecast_s"] = time.perf_counter() - t0
     result.counts = {
         "enumerated": len(rows), "invalid": sum(x.status == "invalid" for x in rows),
@@ -321,20 +341,41 @@ def search(r: Request, progress=None) -> Result:
 
 
 def _evaluate(layouts: list[Layout], rows: list[Row], spec: ModelSpec, base: Topology, topos, r: Request) -> list[Row]:
-    """Memory and features for each layout (in the pool), then one vectorised step_time over those that fit."""
-    chunks = [layouts[i:i + CHUNK] for i in range(0, len(layouts), CHUNK)]
-    ranked, feats = [], []
-    for cand, ok, mem, hph, f, reason in (item for chunk in _run_chunks(chunks, r.workers) for item in chunk):
-        if not ok:
-            rows.append(Row(cand, "no_fit", _no_fit_reason(mem, hph, topos[cand.usable]), mem, hph))
-        elif f is None:
-            rows.append(Row(cand, "invalid", reason, mem, hph))
+    """Memory of every layout, the lightest fitting choices, then the closed form over those that fit (arrays)."""
+    if not layouts:
+        return []
+    cands, mems, hphs, fits = _memory_choices(layouts, spec, topos, r)
+    kept = []
+    for cand, mem, hph, ok in zip(cands, mems, hphs, fits):
+        if ok:
+            kept.append((cand, mem, hph))
         else:
-            row = Row(cand, "ranked", "", mem, hph, drop_fraction=f["drop_fraction"])
-            rows.append(row)
-            ranked.append(row)
-            feats.append(f)
-    _apply_closed_form(ranked, feats, spec, base, r)
+            rows.append(Row(cand, "no_fit", _no_fit_reason(mem, hph, topos[cand.usable]), mem, hph))
+    return _closed_form(kept, rows, spec, base, r)
+
+
+def _closed_form(kept: list[tuple[Layout, dict, float]], rows: list[Row], spec: ModelSpec, topo: Topology,
+                 r: Request) -> list[Row]:
+    """simulator.estimate.plan_features and step_time once over every candidate (simulator.plan_arrays). step_time
+    reads only per-GPU hardware figures (peaks, link bandwidths, efficiency curves), which do not change with the
+    GPUs used per domain; placement takes each candidate's own."""
+    if not kept:
+        return []
+    layouts = [k[0] for k in kept]
+    feats = plan_features(spec, plan_arrays(layouts, spec, r), topo)
+    times = step_time(feats, topo)
+    tokens = np.array([lay.global_batch * spec.seq_len for lay in layouts], dtype=float)
+    gpus = np.array([lay.usable * r.racks for lay in layouts], dtype=float)
+    rate = metrics.step_metrics(tokens, times["step_time_s"], metrics.model_flops_per_step(spec, tokens), gpus, topo,
+                                r.tokens)
+    phases = [dict(zip(PHASES, vals)) for vals in zip(*(times[k].tolist() for k in PHASES))]
+    ranked = [Row(lay, "ranked", "", mem, hph, step_time_s=st, tokens_per_s=tps, mfu=mfu, days=days, phases=ph,
+                  drop_fraction=drop)
+              for (lay, mem, hph), st, tps, mfu, days, ph, drop in zip(
+                  kept, times["step_time_s"].tolist(), np.broadcast_to(rate.tokens_per_s, len(kept)).tolist(),
+                  np.broadcast_to(rate.mfu, len(kept)).tolist(),
+                  np.broadcast_to(rate.days_to_budget, len(kept)).tolist(), phases, feats["drop_fraction"].tolist())]
+    rows.extend(ranked)
     return ranked
 
 
@@ -344,12 +385,8 @@ def _refine_capacity(ranked: list[Row], rows: list[Row], spec: ModelSpec, base: 
     is tried on the best dropless layouts with experts split over several GPUs rather than on all of them."""
     _sort(ranked, r.objective, simulated=False)
     best = [x for x in ranked if x.layout.parallel.expert > 1][:REFINE]
-    layouts = [replace(x.layout, transport="capacity") for x in best]
-    _STATE["memo"] = {lay: [(lay, True, x.memory, x.host_per_host)] for lay, x in zip(layouts, best)}
-    try:
-        return _evaluate(layouts, rows, spec, base, topos, replace(r, workers=1))
-    finally:
-        _STATE["memo"] = {}
+    return _closed_form([(replace(x.layout, transport="capacity"), x.memory, x.host_per_host) for x in best], rows,
+                        spec, base, r)
 
 
 def _no_fit_reason(mem: dict, host_per_host: float, topo: Topology) -> str:
@@ -357,26 +394,6 @@ def _no_fit_reason(mem: dict, host_per_host: float, topo: Topology) -> str:
         return f"memory per GPU {mem['total'] / GIB:.1f} GiB > HBM {topo.accelerator.hbm_bytes / GIB:.1f} GiB"
     return (f"host memory {host_per_host / GIB:.1f} GiB per host > {topo.host.memory_bytes / GIB:.1f} GiB "
             f"(offloaded optimizer state)")
-
-
-def _apply_closed_form(ranked: list[Row], feats: list[dict], spec: ModelSpec, topo: Topology, r: Request) -> None:
-    """One vectorised step_time call over every candidate. step_time reads only per-GPU hardware figures (peaks,
-    link bandwidths, efficiency curves), which do not change with the GPUs used per domain."""
-    if not ranked:
-        return
-    keys = list(feats[0])
-    arrays = {k: np.array([f[k] for f in feats], dtype=float) for k in keys}
-    times = step_time(arrays, topo)
-    tokens = np.array([row.layout.global_batch * spec.seq_len for row in ranked], dtype=float)
-    gpus = np.array([row.layout.usable * r.racks for row in ranked], dtype=float)
-    rate = metrics.step_metrics(tokens, times["step_time_s"], metrics.model_flops_per_step(spec, tokens), gpus, topo,
-                                r.tokens)
-    for i, row in enumerate(ranked):
-        row.step_time_s = float(times["step_time_s"][i])
-        row.tokens_per_s = float(rate.tokens_per_s[i])
-        row.mfu = float(rate.mfu[i])
-        row.days = float(rate.days_to_budget[i])
-        row.phases = {k: float(times[k][i]) for k in PHASES}
 
 
 def _sort(ranked: list[Row], objective: str, simulated: bool) -> None:

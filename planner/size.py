@@ -29,7 +29,7 @@ from rackcast.modelspec import ModelSpec
 from rackcast.presets import list_models, load_model
 
 from rackcast.planner.search import Request, Result, Row, apply_forecast, search
-from rackcast.planner.verify import attach_simulation, simulate_plans
+from rackcast.planner.verify import ESTIMATE_BAND, MAX_SIMULATED, attach_simulation, simulate_plans, verify
 from rackcast.planner.space import SpaceOptions
 
 FAMILIES = ("marin-moe", "dense-gpt")
@@ -159,8 +159,11 @@ def one_domain_replica(spec: ModelSpec, topology: str, racks: int, options: Spac
 
 def size_search(family: str, topology: str, racks: int, tokens: float, start: str = "", deadline: str = "",
                 objective: str = "days", top: int = 10, workers: int = 2,
-                options: SpaceOptions | None = None) -> SizeResult:
-    """Best layout per shape (closed form), then the best layouts of the `top` fastest shapes simulated."""
+                options: SpaceOptions | None = None, band: float = ESTIMATE_BAND,
+                max_simulate: int = MAX_SIMULATED) -> SizeResult:
+    """Best layout per shape (closed form), then the verified ranking over the shapes' best layouts (planner.verify):
+    the `top` best by estimate are simulated, and more while an unsimulated shape could still beat the best
+    simulated one within the estimate's error band `band` (at most `max_simulate`)."""
     from rackcast.topologies import load_topology
 
     # One GPU count per domain (the preset's default), so "domains per replica" compares across shapes.
@@ -169,7 +172,7 @@ def size_search(family: str, topology: str, racks: int, tokens: float, start: st
     t0 = time.perf_counter()
     for spec in family_shapes(family):
         req = Request(model=spec, topology=topology, racks=racks, tokens=tokens, start=start, deadline=deadline,
-                      objective=objective, top=0, options=options, workers=workers, simulate=False)
+                      objective=objective, top=0, options=options, workers=workers, simulate=False, forecast_rows=0)
         one_mem, one_label = one_domain_replica(spec, topology, racks, options, tokens)
         try:
             res = search(req)
@@ -188,28 +191,54 @@ def size_search(family: str, topology: str, racks: int, tokens: float, start: st
             one_domain_label=one_label))
     out.timings["closed_form_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    feasible = sorted((s for s in out.shapes if s.result), key=lambda s: (s.days, s.spec.name))
-    to_sim = feasible[:top]
-    if to_sim:
-        note = _simulate_best(to_sim, workers)
-        out.simulated = sum(bool(s.best.sim) for s in to_sim)
-        out.notes.append(note)
+    feasible = [s for s in out.shapes if s.result]
+    if top and feasible:
+        out.notes.append(_verify_shapes(out, feasible, objective, band, max_simulate, top, workers))
+        out.simulated = sum(bool(s.best.sim) for s in feasible)
     out.timings["simulate_s"] = time.perf_counter() - t0
     for s in feasible:
         s.result.forecast_days.clear()
         apply_forecast(s.result, 1)
     if feasible:
-        out.notes.append("days of each shape's best layout are the P50 with failures and restarts (planner.forecast)")
+        out.notes.append("days of each shape's best layout are the P50 with failures and restarts (planner.forecast)"
+                         " from its simulated speed where src is sim, from the closed-form estimate where it is est")
     _mark_pareto(out.shapes)
     return out
 
 
-def _simulate_best(shapes: list[ShapeResult], workers: int) -> str:
-    """Simulate each shape's best layout (all in one pool) and keep it as that shape's figures."""
-    sims = simulate_plans([s.result.plan_for(s.best) for s in shapes], workers)
-    for s, sim in zip(shapes, sims):
-        attach_simulation(s.result, s.best, sim)
-    return f"the best layouts of the {len(shapes)} fastest shapes were simulated (simulator.step)"
+def _verify_shapes(out: SizeResult, feasible: list[ShapeResult], objective: str, band: float, cap: int, top: int,
+                   workers: int) -> str:
+    """The verified ranking of planner.verify over the shapes' best layouts: simulated best estimate first (at least
+    `top`), until no unsimulated shape could beat the best simulated one within the estimate's error band."""
+    sign = 1 if objective == "days" else -1
+    order = sorted(feasible, key=lambda s: (sign * _score(s.best, objective), s.spec.name))
+    estimates = [_score(s.best, objective) for s in order]
+
+    def simulate_one(i: int) -> dict:
+        return simulate_plans([order[i].result.plan_for(order[i].best)], 1)[0]
+
+    def on_result(i: int, sim: dict) -> None:
+        attach_simulation(order[i].result, order[i].best, sim)
+
+    def score(sim: dict) -> float:
+        return (sim["days"] if objective == "days" else sim["mfu"]) if sim["fits"] else math.nan
+
+    v = verify(estimates, simulate_one, score, objective=objective, band=band, cap=max(cap, top), minimum=top,
+               workers=workers, on_result=on_result)
+    head = (f"the best layouts of {len(v.simulated)} shapes were simulated (simulator.step), best estimate first, "
+            f"the first {min(top, len(order))} always")
+    if v.reason == "all":
+        return f"{head}: every shape"
+    if v.reason == "cap":
+        return f"{head}; stopped at the cap of {v.cap}: the rest could still beat the best within the band"
+    if v.reason == "interrupted":
+        return f"{head}; interrupted (Ctrl-C): the rest are estimated (src est)"
+    return (f"{head}, until no other could beat the best simulated within the estimate's {100 * band:.0f}% error "
+            f"band (planner.verify); the other {len(order) - len(v.simulated)} shapes' figures are estimated (src est)")
+
+
+def _score(row: Row, objective: str) -> float:
+    return row.days if objective == "days" else row.mfu
 
 
 def _mark_pareto(shapes: list[ShapeResult]) -> None:

@@ -9,7 +9,9 @@ innermost ranks and must divide the GPUs used per domain, so tensor- and context
 NICs; expert, fsdp, data and pipeline groups may cross domains, and the estimate charges the scale-out link for it.
 Everything else about divisibility (heads, KV heads, layers, experts, expert width, sequence, batch, schedule) is
 decided by rackcast.plan.validate, the single authority: a layout it refuses is kept as a rejected row with the
-RackcastError text.
+RackcastError text. Only layouts the executor can run are offered (SpaceOptions.capabilities, by default
+rackcast.capabilities.TRAINER): its refusals reject the rest with the reason, and the search tries only the
+recomputation modes and optimizer-state locations it implements.
 
 """
 
@@ -17,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Iterator
 
+from rackcast.capabilities import TRAINER, Capabilities, refusals
 from rackcast.errors import RackcastError
-from rackcast.modelspec import FlopsConvention, ModelSpec
+from rackcast.modelspec import FlopsConvention, ModelSpec, Recipe
 from rackcast.simulator.schedule_formulas import peak_in_flight
 from rackcast.plan import (BatchSpec, ExpertTransport, OptimizerSpec, ParallelSpec, Plan, TopologyRef,
                            validate)
@@ -58,7 +61,7 @@ class Layout:
         """Flat columns (usable, the degrees, then the knobs) for tables, JSON and Parquet."""
         return {k: getattr(self.parallel, k) if k in DEGREES else getattr(self, k) for k in LAYOUT_COLUMNS}
 
-    @property
+    @cached_property
     def parallel_label(self) -> str:
         par = self.parallel
         parts = [f"d{par.data}", f"f{par.fsdp}"]
@@ -69,13 +72,13 @@ class Layout:
             parts.append(f"p{par.pipeline}" + (f"v{par.virtual}" if par.virtual > 1 else ""))
         return " ".join(parts)
 
-    @property
+    @cached_property
     def knobs_label(self) -> str:
         sched = self.schedule if self.parallel.pipeline > 1 else "-"
         return (f"gb{self.global_batch} mb{self.micro_batch} {sched} rc={self.recompute} opt={self.opt_location} "
                 f"{self.transport} {self.usable}/dom")
 
-    @property
+    @cached_property
     def label(self) -> str:
         return f"{self.parallel_label} | {self.knobs_label}"
 
@@ -111,6 +114,8 @@ class SpaceOptions:
     recompute: tuple[str, ...] = RECOMPUTE
     opt_locations: tuple[str, ...] = OPT_LOCATIONS
     transports: tuple[str, ...] = TRANSPORTS
+    # Only layouts this executor can run are offered (rackcast.capabilities); EVERYTHING plans beyond the trainer.
+    capabilities: Capabilities = TRAINER
 
     @classmethod
     def coarse(cls, **overrides) -> "SpaceOptions":
@@ -133,7 +138,7 @@ def default_global_batch(spec: ModelSpec, default_usable: int, domains: int, tok
     batch."""
     from rackcast.planner.batch import default_batch
 
-    if spec.recipe is None and tokens <= 0:
+    if not (spec.recipe and spec.recipe.global_batch) and tokens <= 0:
         raise ValueError(f"{spec.name} has no recipe batch; the batch law needs the token budget")
     return default_batch(spec, default_usable * domains, tokens).global_batch
 
@@ -224,14 +229,20 @@ def enumerated_transports(spec: ModelSpec, options: SpaceOptions) -> tuple[str, 
 
 
 def optimizer_for(spec: ModelSpec) -> str:
-    """MuonH for MoE models (the Marin recipe), AdamW for dense ones."""
+    """For a preset without a recipe: MuonH for MoE models (the Marin recipe), AdamW for dense ones."""
     return "muonh" if spec.moe is not None else "adamw"
+
+
+@lru_cache(maxsize=None)
+def expert_transport(mode: str) -> ExpertTransport:
+    """The plan's expert_transport block for a transport mode: capacity runs at CAPACITY_FACTOR."""
+    return ExpertTransport(mode=mode, capacity_factor=CAPACITY_FACTOR if mode == "capacity" else 1.0)
 
 
 def make_plan(layout: Layout, model: str | ModelSpec, topology: str, domains: int, spec: ModelSpec, *,
               tokens: float = 0.0, start: str = "", deadline: str = "", name: str = "") -> Plan:
-    transport = ExpertTransport(mode=layout.transport,
-                                capacity_factor=CAPACITY_FACTOR if layout.transport == "capacity" else 1.0)
+    recipe = spec.recipe or Recipe(optimizer=optimizer_for(spec))
+    transport = expert_transport(layout.transport)
     return Plan(
         name=name or f"{spec.name}-{topology}-{domains}",
         model=model,
@@ -240,19 +251,24 @@ def make_plan(layout: Layout, model: str | ModelSpec, topology: str, domains: in
         batch=BatchSpec(global_batch=layout.global_batch, micro_batch=layout.micro_batch),
         schedule=layout.schedule,
         recompute=layout.recompute,
-        optimizer=OptimizerSpec(name=optimizer_for(spec), state_location=layout.opt_location),
+        optimizer=OptimizerSpec.from_recipe(recipe, state_location=layout.opt_location),
         expert_transport=transport,
+        z_loss_weight=recipe.z_loss_weight, combine_sum=recipe.combine_sum,
         tokens=tokens, start=start, deadline=deadline,
     )
 
 
-def check(layout: Layout, spec: ModelSpec, domains: int) -> str:
-    """'' when rackcast.plan.validate accepts the layout, else its RackcastError text."""
+def check(layout: Layout, spec: ModelSpec, domains: int, capabilities: Capabilities = TRAINER) -> str:
+    """'' when rackcast.plan.validate accepts the layout and the executor can run it (rackcast.capabilities), else
+    the first reason it cannot."""
     plan = make_plan(layout, spec.name, "", domains, spec)
     try:
         validate(plan, spec, layout.usable * domains)
     except RackcastError as exc:
         return str(exc)
+    unrunnable = refusals(plan, spec, capabilities)
+    if unrunnable:
+        return unrunnable[0]
     par = layout.parallel
     if par.pipeline > 1:
         try:  # the schedule formulas' own coverage rules (e.g. dualpipev needs 2 x stages micro-batches)
@@ -280,7 +296,7 @@ def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_s
             pars = {v: ParallelSpec(data=d, fsdp=f, tensor=t, pipeline=p, virtual=v, expert=e, expert_tensor=et,
                                     context=c, sequence_parallel=t > 1) for v in {1, *options.virtuals, 2}}
             base = Layout(u, pars[1], options.global_batch or fallback, 1, "1f1b", "none", "hbm", "dropless")
-            reason = check(base, spec, domains)
+            reason = check(base, spec, domains, options.capabilities)
             if reason and not _knob_dependent(reason):
                 out.rejected.append((base, reason))
                 continue
@@ -288,13 +304,13 @@ def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_s
             for gb, mb, sched, v, tr in knob_variants(spec, options, d, f, p, fallback):
                 any_knobs = True
                 layout = Layout(u, pars[v], gb, mb, sched, "none", "hbm", tr)
-                reason = check(layout, spec, domains)
+                reason = check(layout, spec, domains, options.capabilities)
                 if reason:
                     out.rejected.append((layout, reason))
                 else:
                     out.layouts.append(layout)
             if not any_knobs:
-                out.rejected.append((base, check(base, spec, domains) or
+                out.rejected.append((base, check(base, spec, domains, options.capabilities) or
                                      f"batch.global_batch: {base.global_batch} sequences are not divisible by "
                                      f"data x fsdp = {d * f}"))
     return out

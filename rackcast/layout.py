@@ -105,7 +105,8 @@ class ParallelSpec:
         group (fsdp x context x tensor ranks over the expert group, when it divides them), else 1."""
         inner = self.fsdp * self.context * self.tensor
         split = self.expert_group
-        return inner // split if inner % split == 0 and inner >= split else 1
+        shards = (inner % split == 0) & (inner >= split)  # written to hold elementwise for arrays of degrees
+        return inner // split * shards + (1 - shards)
 
     @property
     def expert_replicas(self) -> int:
@@ -135,6 +136,12 @@ class ParallelSpec:
         """Layer indices pipeline rank `rank` holds: chunk c holds layers [c x L/chunks, (c + 1) x L/chunks)."""
         per_chunk = layers // self.chunks
         return [c * per_chunk + j for c in self.rank_chunks(rank, schedule) for j in range(per_chunk)]
+
+    def layer_ranks(self, schedule: str, layers: int) -> list[int]:
+        """Pipeline rank holding each layer (index = layer): the inverse of rank_layers, for sums over stages."""
+        per_chunk = layers // self.chunks
+        owner = self.chunk_ranks(schedule)
+        return [owner[i // per_chunk] for i in range(layers)]
 
     # ----------------------------------------------------------------------------------------------- batch
     def microbatches(self, global_batch: int, micro_batch: int) -> int:

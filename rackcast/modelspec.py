@@ -3,16 +3,23 @@
 One definition serves the simulator (what each op costs), the planner (what fits), and the trainer (what to build).
 The spec covers the Marin 535B-A23B features (per-layer local/global attention with their own KV-head counts, a
 sliding window, latent MoE, shared experts, dense layers, low-rank gated norms, short depthwise convolutions,
-an attention output gate, untied embeddings) and classic dense GPT models (LayerNorm, biases, GELU MLP, learned
-positions, tied embeddings).
+an attention output gate, untied embeddings), classic dense GPT models (LayerNorm, biases, GELU MLP, learned
+positions, tied embeddings) and today's frontier MoE recipes: multi-head latent attention and multi-token prediction
+(DeepSeek-V3), dense layers before the first MoE layer, node-limited routing, attention sinks and alternating
+sliding-window / full attention (GPT-OSS), and the balancing method as its own field (quantile balancing (Marin),
+aux-loss-free bias (DeepSeek-V3), auxiliary loss, none).
 
 Counting rules (match the reference implementations parameter for parameter):
 - every matrix is counted once; the attention K/V projections store `kv_heads_stored` heads on every layer when it
   is set (Marin scans one uniform block and slices the global layers' heads at run time), else the layer's own count;
 - params_embedding = input embedding + learned positions + output head (when untied);
-- params_active = everything else, with routed experts counted top_k of `experts` times.
+- params_active = everything else, with routed experts counted top_k of `experts` times, and without the
+  multi-token-prediction modules (params_mtp; they are stored and trained, so params_total includes them, but the
+  published totals and active counts of DeepSeek-V3 leave them out).
 FLOPs (forward, per token) count 2 per multiply-add of every matrix product, 4 x heads x head_dim x context for
-attention scores and values, and 2 x kernel x channels for each convolution; elementwise work (norms, activations,
+attention scores and values (2 x heads x (query/key head dim + value head dim) x context under latent attention),
+and 2 x kernel x channels for each convolution; each multi-token-prediction module adds its projection, its block
+and one more pass of the output head; elementwise work (norms, activations,
 softmax) is not counted. Backward is twice forward. The MFU convention (see FlopsConvention) decides the attention
 context: by default a local layer counts its window and a global layer the whole sequence, without causal halving.
 
@@ -26,142 +33,10 @@ from functools import cached_property
 from typing import Annotated, Literal
 
 from rackcast.errors import RackcastError
-from rackcast.vocab import BALANCE_BINS
-from rackcast.bounds import Items, Range, Text
-
-ConvSite = Literal["k", "v", "attn", "mlp"]
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    heads: Annotated[int, Range(1, 1024)]
-    head_dim: Annotated[int, Range(1, 1024)]
-    kv_heads_local: Annotated[int, Range(1, 1024)]
-    kv_heads_global: Annotated[int, Range(1, 1024)]
-    # 0: each layer stores its own KV heads; >0: every layer stores this many
-    kv_heads_stored: Annotated[int, Range(0, 1024)] = 0
-    # sliding window of local layers, in tokens; 0 means every layer attends globally
-    window: Annotated[int, Range(0, 2**22)] = 0
-    # layer i is global when (i + 1) % global_every == 0; the last layer always is
-    global_every: Annotated[int, Range(1, 1024)] = 1
-    output_gate: bool = False  # per-head 2*sigmoid(x W_g) output gate, W_g: d_model x heads
-    exclusive: bool = False  # exclusive self-attention (removes each head output's component along its value)
-    rope_fraction: Annotated[float, Range(0, 1)] = 1.0  # fraction of each head's dims rotated on local layers
-    rope_on_global: bool = True
-    qk_multiplier: Annotated[float, Range(0, 1000, above=True)] = 1.0
-    bias: bool = False  # biases on Q, K, V and output projections (GPT/Megatron style)
-
-    def __post_init__(self):
-        for name in ("heads", "head_dim", "kv_heads_local", "kv_heads_global", "global_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"attention.{name} must be positive, got {getattr(self, name)}")
-        for name in ("kv_heads_local", "kv_heads_global"):
-            if self.heads % getattr(self, name):
-                raise ValueError(f"attention.{name}={getattr(self, name)} must divide heads={self.heads}")
-        if self.kv_heads_stored and self.kv_heads_stored < max(self.kv_heads_local, self.kv_heads_global):
-            raise ValueError("attention.kv_heads_stored must be at least the larger of the local and global counts")
-        if self.window < 0:
-            raise ValueError(f"attention.window must be >= 0, got {self.window}")
-        if not 0.0 <= self.rope_fraction <= 1.0:
-            raise ValueError(f"attention.rope_fraction must lie in [0, 1], got {self.rope_fraction}")
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    experts: Annotated[int, Range(1, 16384)]
-    top_k: Annotated[int, Range(1, 1024)]
-    expert_ffn: Annotated[int, Range(1, 2**20)]  # intermediate width of each routed SwiGLU expert
-    # 0: experts see d_model-wide tokens; >0: latent MoE (down-project, RMSNorm, experts, up)
-    latent_dim: Annotated[int, Range(0, 2**17)] = 0
-    shared_experts: Annotated[int, Range(0, 64)] = 0
-    # intermediate width of each shared SwiGLU expert (full width input)
-    shared_ffn: Annotated[int, Range(0, 2**20)] = 0
-    # layers with a dense MLP (width ModelSpec.ffn) instead
-    dense_layers: Annotated[list[Annotated[int, Range(0, 1023)]], Items(1024)] = field(default_factory=list)
-    router_bias: bool = True  # a per-expert balancing bias (no gradient in Marin, but a stored parameter)
-    # Quantile balancing sets that bias every step from a histogram of router margins, this many bins per expert,
-    # pooled over the ranks that see different tokens (rackcast.vocab.BALANCE_BINS by default).
-    balance_bins: Annotated[int, Range(1, 2**20)] = BALANCE_BINS
-
-    def __post_init__(self):
-        for name in ("experts", "top_k", "expert_ffn"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"moe.{name} must be positive, got {getattr(self, name)}")
-        if self.top_k >= self.experts:
-            raise ValueError(f"moe.top_k={self.top_k} must be below experts={self.experts}")
-        if self.latent_dim < 0 or self.shared_experts < 0 or self.shared_ffn < 0:
-            raise ValueError("moe.latent_dim, shared_experts and shared_ffn must be >= 0")
-        if self.balance_bins <= 0:
-            raise ValueError(f"moe.balance_bins must be positive, got {self.balance_bins}")
-        if self.shared_experts and not self.shared_ffn:
-            raise ValueError("moe.shared_ffn must be positive when shared_experts > 0")
-
-
-@dataclass(frozen=True)
-class ConvSpec:
-    kernel: Annotated[int, Range(1, 64)]
-    sites: Annotated[list[ConvSite], Items(4)]
-
-    def __post_init__(self):
-        if self.kernel <= 0:
-            raise ValueError(f"conv.kernel must be positive, got {self.kernel}")
-        if len(set(self.sites)) != len(self.sites):
-            raise ValueError("conv.sites must not repeat")
-
-
-@dataclass(frozen=True)
-class RecipeSpec:
-    """The training recipe a preset's model was (or is documented to be) trained with, where one is published; the
-    planner's default global batch (planner.batch) follows it."""
-
-    global_batch: Annotated[int, Range(1, 2**24)]  # sequences per optimizer step
-    source: str  # where the figure comes from (paper, issue, config file)
-
-    def __post_init__(self):
-        if self.global_batch <= 0:
-            raise ValueError(f"recipe.global_batch must be positive, got {self.global_batch}")
-        if not self.source.strip():
-            raise ValueError("recipe.source must name where the recipe comes from")
-
-
-@dataclass(frozen=True)
-class FlopsConvention:
-    """How model FLOPs (the MFU numerator) count attention and the output head.
-
-    attention: "full" counts every query against its whole context (window or sequence); "causal" halves it as a
-    causal mask does on average. window: "window" counts a local layer's context as its window; "sequence" counts
-    it as the whole sequence (as frameworks that ignore sliding windows do). head: whether the output head counts.
-    """
-
-    attention: Literal["full", "causal"] = "full"
-    window: Literal["window", "sequence"] = "window"
-    head: bool = True
-
-    @property
-    def label(self) -> str:
-        return f"attention={self.attention},window={self.window},head={'in' if self.head else 'out'}"
-
-    @classmethod
-    def parse(cls, text: str) -> "FlopsConvention":
-        """Parse 'attention=causal,window=sequence,head=out' (any subset; 'default' for the defaults)."""
-        values: dict = {}
-        if text.strip() in ("", "default"):
-            return cls()
-        for part in text.split(","):
-            key, _, value = part.partition("=")
-            key, value = key.strip(), value.strip()
-            if key == "attention" and value in ("full", "causal"):
-                values["attention"] = value
-            elif key == "window" and value in ("window", "sequence"):
-                values["window"] = value
-            elif key == "head" and value in ("in", "out"):
-                values["head"] = value == "in"
-            else:
-                raise RackcastError(
-                    f"flops convention: cannot read {part!r} "
-                    "(use attention=full|causal, window=window|sequence, head=in|out)"
-                )
-        return cls(**values)
+from rackcast.bounds import Range, Text
+from rackcast.model_parts import (  # noqa: F401 - the parts, re-exported with the spec
+    AttentionSpec, Balancing, ConvSite, ConvSpec, FlopsConvention, LatentAttentionSpec, LayerAttention, MTPSpec,
+    MoESpec, Recipe)
 
 
 @dataclass(frozen=True)
@@ -199,9 +74,11 @@ class ModelSpec:
     tied_embeddings: bool = False
     positional: Literal["rope", "learned", "none"] = "rope"
     rope_theta: Annotated[float, Range(0, 1e12, above=True)] = 10000.0
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3): 2 x head_dim gains per layer
+    mtp: MTPSpec | None = None  # multi-token prediction modules
     family: Annotated[str, Text()] = ""
     description: str = ""
-    recipe: RecipeSpec | None = None  # the published training recipe (global batch), where there is one
+    recipe: Recipe | None = None  # the training recipe plans of this model carry (None: the optimizer defaults)
 
     def __post_init__(self):
         for name in ("layers", "d_model", "vocab", "seq_len"):
@@ -219,16 +96,25 @@ class ModelSpec:
                 raise ValueError("ffn must be positive when moe.dense_layers is set")
             if self.moe.latent_dim > self.d_model:
                 raise ValueError(f"moe.latent_dim={self.moe.latent_dim} exceeds d_model={self.d_model}")
+            if self.moe.first_k_dense >= self.layers:
+                raise ValueError(f"moe.first_k_dense={self.moe.first_k_dense} leaves no MoE layer of {self.layers}")
+            if self.moe.first_k_dense and self.ffn <= 0:
+                raise ValueError("ffn must be positive when moe.first_k_dense is set (the dense layers' width)")
+        if self.conv is not None and self.attention.mla is not None and {"k", "v"} & set(self.conv.sites):
+            raise ValueError("conv.sites k and v are not defined under latent attention")
         if self.gated_norm_rank < 0:
             raise ValueError("gated_norm_rank must be >= 0")
 
     # ---------------------------------------------------------------- layer structure
     def is_global(self, layer: int) -> bool:
         a = self.attention
+        if a.pattern:
+            return a.pattern[layer % len(a.pattern)] == "full"
         return a.window == 0 or (layer + 1) % a.global_every == 0 or layer == self.layers - 1
 
     def is_moe(self, layer: int) -> bool:
-        return self.moe is not None and layer not in self.moe.dense_layers
+        m = self.moe
+        return m is not None and layer >= m.first_k_dense and layer not in m.dense_layers
 
     def kv_heads(self, layer: int) -> int:
         """KV heads a layer attends with (its logical count)."""
@@ -262,16 +148,39 @@ class ModelSpec:
         bias = (width * (matrices - 1) + d_in) if self.mlp_bias else 0
         return matrices * d_in * width + bias
 
-    def layer_param_breakdown(self, layer: int) -> dict[str, int]:
-        """Parameters of one layer by component (routed experts are all of them, not top_k)."""
+    def _latent_attention_params(self) -> dict[str, int]:
+        """Q, KV and output projections of multi-head latent attention, with the latents' RMSNorm gains."""
+        d, a, mla = self.d_model, self.attention, self.attention.mla
+        q_out = a.heads * mla.qk_head_dim
+        if mla.q_lora_rank:
+            q = d * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * q_out
+        else:
+            q = d * q_out
+        kv = (d * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank
+              + mla.kv_lora_rank * a.heads * (mla.qk_nope_head_dim + mla.v_head_dim))
+        return {"attn_q": q, "attn_kv": kv, "attn_o": a.heads * mla.v_head_dim * d}
+
+    def _attention_matrix_params(self, layer: int) -> dict[str, int]:
+        """Q, K/V and output projections of one layer, with their biases."""
+        if self.attention.mla is not None:
+            return self._latent_attention_params()
         d, a = self.d_model, self.attention
         q_dim, kv_dim = a.heads * a.head_dim, self.kv_heads_stored(layer) * a.head_dim
-        parts = {
-            "attn_norm": self._norm_params(d),
-            "attn_gated_norm": self._gated_norm_params(),
+        return {
             "attn_q": d * q_dim + (q_dim if a.bias else 0),
             "attn_kv": 2 * (d * kv_dim + (kv_dim if a.bias else 0)),
             "attn_o": q_dim * d + (d if a.bias else 0),
+        }
+
+    def layer_param_breakdown(self, layer: int) -> dict[str, int]:
+        """Parameters of one layer by component (routed experts are all of them, not top_k)."""
+        d, a = self.d_model, self.attention
+        parts = {
+            "attn_norm": self._norm_params(d),
+            "attn_gated_norm": self._gated_norm_params(),
+            **self._attention_matrix_params(layer),
+            "attn_qk_norm": 2 * a.head_dim if self.qk_norm else 0,
+            "attn_sinks": a.heads if a.sinks else 0,
             "attn_gate": d * a.heads if a.output_gate else 0,
             "mlp_norm": self._norm_params(d),
             "mlp_gated_norm": self._gated_norm_params(),
@@ -308,8 +217,24 @@ class ModelSpec:
             total -= (self.moe.experts - self.moe.top_k) * per_expert
         return total
 
+    def mtp_param_breakdown(self) -> dict[str, int]:
+        """Parameters of the multi-token-prediction modules (all `depth` of them; embedding and head are shared)."""
+        if self.mtp is None:
+            return {}
+        d, depth = self.d_model, self.mtp.depth
+        parts = {
+            "mtp_norms": depth * 3 * self._norm_params(d),  # hidden-state and embedding norms, final norm
+            "mtp_proj": depth * 2 * d * d,
+            "mtp_block": depth * self.layer_params(self.layers - 1),
+        }
+        return {k: v for k, v in parts.items() if v}
+
+    @cached_property
+    def params_mtp(self) -> int:
+        return sum(self.mtp_param_breakdown().values())
+
     def top_param_breakdown(self) -> dict[str, int]:
-        """Parameters outside the layers."""
+        """Parameters outside the layers (the multi-token-prediction modules included)."""
         d = self.d_model
         parts = {
             "embedding": self.vocab * d,
@@ -319,6 +244,7 @@ class ModelSpec:
             "embed_gated_norm": self._gated_norm_params() if self.embed_norm else 0,
             "final_norm": self._norm_params(d),
             "final_gated_norm": self._gated_norm_params(),
+            **self.mtp_param_breakdown(),
         }
         return {k: v for k, v in parts.items() if v}
 
@@ -333,8 +259,8 @@ class ModelSpec:
 
     @cached_property
     def params_active(self) -> int:
-        """Parameters used per token, excluding the embedding and output head."""
-        top_other = sum(self.top_param_breakdown().values()) - self.params_embedding
+        """Parameters used per token, excluding the embedding, the output head and the multi-token prediction."""
+        top_other = sum(self.top_param_breakdown().values()) - self.params_embedding - self.params_mtp
         return sum(self.layer_params_active(i) for i in range(self.layers)) + top_other
 
     # ---------------------------------------------------------------- FLOPs
@@ -350,11 +276,19 @@ class ModelSpec:
     def layer_flops_breakdown(self, layer: int, convention: FlopsConvention = FlopsConvention()) -> dict[str, float]:
         """Forward FLOPs per token of one layer by component."""
         d, a = self.d_model, self.attention
-        q_dim, kv_dim = a.heads * a.head_dim, self.kv_heads_stored(layer) * a.head_dim
+        if a.mla is not None:
+            # The latent norms' gains are not matrix products; every other parameter is one multiply-add.
+            mla = a.mla
+            qkvo = sum(self._latent_attention_params().values()) - mla.kv_lora_rank - mla.q_lora_rank
+        else:
+            q_dim, kv_dim = a.heads * a.head_dim, self.kv_heads_stored(layer) * a.head_dim
+            qkvo = 2 * d * q_dim + 2 * d * kv_dim
         parts = {
             "attn_gated_norm": 2.0 * self._gated_norm_params(),
-            "attn_qkvo": 2.0 * (2 * d * q_dim + 2 * d * kv_dim),
-            "attn_scores_values": 4.0 * q_dim * self.attention_context(layer, convention),
+            "attn_qkvo": 2.0 * qkvo,
+            # Scores: 2 x heads x key width per key; values: 2 x heads x value width per key.
+            "attn_scores_values": 2.0 * a.heads * (a.head_dim + a.v_head_dim) * self.attention_context(layer,
+                                                                                                        convention),
             "attn_gate": 2.0 * d * a.heads if a.output_gate else 0.0,
             "mlp_gated_norm": 2.0 * self._gated_norm_params(),
             "conv": 2.0 * self._conv_params(layer),
@@ -374,14 +308,32 @@ class ModelSpec:
     def layer_flops_fwd(self, layer: int, convention: FlopsConvention = FlopsConvention()) -> float:
         return sum(self.layer_flops_breakdown(layer, convention).values())
 
+    def embed_flops_fwd(self) -> float:
+        """The embedding end's work per token: its gated norm when the model has one (the lookup itself is a
+        gather, no FLOPs). Part of head_flops_fwd, which counts both ends for the model's FLOPs."""
+        return 2.0 * self._gated_norm_params() if self.embed_norm else 0.0
+
     def head_flops_fwd(self, convention: FlopsConvention = FlopsConvention()) -> float:
-        """Output head (logits) plus the final and embedding gated norms."""
+        """Output head (logits) plus the final and embedding gated norms (embed_flops_fwd is the latter)."""
         gated = 2.0 * self._gated_norm_params() * (2 if self.embed_norm else 1)
         return (2.0 * self.d_model * self.vocab if convention.head else 0.0) + gated
 
+    def mtp_flops_fwd(self, convention: FlopsConvention = FlopsConvention()) -> float:
+        """All multi-token-prediction modules per token: projection, block and one more output-head pass each."""
+        if self.mtp is None:
+            return 0.0
+        d = self.d_model
+        head = 2.0 * d * self.vocab if convention.head else 0.0
+        return self.mtp.depth * (2.0 * 2 * d * d + self.layer_flops_fwd(self.layers - 1, convention) + head)
+
+    def tail_flops_fwd(self, convention: FlopsConvention = FlopsConvention()) -> float:
+        """What the stage holding the last layer runs after it, per token: the output head and final norm
+        (head_flops_fwd without the embedding end) and the multi-token-prediction modules."""
+        return self.head_flops_fwd(convention) - self.embed_flops_fwd() + self.mtp_flops_fwd(convention)
+
     def flops_per_token_fwd(self, convention: FlopsConvention = FlopsConvention()) -> float:
         layers = sum(self.layer_flops_fwd(i, convention) for i in range(self.layers))
-        return layers + self.head_flops_fwd(convention)
+        return layers + self.head_flops_fwd(convention) + self.mtp_flops_fwd(convention)
 
     def flops_per_token_train(self, convention: FlopsConvention = FlopsConvention()) -> float:
         """Forward plus backward (backward = 2 x forward); recomputation is not model FLOPs."""
@@ -410,6 +362,7 @@ class ModelSpec:
             "params_total": self.params_total,
             "params_active": self.params_active,
             "params_embedding": self.params_embedding,
+            "params_mtp": self.params_mtp,
             "flops_per_token_fwd": self.flops_per_token_fwd(convention),
             "flops_per_token_train": self.flops_per_token_train(convention),
             "flops_convention": convention.label,

@@ -20,7 +20,7 @@ from rackcast import __version__
 from rackcast.bounds import IsoDate, Range, Text, parse_date
 from rackcast.errors import RackcastError
 from rackcast.layout import ParallelSpec
-from rackcast.modelspec import ModelSpec
+from rackcast.modelspec import ModelSpec, Recipe
 from rackcast.presets import load_model
 from rackcast.atomic import write_text_atomic
 from rackcast.strict import dump_yaml, from_data, load_yaml, to_data
@@ -44,11 +44,27 @@ class BatchSpec:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
+    """The optimizer and its recipe (rackcast.modelspec.Recipe documents the fields; `rackcast plan` copies the
+    model preset's recipe here)."""
+
     name: Literal["adamw", "muonh"] = "adamw"
     state_location: Literal["hbm", "host"] = "hbm"  # optimizer state and fp32 master weights
     master_weights: bool = True  # keep an fp32 master copy
     lr: Annotated[float, Range(0, 10, above=True)] = 3e-4
     adam_lr: Annotated[float, Range(0, 10, above=True)] = 3e-4  # MuonH: the Adam groups' learning rate
+    betas: tuple[Annotated[float, Range(0, 1)], Annotated[float, Range(0, 1)]] = (0.9, 0.95)
+    eps: Annotated[float, Range(0, 1, above=True)] = 1e-8
+    momentum: Annotated[float, Range(0, 1)] = 0.95
+    weight_decay: Annotated[float, Range(0, 10)] = 0.1
+    warmup_fraction: Annotated[float, Range(0, 1)] = 0.01
+    lr_floor: Annotated[float, Range(0, 1)] = 0.05
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, **overrides) -> "OptimizerSpec":
+        fields = dict(name=recipe.optimizer, lr=recipe.lr, adam_lr=recipe.adam_lr, betas=recipe.betas,
+                      eps=recipe.eps, momentum=recipe.momentum, weight_decay=recipe.weight_decay,
+                      warmup_fraction=recipe.warmup_fraction, lr_floor=recipe.lr_floor)
+        return cls(**{**fields, **overrides})
 
 
 @dataclass(frozen=True)
@@ -99,10 +115,17 @@ class Plan:
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     expert_transport: ExpertTransport = field(default_factory=ExpertTransport)
-    precision: Literal["bf16", "fp8"] = "bf16"
+    precision: Literal["bf16", "fp8", "fp32"] = "bf16"  # fp32: no autocast (exact CPU references)
     grad_dtype: Literal["bf16", "fp32"] = "fp32"  # gradient accumulation and reduction dtype
+    # Data-parallel gradient reduction: false, after the backward and blocking (what rackcast's trainer does:
+    # backend.parallel's DDP comm hook and the pipeline stages' flat all-reduce block); true, each layer's gradients
+    # reduce while the backward goes on (Megatron-LM's DistributedDataParallelConfig.overlap_grad_reduce, FSDP2's
+    # reduce-scatter stream). The estimate and the simulator both read it.
+    overlap_grad_reduce: bool = False
     attention_kernel: Literal["flash", "materialized"] = "flash"
     dropout: bool = False
+    z_loss_weight: Annotated[float, Range(0, 10)] = 1e-4  # logit z-loss weight (Recipe)
+    combine_sum: Annotated[float, Range(0, 1024, above=True)] = 1.0  # per-token sum of the MoE combine weights (Recipe)
     tokens: Annotated[float, Range(0, 1e18)] = 0.0  # token budget for days-to-budget (0: not set)
     start: Annotated[str, IsoDate()] = ""  # ISO date
     deadline: Annotated[str, IsoDate()] = ""  # ISO date, after start

@@ -274,10 +274,11 @@ def eager_loss_backward_bytes_per_token(spec: ModelSpec) -> float:
 
 def eager_step_bytes_per_token(spec: ModelSpec, moe_layers: int) -> float:
     """What the eager backend holds per token of every micro-batch of the step, from its forward to the optimizer
-    step: the token ids and targets (int64; backend.train) and, per MoE layer with a balancing bias, the router
+    step: the token ids and targets (int64; backend.train) and, per MoE layer under quantile balancing, the router
     margins s - a_t (fp32 [tokens, experts]) that the quantile balancer reads after the optimizer
     (backend.moe.MoE.route, backend.balancing)."""
-    margins = FP32 * spec.moe.experts * moe_layers if spec.moe is not None and spec.moe.router_bias else 0.0
+    quantile = spec.moe is not None and spec.moe.balance_method == "quantile"
+    margins = FP32 * spec.moe.experts * moe_layers if quantile else 0.0
     return 2 * INDEX_BYTES + margins
 
 

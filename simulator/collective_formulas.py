@@ -22,6 +22,18 @@ import numpy as np
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
+# A ring collective over a group spanning domains with the same number (> 1) of ranks in each runs in phases, ring by
+# ring: inside each domain over the scale-up links, and across domains among the ranks of the same local index on
+# 1 / (ranks per domain) of the bytes, so every rank's NIC carries its share (hierarchical all-reduce: Jia et al.
+# 2018, "Highly Scalable Deep Learning Training System with Mixed-Precision", arXiv 1807.11205, section 3.3;
+# Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE). kind -> phases (kind, level), as simulator.collectives runs them.
+HIERARCHY = {
+    "all_reduce": (("reduce_scatter", "local"), ("all_reduce", "cross"), ("all_gather", "local")),
+    "reduce_scatter": (("reduce_scatter", "local"), ("reduce_scatter", "cross")),
+    "all_gather": (("all_gather", "cross"), ("all_gather", "local")),
+}
+
+
 def algo_factor(kind: str, n):
     """Bytes on the busiest link per byte of the nccl-tests size (the busbw / algbw ratio)."""
     n = np.asarray(n, dtype=np.float64)

@@ -140,26 +140,48 @@ def optimizer_time(update_bytes, newton_schulz_flops, ns_size, topo: Topology):
     return memory_bound_time(update_bytes, topo) + gemm_time(newton_schulz_flops, ns_size, topo)
 
 
-def collective_time(topo: Topology, kind: str, n, nbytes, span_out):
-    """Alpha-beta time of a collective on the topology; arrays broadcast. span_out: true where the group crosses
-    domains (slowest hop: the NIC) — the efficiency curve of that span applies. Zero for one rank or no bytes."""
-    n = np.asarray(n, dtype=float)
-    nbytes = np.asarray(nbytes, dtype=float)
-    span_out = np.asarray(span_out, dtype=bool)
+def _flat_time(topo: Topology, kind: str, n, nbytes, span_out):
     curves = topo.efficiency.collectives[kind]
     eff = np.where(span_out, efficiency(curves.scale_out, nbytes), efficiency(curves.scale_up, nbytes))
     bw = np.where(span_out, topo.link_bandwidth_Bps("scale_out"), topo.link_bandwidth_Bps("scale_up"))
     lat = np.where(span_out, topo.link_latency_s("scale_out"), topo.link_latency_s("scale_up"))
-    t = formulas.collective_time(kind, nbytes, np.maximum(n, 2.0), np.maximum(bw, 1e-30), lat, eff)
+    return formulas.collective_time(kind, nbytes, np.maximum(n, 2.0), np.maximum(bw, 1e-30), lat, eff)
+
+
+def collective_time(topo: Topology, kind: str, n, nbytes, span_out, per_domain=1):
+    """Alpha-beta time of a collective on the topology; arrays broadcast. span_out: true where the group crosses
+    domains (slowest hop: the NIC) — the efficiency curve of that span applies. per_domain: the group's ranks in each
+    domain when it spans several with the same number in each (group_per_domain); a ring collective then runs in
+    the phases of collective_formulas.HIERARCHY. Zero for one rank or no bytes."""
+    n = np.asarray(n, dtype=float)
+    nbytes = np.asarray(nbytes, dtype=float)
+    span_out = np.asarray(span_out, dtype=bool)
+    t = _flat_time(topo, kind, n, nbytes, span_out)
+    pd = np.asarray(per_domain, dtype=float)
+    if kind in formulas.HIERARCHY and np.any(pd > 1):
+        local, cross = np.maximum(pd, 1.0), np.maximum(n / np.maximum(pd, 1.0), 1.0)
+        hier = sum(_flat_time(topo, k, local, nbytes, False) if level == "local" else
+                   np.where(cross > 1, _flat_time(topo, k, cross, nbytes / local, True), 0.0)
+                   for k, level in formulas.HIERARCHY[kind])
+        t = np.where(span_out & (pd > 1), hier, t)
     return np.where((n > 1) & (nbytes > 0), t, 0.0)
+
+
+def group_per_domain(group) -> int:
+    """Ranks per domain of a placement Group that spans several domains with the same number (> 1) in each (the
+    hierarchical case of collective_time), else 1."""
+    even = (group.domains > 1) & (group.per_domain > 1) & (group.size == group.per_domain * group.domains)
+    return np.where(even, group.per_domain, 1)
 
 
 def reduction_groups(plan, pl) -> dict:
     """The two levels a reduction over the token-sharding ranks runs on: inside the fsdp x context group, then across
     data replicas (sizes from the layout, and whether each crosses domains); pl: simulator.placement.place(plan, ...)."""
     par = plan.parallel
-    return {"inner_n": par.reduction_inner, "inner_out": pl.fsdp.span == "scale_out" or pl.context.span == "scale_out",
-            "outer_n": par.reduction_outer, "outer_out": pl.data.span == "scale_out"}
+    inner = pl.inner
+    return {"inner_n": par.reduction_inner, "inner_out": inner.span == "scale_out", "inner_pd": group_per_domain(inner),
+            "outer_n": par.reduction_outer, "outer_out": pl.data.span == "scale_out",
+            "outer_pd": group_per_domain(pl.data)}
 
 
 def balancing_time(f: dict, topo: Topology):
@@ -168,9 +190,21 @@ def balancing_time(f: dict, topo: Topology):
     ranks like the gradient reduction (groups of reduction_groups): reduce-scatter inside the fsdp x context group,
     all-reduce of the shard across data replicas, all-gather inside again; the extremes all-reduced at both levels."""
     inner, outer = f["inner_n"], f["outer_n"]
-    hist = (collective_time(topo, "reduce_scatter", inner, f["bal_hist_bytes"], f["inner_out"]) +
-            collective_time(topo, "all_reduce", outer, f["bal_hist_bytes"] / np.maximum(inner, 1), f["outer_out"]) +
-            collective_time(topo, "all_gather", inner, f["bal_hist_bytes"], f["inner_out"]))
-    extremes = (collective_time(topo, "all_reduce", inner, f["bal_max_bytes"], f["inner_out"]) +
-                collective_time(topo, "all_reduce", outer, f["bal_max_bytes"], f["outer_out"]))
+    ipd, opd = f.get("inner_pd", 1), f.get("outer_pd", 1)
+    hist = (collective_time(topo, "reduce_scatter", inner, f["bal_hist_bytes"], f["inner_out"], ipd) +
+            collective_time(topo, "all_reduce", outer, f["bal_hist_bytes"] / np.maximum(inner, 1), f["outer_out"],
+                            opd) +
+            collective_time(topo, "all_gather", inner, f["bal_hist_bytes"], f["inner_out"], ipd))
+    extremes = (collective_time(topo, "all_reduce", inner, f["bal_max_bytes"], f["inner_out"], ipd) +
+                collective_time(topo, "all_reduce", outer, f["bal_max_bytes"], f["outer_out"], opd))
     return f["bal_count"] * (hist + extremes)
+
+
+def muon_gather_time(f: dict, topo: Topology):
+    """MuonH on fsdp-sharded matrices (simulator.optimizer_cost.muon_gather: f["muon_gather_bytes"],
+    f["muon_norm_count"]): the all-gather of the fp32 updates and the scalar norm all-reduces over the fsdp group
+    (f["fsdp_n"], f["fsdp_out"], in the hierarchy of f["fsdp_pd"] as every fsdp collective), blocking."""
+    gather = collective_time(topo, "all_gather", f["fsdp_n"], f["muon_gather_bytes"], f["fsdp_out"], f["fsdp_pd"])
+    norms = f["muon_norm_count"] * collective_time(topo, "all_reduce", f["fsdp_n"], BYTES["fp32"], f["fsdp_out"],
+                                                   f["fsdp_pd"])
+    return np.where(np.asarray(f["muon_gather_bytes"]) > 0, gather + norms, 0.0)

@@ -9,8 +9,15 @@ Two stages, so the planner can rank thousands of layouts at once:
 Every op's cost comes from simulator.costs (the same functions the discrete-event workload calls: GEMM, expert,
 attention, elementwise, collective, host-copy and optimizer times, the bytes each collective moves), and the result
 metrics (fits, tokens/s, MFU, days) from simulator.metrics. What this module adds is the closed-form composition.
-Overlap: the expert all-to-all hides behind shared-expert compute, data-parallel gradient reduction
-behind the last micro-batch's backward, FSDP gathers behind the previous layer's compute; the rest is exposed.
+Pipeline: every stage's work comes from the layers it holds (simulator.stage_work: the head on the last chunk, the
+embedding on the first, global-attention layers at their cost); the slowest stage is busy every micro-batch, the
+others fill and drain the pipeline as the schedule's closed form says (schedule_formulas.bubble_coefficients), and
+sends are exposed only along the fill and the drain.
+Overlap: the expert all-to-all hides behind shared-expert compute, FSDP gathers behind the previous layer's compute
+(the first layer's of each forward or backward and the embedding / head ends are exposed), the data-parallel
+gradient reduction behind the last micro-batch's backward when the plan overlaps it (plan.overlap_grad_reduce),
+else after it; the rest is exposed. simulator.workload and step model the same, op by op; tests/
+test_estimate_vs_simulator.py holds the two within 5%.
 Host per-op overhead (only where the topology's efficiency.host_op_s is measured, e.g. a calibrated CPU): the op
 counts of the backend model (simulator.op_counts) per step, as simulator.host_overhead models them (rank 0's own
 forward and backward ops, the extra ones on the pipeline's critical path, the optimizer's), each x its host time per
@@ -27,13 +34,16 @@ import numpy as np
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs, metrics
-from rackcast.simulator.costs import balancing_time, collective_time, reduction_groups
+from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
 from rackcast.simulator.host_overhead import host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
-from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
+from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
+                                               newton_schulz_parts, newton_schulz_split, optimizer_traffic_bytes)
+from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
-from rackcast.simulator.schedule_formulas import bubble_fraction
+from rackcast.simulator.schedule_formulas import bubble_coefficients
+from rackcast.simulator.stage_work import stage_work
 from rackcast.topologies.spec import Topology
 from rackcast.vocab import PHASES
 
@@ -59,142 +69,246 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
     return expected_max_load_factor(transport, experts, top_k, ep, tokens_group, seed=seed)
 
 
-def plan_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
-    """The scalars the step-time formulas need, for pipeline rank 0 (the heaviest)."""
+def _stage_compute_s(gemm, head, attn, experts, rec_gemm, rec_attn, rec_experts, elem, gemm_size, expert_size,
+                     topo: Topology):
+    """(forward, recomputation, elementwise) seconds of one stage's micro-batch from its FLOPs and bytes (costs):
+    dense GEMMs and the head at the GEMM efficiency of gemm_size, the attention core at the attention efficiency,
+    routed experts on the grouped-GEMM curve at expert_size, elementwise traffic memory-bound."""
+    fwd = costs.gemm_time(gemm + head, gemm_size, topo) + costs.attention_time(attn, topo) + \
+        costs.grouped_gemm_time(experts, expert_size, topo)
+    rec = costs.gemm_time(rec_gemm, gemm_size, topo) + costs.attention_time(rec_attn, topo) + \
+        costs.grouped_gemm_time(rec_experts, expert_size, topo)
+    return fwd, rec, costs.memory_bound_time(elem, topo)
+
+
+STAGE_KEYS = ("gemm_flops", "head_flops", "attn_flops", "expert_flops", "shared_flops", "rec_gemm_flops",
+              "rec_attn_flops", "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes",
+              "fsdp_embed_bytes", "fsdp_head_bytes", "expert_fsdp_bytes")
+_STAGE_ROWS = ("gemm", "attn", "experts", "shared", "head", "embed", "elem_bytes", "layers", "moe_layers",
+               "dense_params", "expert_params", "first", "last")
+
+
+def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> tuple:
+    """simulator.stage_work's per-stage rows of one plan, each padded with zeros to `width` stages, flattened."""
+    w = stage_work(spec, plan)
+    pad = width - plan.parallel.pipeline
+    return tuple(x for k in _STAGE_ROWS for x in np.pad(np.asarray(getattr(w, k), dtype=float), (0, pad)))
+
+
+def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> dict:
+    """The scalars the step-time formulas need: the slowest pipeline stage's work (keys STAGE_KEYS), the mean of
+    the other stages' (the same keys prefixed "o_"; they fill and drain the pipeline), and rank 0's gradient
+    reduction and optimizer step (rank 0 finishes the schedule last). For PlanArrays (simulator.plan_arrays: many
+    layouts at once, `usable` GPUs per domain each) every value is an array, one element per plan; a single Plan is
+    placed on topo's GPUs per domain."""
+    arrays = is_arrays(plan)
     par = plan.parallel
-    pl = place(plan, topo.scale_up.usable_gpus)
     t, cp = par.tensor, par.context
     tokens_mb = plan.tokens_per_microbatch(spec)
-    hw = costs.HW
-    layers = plan.rank_layers(spec, 0)
-    gemm = attn = experts = shared = elementwise = 0.0
-    moe_layers = 0
-    for i in layers:
-        parts = spec.layer_flops_breakdown(i, hw)
-        attn += parts.get("attn_scores_values", 0.0)
-        experts += parts.get("experts", 0.0)
-        shared += parts.get("shared_experts", 0.0)
-        gemm += sum(v for k, v in parts.items() if k not in ("attn_scores_values", "experts"))
-        moe_layers += spec.is_moe(i)
-    if par.chunk_ranks(plan.schedule)[-1] == 0:  # rank 0 holds the last chunk (one stage, or the V shape): the head
-        gemm += spec.head_flops_fwd(hw)
-    from rackcast.simulator.memory import layer_activation_bytes_per_token
-
-    for i in layers:
-        elementwise += 2 * layer_activation_bytes_per_token(spec, i, plan)  # written in forward, read in backward
+    m = plan.microbatches
+    pl = place(plan, np.where(plan.usable > 0, plan.usable, topo.scale_up.usable_gpus) if arrays else
+               topo.scale_up.usable_gpus)
     w_bytes = costs.W_BYTES
     g_bytes = BYTES[plan.grad_dtype]
     rp = rank_params(spec, plan, 0)
-    m_imbalance = 1.0
-    drop = 0.0
+    m_imbalance, drop = 1.0, 0.0
     if spec.moe is not None:
         tokens_group = tokens_mb * par.expert_group  # tokens routed inside one expert group per micro-batch
-        m_imbalance, drop = _load_factor(plan.expert_transport, spec.moe.experts, spec.moe.top_k,
-                                                     par.expert, tokens_group, seed=plan.seed)
-    recompute_fwd = {"none": 0.0, "selective": attn, "full": gemm + attn + experts}[plan.recompute]
-    efsdp = par.expert_fsdp
-    ns = newton_schulz_flops(spec, plan, layers)
+        m_imbalance, drop = per_key(plan, ("transport", "expert", tokens_group), lambda p: _load_factor(
+            p.expert_transport, spec.moe.experts, spec.moe.top_k, p.parallel.expert,
+            p.tokens_per_microbatch(spec) * p.parallel.expert_group, seed=p.seed))
+    full = np.asarray(plan.recompute == "full", dtype=float)
+    recomputed_attn = np.asarray(plan.recompute != "none", dtype=float)
+    gemm_size = costs.gemm_size(tokens_mb, spec, t)
+    expert_size = costs.expert_gemm_size(tokens_mb, spec, par.expert)
+
+    # Every stage's work (simulator.stage_work), padded to the deepest pipeline: rows[name][..., stage].
+    width = int(np.max(par.pipeline))
+    flat = per_key(plan, LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor"),
+                   lambda p: _stage_rows(spec, p, width))
+    flat = np.stack(np.broadcast_arrays(*flat), axis=-1)
+    rows = dict(zip(_STAGE_ROWS, np.moveaxis(flat.reshape(flat.shape[:-1] + (len(_STAGE_ROWS), width)), -2, 0)))
+    col = lambda x: np.asarray(x, dtype=float)[..., None]  # noqa: E731  a per-plan value against the stage axis
+    tok, tt, imb = col(tokens_mb), col(t), col(m_imbalance)
+    top = spec.top_param_breakdown()
+    embed_end = top.get("embedding", 0) + top.get("positions", 0) + top.get("embed_norm", 0) + \
+        top.get("embed_gated_norm", 0)
+    head_end = top.get("head", 0) + top.get("final_norm", 0) + top.get("final_gated_norm", 0)
+    gathered = col(par.fsdp > 1) * w_bytes / tt  # FSDP all-gathers: layers one at a time, each end as its own unit
+    # Per stage and micro-batch on one rank. Expert-tensor ranks split each expert's width but process every row of
+    # their experts: per-rank expert FLOPs and GEMM shapes stay those of expert_tensor = 1 (costs.expert_gemm_size).
+    # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head.
+    stage = {
+        "gemm_flops": rows["gemm"] * tok / tt, "head_flops": (rows["head"] + rows["embed"]) * tok / tt,
+        "attn_flops": rows["attn"] * tok / tt, "expert_flops": rows["experts"] * tok * imb,
+        "shared_flops": rows["shared"] * tok / tt,
+        "rec_gemm_flops": rows["gemm"] * tok / tt * col(full),
+        "rec_attn_flops": rows["attn"] * tok / tt * col(recomputed_attn),
+        "rec_expert_flops": rows["experts"] * tok * imb * col(full),
+        "elementwise_bytes": rows["elem_bytes"] * tok, "layers": rows["layers"], "moe_layers": rows["moe_layers"],
+        "fsdp_bytes": rows["dense_params"] * gathered, "fsdp_embed_bytes": rows["first"] * embed_end * gathered,
+        "fsdp_head_bytes": rows["last"] * head_end * gathered,
+        "expert_fsdp_bytes": rows["expert_params"] / col(par.expert_group) * w_bytes * col(par.expert_fsdp > 1),
+    }
+    fwd, rec, elem = _stage_compute_s(stage["gemm_flops"], stage["head_flops"], stage["attn_flops"],
+                                      stage["expert_flops"], stage["rec_gemm_flops"], stage["rec_attn_flops"],
+                                      stage["rec_expert_flops"], stage["elementwise_bytes"], col(gemm_size),
+                                      col(expert_size), topo)
+    valid = np.arange(width) < col(par.pipeline)
+    heavy = np.argmax(np.where(valid, 3 * fwd + rec + elem, -np.inf), axis=-1)[..., None]  # sets the steady state
+    others = valid & (np.arange(width) != heavy)
+    n_others = np.maximum(others.sum(axis=-1), 1)
+    stage_features = {}
+    for k, v in stage.items():
+        v = np.broadcast_to(v, others.shape)
+        stage_features[k] = np.take_along_axis(v, heavy, axis=-1)[..., 0]
+        stage_features["o_" + k] = np.where(others, v, 0.0).sum(axis=-1) / n_others
+    ns = 0.0
+    if plan.optimizer.name == "muonh":
+        ns = newton_schulz_split(per_key(plan, LAYER_SET, lambda p: newton_schulz_parts(spec, p.rank_layers(spec, 0))),
+                                 plan)
     opt_bytes, host_bytes = optimizer_traffic_bytes(rp, plan)
-    bal_count, bal_hist, bal_max = balancing_reductions(spec, layers)
-    return {
-        "microbatches": plan.microbatches,
-        "bubble_fraction": bubble_fraction(plan.schedule, par.pipeline, plan.microbatches, par.chunks_per_rank),
-        "tokens_mb": tokens_mb,
-        "gemm_flops": gemm * tokens_mb / t,
-        "gemm_size": costs.gemm_size(tokens_mb, spec, t),
-        "attn_flops": attn * tokens_mb / t,
-        # Expert-tensor ranks split each expert's width but process every row of their experts: per-rank expert
-        # FLOPs and GEMM shapes stay those of expert_tensor = 1 (costs.expert_gemm_size, costs.a2a_bytes).
-        "expert_flops": experts * tokens_mb * m_imbalance,
-        "expert_gemm_size": costs.expert_gemm_size(tokens_mb, spec, par.expert),
-        "shared_flops": shared * tokens_mb / t,
-        "recompute_flops": recompute_fwd * tokens_mb / t,
-        "elementwise_bytes": elementwise * tokens_mb,
-        "tp_n": t, "tp_out": pl.tensor.span == "scale_out",
-        "tp_bytes": costs.tensor_bytes(tokens_mb, spec), "tp_count": 4 * len(layers),
+    bal_count, bal_hist, bal_max = per_key(plan, LAYER_SET, lambda p: balancing_reductions(spec, p.rank_layers(spec, 0)))
+    muon_bytes = muon_norms = 0.0
+    if plan.optimizer.name == "muonh":
+        muon_bytes, muon_norms = muon_gather_split(
+            per_key(plan, LAYER_SET, lambda p: muon_gather_parts(spec, p.rank_layers(spec, 0))), plan)
+    bub_f, bub_b, bub_w = per_key(plan, ("schedule", "pipeline", "virtual", m), lambda p: bubble_coefficients(
+        p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.chunks_per_rank))
+    host_ops_ = (0.0,) * len(HOST_OP_FEATURES)
+    if topo.efficiency.host_op_s.measured:  # counts per plan (CPU topologies: small searches)
+        host_ops_ = per_key(plan, COLUMNS, lambda p: tuple(host_op_features(spec, p, topo).values()))
+    features = {
+        "microbatches": m, "chunks_per_rank": par.chunks_per_rank,
+        "bubble_f": bub_f, "bubble_b": bub_b, "bubble_w": bub_w,
+        **stage_features,
+        "tokens_mb": tokens_mb, "gemm_size": gemm_size, "expert_gemm_size": expert_size,
+        "recompute_full": full, "overlap_grad_reduce": float(plan.overlap_grad_reduce),
+        "tp_n": t, "tp_out": pl.tensor.span == "scale_out", "tp_pd": group_per_domain(pl.tensor),
+        "tp_bytes": costs.tensor_bytes(tokens_mb, spec),
         "cp_n": cp, "cp_out": pl.context.span == "scale_out",
         "cp_bytes": costs.context_bytes(tokens_mb, spec, t),
-        "cp_count": 3 * len(layers),
         "ep_n": par.expert_group, "ep_out": pl.expert.span == "scale_out",
-        "a2a_bytes": costs.a2a_bytes(tokens_mb, spec, par.expert_tensor) * m_imbalance, "a2a_count": 4 * moe_layers,
-        "pp_n": par.pipeline, "pp_out": pl.pipeline.span == "scale_out",
+        "a2a_bytes": costs.a2a_bytes(tokens_mb, spec, par.expert_tensor) * m_imbalance,
+        # pipeline hops between neighbouring stages, inside a domain and across (stages are placed outermost)
+        "pp_hops_out": pl.pipeline.domains - 1, "pp_hops_up": par.pipeline - pl.pipeline.domains,
         "pp_bytes": costs.pipeline_bytes(tokens_mb, spec),
         "dense_grad_bytes": rp.dense * g_bytes,
         **reduction_groups(plan, pl),
         "expert_grad_bytes": rp.expert * g_bytes,
-        "efsdp_n": efsdp, "efsdp_out": pl.expert_fsdp.span == "scale_out",
-        "expert_fsdp_bytes": rp.expert * w_bytes if efsdp > 1 else 0.0,
+        "efsdp_n": par.expert_fsdp, "efsdp_out": pl.expert_fsdp.span == "scale_out",
+        "efsdp_pd": group_per_domain(pl.expert_fsdp),
         "erep_n": par.expert_replicas, "erep_out": pl.expert_replicas.span == "scale_out",
-        "fsdp_n": par.fsdp, "fsdp_out": pl.fsdp.span == "scale_out",
-        "fsdp_bytes": rp.dense * w_bytes,
+        "erep_pd": group_per_domain(pl.expert_replicas),
+        "fsdp_n": par.fsdp, "fsdp_out": pl.fsdp.span == "scale_out", "fsdp_pd": group_per_domain(pl.fsdp),
         "opt_bytes": opt_bytes, "ns_flops": ns, "ns_size": costs.newton_schulz_size(spec),
         "bal_count": bal_count, "bal_hist_bytes": bal_hist, "bal_max_bytes": bal_max,
+        "muon_gather_bytes": muon_bytes, "muon_norm_count": muon_norms,
         "host_bytes": host_bytes,
         "drop_fraction": drop,
-        **host_op_features(spec, plan, topo),
+        **dict(zip(HOST_OP_FEATURES, host_ops_)),
     }
+    if arrays:
+        return {k: np.broadcast_to(np.asarray(v, dtype=float), (len(plan),)) for k, v in features.items()}
+    return {k: float(v) for k, v in features.items()}
+
+
+def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
+    """One stage's micro-batch (all its chunks), features prefixed `pre`: forward, input-gradient and
+    weight-gradient seconds including the communication each exposes, and the parts of it. Mirrors the workload
+    (simulator.workload): every layer's forward runs 2 tensor-parallel all-reduces and, in MoE layers, a dispatch
+    and a combine all-to-all, each hiding behind half the shared experts' work; its backward the same at twice the
+    work; full recomputation runs the forward (and its communication) once more before the backward."""
+    g = lambda k: f[pre + k]  # noqa: E731
+    fwd, rec, elem = _stage_compute_s(g("gemm_flops"), g("head_flops"), g("attn_flops"), g("expert_flops"),
+                                      g("rec_gemm_flops"), g("rec_attn_flops"), g("rec_expert_flops"),
+                                      g("elementwise_bytes"), f["gemm_size"], f["expert_gemm_size"], topo)
+    full = f["recompute_full"]
+    layers, moe = g("layers"), g("moe_layers")
+    tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
+    tp_t = (4 + 2 * full) * layers * tp_one
+    cp_one = collective_time(topo, "send_recv", f["cp_n"], f["cp_bytes"], f["cp_out"]) * np.maximum(f["cp_n"] - 1, 0)
+    attn_layer = costs.attention_time(g("attn_flops"), topo) / np.maximum(layers, 1)
+    cp_exposed = layers * (np.maximum(0.0, cp_one - attn_layer) * (1 + full) + np.maximum(0.0, 2 * cp_one -
+                                                                                           2 * attn_layer))
+    a2a_one = collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
+    shared_layer = costs.gemm_time(g("shared_flops"), f["gemm_size"], topo) / np.maximum(moe, 1)
+    # Forward (and its recomputation): two exchanges under half the shared experts each; backward: under all of it.
+    a2a_exposed = 2 * moe * ((1 + full) * np.maximum(0.0, a2a_one - shared_layer / 2) +
+                             np.maximum(0.0, a2a_one - shared_layer))
+    a2a_t = (4 + 2 * full) * moe * a2a_one
+    compute = 3 * fwd + rec + elem
+    # FSDP: forward and backward of each chunk gather their layers one ahead; the first layer's gather of each is
+    # exposed, the rest hide behind compute where it is long enough.
+    gathers = collective_time(topo, "all_gather", f["fsdp_n"], g("fsdp_bytes") / np.maximum(layers, 1), f["fsdp_out"],
+                              f["fsdp_pd"]) * layers + \
+        collective_time(topo, "all_gather", f["efsdp_n"], g("expert_fsdp_bytes") / np.maximum(moe, 1), f["efsdp_out"],
+                        f["efsdp_pd"]) * moe
+    actions = 2 * f["chunks_per_rank"]
+    first = gathers * actions / np.maximum(layers, 1)
+    fsdp_t = 2 * gathers
+    ends = 2 * (collective_time(topo, "all_gather", f["fsdp_n"], g("fsdp_embed_bytes"), f["fsdp_out"], f["fsdp_pd"]) +
+                collective_time(topo, "all_gather", f["fsdp_n"], g("fsdp_head_bytes"), f["fsdp_out"], f["fsdp_pd"]))
+    fsdp_exposed = ends + np.where(fsdp_t > 0, first + np.maximum(0.0, fsdp_t - first - compute), 0.0)
+    # Communication kernels take SMs from the compute they overlap (the profile's comm_compute_slowdown).
+    overlapped = np.minimum(compute, np.minimum(3 * shared_layer * moe, a2a_t) + fsdp_t)
+    compute = compute + slow * overlapped
+    comm = tp_t + cp_exposed + a2a_exposed + fsdp_exposed
+    return {"fwd": fwd, "rec": rec, "elem": elem, "compute": compute, "tp": tp_t + cp_exposed, "a2a": a2a_exposed,
+            "a2a_total": a2a_t, "fsdp": fsdp_exposed, "total": compute + comm,
+            # schedule units: F, B (input gradients, after recomputation), W (weight gradients)
+            "F": fwd + elem / 2 + comm / 3, "B": fwd + rec + elem / 2 + comm / 3, "W": fwd + comm / 3}
 
 
 def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     """Phase times (seconds) and the step time, elementwise over arrays of features."""
     f = {k: np.asarray(v, dtype=float) for k, v in f.items()}
     eff = topo.efficiency
-    slow = 1.0 + eff.comm_compute_slowdown
-    gemm_t = costs.gemm_time(f["gemm_flops"], f["gemm_size"], topo)
-    attn_t = costs.attention_time(f["attn_flops"], topo)
-    expert_t = costs.grouped_gemm_time(f["expert_flops"], f["expert_gemm_size"], topo)
-    shared_t = costs.gemm_time(f["shared_flops"], f["gemm_size"], topo)
-    elem_t = costs.memory_bound_time(f["elementwise_bytes"], topo)
-    recompute_t = costs.gemm_time(f["recompute_flops"], f["gemm_size"], topo)
-    fwd = gemm_t + attn_t + expert_t
-    compute_mb = 3 * fwd + recompute_t + elem_t  # forward + backward (2x) + recomputation + elementwise
-    tp_t = f["tp_count"] * collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"])
-    cp_t = f["cp_count"] * collective_time(topo, "send_recv", f["cp_n"], f["cp_bytes"], f["cp_out"]) * \
-        np.maximum(f["cp_n"] - 1, 0)
-    cp_exposed = np.maximum(0.0, cp_t - 3 * attn_t)
-    a2a_t = f["a2a_count"] * collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
-    a2a_exposed = np.maximum(0.0, a2a_t - 3 * shared_t)  # shared experts run while tokens travel
-    # Forward and backward each gather the sharded weights (dense over fsdp, experts over their FSDP group).
-    fsdp_t = 2 * (collective_time(topo, "all_gather", f["fsdp_n"], f["fsdp_bytes"], f["fsdp_out"]) +
-                  collective_time(topo, "all_gather", f["efsdp_n"], f["expert_fsdp_bytes"], f["efsdp_out"]))
-    fsdp_exposed = np.maximum(0.0, fsdp_t - compute_mb)
-    pp_t = 2 * collective_time(topo, "send_recv", np.minimum(f["pp_n"], 2), f["pp_bytes"], f["pp_out"])
-    mb_time = compute_mb * np.where(a2a_t + tp_t + fsdp_t > 0, slow, 1.0) + tp_t + cp_exposed + a2a_exposed + \
-        fsdp_exposed + pp_t
-    m = f["microbatches"]
-    busy = m * mb_time
-    pipeline_t = busy / (1.0 - f["bubble_fraction"])
-    bubble_t = pipeline_t - busy
+    slow = eff.comm_compute_slowdown
+    h = _stage_time(f, "", topo, slow)
+    o = _stage_time(f, "o_", topo, slow)
+    m, v = f["microbatches"], f["chunks_per_rank"]
+    # Pipeline: the slowest stage is busy m micro-batches; fill and drain run through the others, per model chunk,
+    # as the schedule's closed form gives it (simulator.schedule_formulas.bubble_coefficients). Sends overlap the
+    # next micro-batch's work except along the fill (first forward) and the drain (last backward): one chain of
+    # hops each way.
+    chain = f["pp_hops_up"] * collective_time(topo, "send_recv", 2, f["pp_bytes"], False) + \
+        f["pp_hops_out"] * collective_time(topo, "send_recv", 2, f["pp_bytes"], True)
+    pp_t = 2 * chain
+    busy = m * h["total"]
+    bubble_t = (f["bubble_f"] * o["F"] + f["bubble_b"] * o["B"] + f["bubble_w"] * o["W"]) / v
+    pipeline_t = busy + bubble_t + pp_t
     # Gradient reduction (costs.gradient_reductions), hidden behind the last backward.
-    groups = {"inner": ("inner_n", "inner_out"), "data": ("outer_n", "outer_out"),
-              "expert_fsdp": ("efsdp_n", "efsdp_out"), "expert_replicas": ("erep_n", "erep_out")}
-    dp_t = sum(collective_time(topo, c.kind, f[groups[c.axis][0]], c.nbytes, f[groups[c.axis][1]])
+    groups = {"inner": "inner", "data": "outer", "expert_fsdp": "efsdp", "expert_replicas": "erep"}
+    dp_t = sum(collective_time(topo, c.kind, f[groups[c.axis] + "_n"], c.nbytes, f[groups[c.axis] + "_out"],
+                               f[groups[c.axis] + "_pd"])
                for c in costs.gradient_reductions(f["dense_grad_bytes"], f["expert_grad_bytes"], f["inner_n"],
                                                   f["efsdp_n"]))
-    dp_exposed = np.maximum(0.0, dp_t - 2 * fwd)
-    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], f["ns_size"], topo) + balancing_time(f, topo)
+    # Overlapped (plan.overlap_grad_reduce): each layer's reduction starts once the last micro-batch's backward has
+    # produced its gradients, so the backward of all but the first layer processed hides it; otherwise it all waits.
+    window = (2 * h["fwd"] + h["rec"]) * (1.0 - 1.0 / np.maximum(f["layers"], 1))
+    dp_exposed = np.where(f["overlap_grad_reduce"] > 0, np.maximum(0.0, dp_t - window), dp_t)
+    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], f["ns_size"], topo) + balancing_time(f, topo) + \
+        costs.muon_gather_time(f, topo)
     host_t = costs.host_link_time(f["host_bytes"], topo)
     # Host per-op overhead (features in ops; zero without measured host_op_s), blocking: added, not overlapped.
-    h = eff.host_op_s
-    op_c = f.get("op_forward", 0.0) * h.forward + f.get("op_backward", 0.0) * h.backward
-    op_b = f.get("op_bubble_forward", 0.0) * h.forward + f.get("op_bubble_backward", 0.0) * h.backward
-    op_o = f.get("op_optimizer", 0.0) * h.optimizer
+    hop = eff.host_op_s
+    op_c = f.get("op_forward", 0.0) * hop.forward + f.get("op_backward", 0.0) * hop.backward
+    op_b = f.get("op_bubble_forward", 0.0) * hop.forward + f.get("op_bubble_backward", 0.0) * hop.backward
+    op_o = f.get("op_optimizer", 0.0) * hop.optimizer
     step = pipeline_t + dp_exposed + optimizer_t + host_t + op_c + op_b + op_o
-    compute_total = m * (compute_mb * np.where(a2a_t + tp_t + fsdp_t > 0, slow, 1.0)) + op_c
-    bubble_t = bubble_t + op_b
-    optimizer_t = optimizer_t + op_o
     return {
         "step_time_s": step,
-        "compute": compute_total,
-        "exposed_expert_a2a": m * a2a_exposed,
-        "exposed_tensor_comm": m * (tp_t + cp_exposed),
-        "exposed_fsdp_gather": m * fsdp_exposed,
-        "pipeline_p2p": m * pp_t,
-        "pipeline_bubble": bubble_t,
+        "compute": m * h["compute"] + op_c,
+        "exposed_expert_a2a": m * h["a2a"],
+        "exposed_tensor_comm": m * h["tp"],
+        "exposed_fsdp_gather": m * h["fsdp"],
+        "pipeline_p2p": pp_t,
+        "pipeline_bubble": bubble_t + op_b,
         "exposed_dp_comm": dp_exposed,
-        "optimizer": optimizer_t,
+        "optimizer": optimizer_t + op_o,
         "host_transfer": host_t,
-        "expert_a2a_total": m * a2a_t,
+        "expert_a2a_total": m * h["a2a_total"],
         "dp_comm_total": dp_t,
     }
 

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator.activations import (BYTES, FP32, Activations, activation_bytes,  # noqa: F401
                                    attention_core_bytes_per_token, check_mode, eager_loss_backward_bytes_per_token,
                                    eager_pipeline_bytes_per_token, eager_step_bytes_per_token,
                                    edge_activation_bytes_per_token, layer_activation_bytes_per_token)
+from rackcast.simulator.plan_arrays import LAYER_SET, PlanArrays, is_arrays, per_key, state_location
 from rackcast.simulator.schedule_formulas import peak_in_flight
 
 
@@ -67,6 +70,8 @@ class RankParams:
     expert_layer_max: float
     expert_adam: float = 0.0  # part of `expert` that MuonH keeps in Adam (the experts' biases)
     frozen: float = 0.0  # part of `dense` that gets no gradient and no optimizer state (the balancing bias)
+    embed_end: float = 0.0  # part of `dense` at the embedding end (embedding, positions, their norms): first chunk
+    head_end: float = 0.0  # part of `dense` at the head end (head, final norms): last chunk
 
 
 @dataclass(frozen=True)
@@ -121,38 +126,49 @@ def _adam_part(spec: ModelSpec, layer: int) -> tuple[int, int]:
     return dense, expert
 
 
-def rank_params(spec: ModelSpec, plan: Plan, rank: int = 0) -> RankParams:
-    par = plan.parallel
-    t, experts_split = par.tensor, par.expert_group
-    layers = plan.rank_layers(spec, rank)
-    dense = expert = adam = expert_adam = frozen = 0.0
-    dense_max = expert_max = 0.0
+def _layer_set_params(spec: ModelSpec, layers) -> tuple:
+    """Parameters of a set of layers before any split: (layers, dense, expert, adam-only dense, adam-only expert,
+    frozen, the largest layer's dense, the largest layer's expert)."""
+    dense = expert = adam = expert_adam = frozen = dense_max = expert_max = 0
     for i in layers:
         parts = spec.layer_param_breakdown(i)
-        e = parts.get("experts", 0) / experts_split
-        d = (spec.layer_params(i) - parts.get("experts", 0)) / t
-        dense += d
-        expert += e
+        e = parts.get("experts", 0)
+        d = spec.layer_params(i) - e
         layer_adam, layer_expert_adam = _adam_part(spec, i)
-        adam += layer_adam / t
-        expert_adam += layer_expert_adam / experts_split
-        frozen += _frozen_part(spec, i) / t
+        dense, expert, adam, expert_adam = dense + d, expert + e, adam + layer_adam, expert_adam + layer_expert_adam
+        frozen += _frozen_part(spec, i)
         dense_max, expert_max = max(dense_max, d), max(expert_max, e)
+    return len(layers), dense, expert, adam, expert_adam, frozen, dense_max, expert_max
+
+
+def rank_params(spec: ModelSpec, plan: Plan | PlanArrays, rank: int = 0) -> RankParams:
+    """Parameters pipeline rank `rank` holds (arrays for PlanArrays): its layers' split `tensor` ways (dense) and
+    `expert x expert_tensor` ways (experts), plus the embedding on the first rank and the head on the last."""
+    par = plan.parallel
+    t, experts_split = par.tensor, par.expert_group
+    n, dense, expert, adam, expert_adam, frozen, dense_max, expert_max = per_key(
+        plan, LAYER_SET, lambda p: _layer_set_params(spec, p.rank_layers(spec, rank)))
     top = spec.top_param_breakdown()
     first = rank == 0
-    last = rank == par.pipeline - 1 or plan.schedule == "dualpipev" and rank == 0
-    embed = (top.get("embedding", 0) + top.get("positions", 0)) / t if first else 0.0
-    head = top.get("head", 0) / t if last else 0.0
-    if spec.tied_embeddings and last and not first:
-        head = top.get("embedding", 0) / t  # the last stage keeps its own copy of a tied embedding
+    last = (rank == par.pipeline - 1) | ((plan.schedule == "dualpipev") & (rank == 0))
+    embed = (top.get("embedding", 0) + top.get("positions", 0)) / t if first else 0.0 * t
+    head = np.where(last, top.get("head", 0) / t, 0.0)
+    if spec.tied_embeddings and not first:
+        head = np.where(last, top.get("embedding", 0) / t, head)  # the last stage keeps its own copy of a tied embedding
     # The embedding's norm lives with the embedding (first stage), the final norm with the head (last stage); norm
     # gains are Adam parameters, the gated norms' matrices MuonH ones.
-    gains = (top.get("embed_norm", 0) if first else 0) + (top.get("final_norm", 0) if last else 0)
-    gated = (top.get("embed_gated_norm", 0) if first else 0) + (top.get("final_gated_norm", 0) if last else 0)
-    dense += embed + head + (gains + gated) / t
-    adam += embed + gains / t
-    return RankParams(dense=dense, expert=expert, adam_only=adam, head=head, layers=len(layers),
-                      dense_layer_max=dense_max, expert_layer_max=expert_max, expert_adam=expert_adam, frozen=frozen)
+    gains = (top.get("embed_norm", 0) if first else 0) + np.where(last, top.get("final_norm", 0), 0)
+    gated = (top.get("embed_gated_norm", 0) if first else 0) + np.where(last, top.get("final_gated_norm", 0), 0)
+    embed_end = embed + ((top.get("embed_norm", 0) + top.get("embed_gated_norm", 0)) / t if first else 0.0)
+    head_end = head + np.where(last, top.get("final_norm", 0) + top.get("final_gated_norm", 0), 0) / t
+    dense = dense / t + embed + head + (gains + gated) / t
+    adam = adam / t + embed + gains / t
+    out = dict(dense=dense, expert=expert / experts_split, adam_only=adam, head=head, layers=n,
+               dense_layer_max=dense_max / t, expert_layer_max=expert_max / experts_split,
+               expert_adam=expert_adam / experts_split, frozen=frozen / t, embed_end=embed_end, head_end=head_end)
+    if not is_arrays(plan):
+        out = {k: int(v) if k == "layers" else float(v) for k, v in out.items()}
+    return RankParams(**out)
 
 
 def inflight_chunk_microbatches(schedule: str, p: int, m: int, v: int, rank: int = 0) -> float:
@@ -162,11 +178,11 @@ def inflight_chunk_microbatches(schedule: str, p: int, m: int, v: int, rank: int
     return float(peak_in_flight(schedule, p, m, v, rank))
 
 
-def optimizer_state_bytes(rp: RankParams, plan: Plan, dtype: str | None = None) -> tuple[float, float]:
+def optimizer_state_bytes(rp: RankParams, plan: Plan | PlanArrays, dtype: str | None = None) -> tuple:
     """(fp32 master, optimizer state) bytes per GPU for this rank's shard of the parameters (no master copy when
     the weights are kept in fp32 already)."""
     shard = rp.dense / plan.parallel.fsdp + rp.expert / plan.parallel.expert_fsdp
-    master = FP32 * shard if keeps_master(plan, dtype) else 0.0
+    master = FP32 * shard if keeps_master(plan, dtype) else 0.0 * shard
     trained = shard - rp.frozen / plan.parallel.fsdp  # parameters without a gradient get no state (backend.optim)
     if plan.optimizer.name == "adamw":
         return master, 2 * FP32 * trained
@@ -174,7 +190,7 @@ def optimizer_state_bytes(rp: RankParams, plan: Plan, dtype: str | None = None) 
     return master, FP32 * (trained + (rp.adam_only + rp.head) / plan.parallel.fsdp + rp.expert_adam / plan.parallel.expert_fsdp)
 
 
-def static_bytes(rp: RankParams, plan: Plan, dtype: str | None = None) -> dict[str, float]:
+def static_bytes(rp: RankParams, plan: Plan | PlanArrays, dtype: str | None = None) -> dict:
     """Bytes per GPU that live for the whole step: weights, gradients, master, optimizer state (HBM) and what is
     kept in host memory instead when the plan offloads the optimizer. `dtype`: the dtype weights are kept in
     (default: the plan's precision, with an fp32 master)."""
@@ -182,18 +198,18 @@ def static_bytes(rp: RankParams, plan: Plan, dtype: str | None = None) -> dict[s
     shard = rp.dense / par.fsdp + rp.expert / plan.parallel.expert_fsdp
     g_bytes = grad_bytes(plan, dtype)
     master, states = optimizer_state_bytes(rp, plan, dtype)
-    out = {"weights": weight_bytes(plan, dtype) * shard,
-           "gradients": g_bytes * ((shard if par.fsdp > 1 else rp.dense + rp.expert) - rp.frozen / par.fsdp),
-           "master": master, "optimizer": states, "host": 0.0}
-    if plan.optimizer.state_location == "host":
-        out.update(host=master + states, master=0.0, optimizer=0.0)
-    return out
+    host = state_location(plan) == "host"
+    return {"weights": weight_bytes(plan, dtype) * shard,
+            "gradients": g_bytes * (np.where(par.fsdp > 1, shard, rp.dense + rp.expert) - rp.frozen / par.fsdp),
+            "master": np.where(host, 0.0, master), "optimizer": np.where(host, 0.0, states),
+            "host": np.where(host, master + states, 0.0)}
 
 
-def memory_breakdown(spec: ModelSpec, plan: Plan, dtype: str | None = None, rank: int = 0,
+def memory_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None = None, rank: int = 0,
                      activations: Activations = "fused") -> MemoryBreakdown:
     """Bytes per GPU of pipeline rank `rank` (default 0, the heaviest: it holds the embedding and the most
-    in-flight micro-batches). `dtype` ("fp32", "bf16"): the dtype the trainer keeps weights and activations in
+    in-flight micro-batches); for PlanArrays (simulator.plan_arrays) every field is an array, one element per plan.
+    `dtype` ("fp32", "bf16"): the dtype the trainer keeps weights and activations in
     (e.g. "fp32" for the CPU trainer, which runs without autocast); gradients are then kept in the wider of it and
     grad_dtype, and there is no separate master copy when the weights are fp32. The default (None) is the plan's
     precision: bf16 weights and activations, grad_dtype gradients, an fp32 master. `activations`: "fused" (default)
@@ -209,46 +225,65 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, dtype: str | None = None, rank
     static = static_bytes(rp, plan, dtype)
     weights, gradients, master, states, host = (static[k] for k in ("weights", "gradients", "master",
                                                                      "optimizer", "host"))
-    # FSDP gathers one layer while the next is prefetched: two layers of unsharded weights and one of gradients.
-    buffers = 0.0
-    if par.fsdp > 1:
-        buffers += 2 * w_bytes * rp.dense_layer_max + g_bytes * rp.dense_layer_max
-    if efsdp > 1:
-        buffers += 2 * w_bytes * rp.expert_layer_max + g_bytes * rp.expert_layer_max
+    # FSDP gathers one layer while the next is prefetched: two layers of unsharded weights and one of gradients;
+    # the embedding or head end of a chunk stays gathered through its whole forward or backward.
+    ends = np.where(par.chunks == 1, rp.embed_end + rp.head_end, np.maximum(rp.embed_end, rp.head_end))
+    buffers = np.where(par.fsdp > 1, 2 * w_bytes * rp.dense_layer_max + g_bytes * rp.dense_layer_max +
+                       w_bytes * ends, 0.0)
+    buffers = buffers + np.where(efsdp > 1, 2 * w_bytes * rp.expert_layer_max + g_bytes * rp.expert_layer_max, 0.0)
     tokens_mb = plan.tokens_per_microbatch(spec)
-    layers = plan.rank_layers(spec, rank)
-    per_layer = [layer_activation_bytes_per_token(spec, i, plan, dtype, activations) * tokens_mb for i in layers]
-    inflight = inflight_chunk_microbatches(plan.schedule, par.pipeline, plan.microbatches, par.virtual, rank)
-    chunk_layers = len(layers) / par.chunks_per_rank
+    m = plan.microbatches
+    # Per token of a micro-batch: the layers' saved activations (sum, largest layer) and the attention cores.
+    reads = ("tensor", "sequence_parallel", "expert_tensor") + (("micro_batch", "expert") if eager else ())
+
+    def layer_sums(p) -> tuple[float, float, float]:
+        per_layer = [layer_activation_bytes_per_token(spec, i, p, dtype, activations) for i in p.rank_layers(spec, rank)]
+        cores = sum(attention_core_bytes_per_token(spec, i, p, dtype) for i in p.rank_layers(spec, rank))
+        return sum(per_layer), max(per_layer), cores
+
+    layer_sum, layer_max, cores = per_key(plan, LAYER_SET + reads, layer_sums)
+    n_layers = rp.layers
+    inflight, = per_key(plan, ("schedule", "pipeline", "virtual", m), lambda p: inflight_chunk_microbatches(
+        p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.virtual, rank))
+    chunk_layers = n_layers / par.chunks_per_rank
     act_e = activation_bytes(dtype)
-    if plan.recompute == "full":
-        kept = act_e * spec.d_model / (par.tensor if par.sequence_parallel else 1) * tokens_mb
-        saved = kept * chunk_layers * inflight
-        buffers += max(per_layer)  # the layer being recomputed holds its full activations
-    else:
-        if plan.recompute == "selective":
-            per_layer = [x - attention_core_bytes_per_token(spec, i, plan, dtype) * tokens_mb
-                         for x, i in zip(per_layer, layers)]
-        saved = sum(per_layer) / len(layers) * chunk_layers * inflight
+    full = plan.recompute == "full"
+    kept = act_e * spec.d_model / np.where(par.sequence_parallel, par.tensor, 1) * tokens_mb
+    buffers = buffers + np.where(full, layer_max * tokens_mb, 0.0)  # the layer being recomputed holds its all
+    kept_layers = np.where(plan.recompute == "selective", layer_sum - cores, layer_sum) * tokens_mb
+    saved = np.where(full, kept * chunk_layers * inflight, kept_layers / n_layers * chunk_layers * inflight)
     # Outside the layers. Fused: two d-wide tensors once, on every rank. Eager: rank 0 holds the embedding, the last
     # rank (rank 0 too in the V of dualpipev) the head, for each of its in-flight micro-batches of that chunk.
-    chunks = par.rank_chunks(rank, plan.schedule)
-    total_chunks = par.chunks
-    first, last = 0 in chunks, total_chunks - 1 in chunks
-    edge = edge_activation_bytes_per_token(spec, plan, first=first, last=last, dtype=dtype, activations=activations)
-    saved += edge * tokens_mb * (inflight / len(chunks) if eager else 1.0)
+
+    def edges(p) -> tuple[int, bool, bool, float]:
+        chunks = p.parallel.rank_chunks(rank, p.schedule)
+        first, last = 0 in chunks, p.parallel.chunks - 1 in chunks
+        edge = edge_activation_bytes_per_token(spec, p, first=first, last=last, dtype=dtype, activations=activations)
+        return len(chunks), first, last, edge
+
+    n_chunks, _, last, edge = per_key(plan, LAYER_SET + (("micro_batch",) if eager else ()), edges)
+    saved = saved + edge * tokens_mb * (inflight / n_chunks if eager else 1.0)
     if eager:
-        m = plan.microbatches
-        saved += eager_step_bytes_per_token(spec, sum(spec.is_moe(i) for i in layers)) * tokens_mb * m
-        if last:
-            buffers += eager_loss_backward_bytes_per_token(spec) * tokens_mb
-        if par.pipeline == 1 and par.batch_shards > 1 and m > 1:
-            # DDP (gradient_as_bucket_view, backend.parallel) keeps gradient buckets for the dense parameters across
-            # steps; the no_sync micro-batches accumulate into fresh gradients that the synchronising backward then
-            # copies into the buckets, so where it starts (the peak) both exist.
-            buffers += g_bytes * (rp.dense - rp.frozen)
-        if par.pipeline > 1:
-            buffers += sum(eager_pipeline_bytes_per_token(spec, act_e, c == 0, c == total_chunks - 1, m,
-                                                          inflight / len(chunks)) for c in chunks) * tokens_mb
-    return MemoryBreakdown(weights=weights, gradients=gradients, master=master, optimizer=states,
-                           activations=saved, buffers=buffers, host=host, inflight_microbatches=inflight)
+        moe_layers, = per_key(plan, LAYER_SET, lambda p: sum(spec.is_moe(i) for i in p.rank_layers(spec, rank)))
+        saved = saved + eager_step_bytes_per_token(spec, moe_layers) * tokens_mb * m
+        buffers = buffers + np.where(last > 0, eager_loss_backward_bytes_per_token(spec) * tokens_mb, 0.0)
+        # DDP (gradient_as_bucket_view, backend.parallel) keeps gradient buckets for the dense parameters across
+        # steps; the no_sync micro-batches accumulate into fresh gradients that the synchronising backward then
+        # copies into the buckets, so where it starts (the peak) both exist.
+        ddp = (par.pipeline == 1) & (par.batch_shards > 1) & (m > 1)
+        buffers = buffers + np.where(ddp, g_bytes * (rp.dense - rp.frozen), 0.0)
+
+        def pipeline_buffers(p) -> float:
+            chunks, total = p.parallel.rank_chunks(rank, p.schedule), p.parallel.chunks
+            held = inflight_chunk_microbatches(p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.virtual,
+                                               rank) / len(chunks)
+            return sum(eager_pipeline_bytes_per_token(spec, act_e, c == 0, c == total - 1, p.microbatches, held)
+                       for c in chunks)
+
+        pipe, = per_key(plan, LAYER_SET + (m,), pipeline_buffers)
+        buffers = buffers + np.where(par.pipeline > 1, pipe * tokens_mb, 0.0)
+    out = dict(weights=weights, gradients=gradients, master=master, optimizer=states, activations=saved,
+               buffers=buffers, host=host, inflight_microbatches=inflight)
+    if is_arrays(plan):
+        return MemoryBreakdown(**{k: np.broadcast_to(np.asarray(v, dtype=float), (len(plan),)) for k, v in out.items()})
+    return MemoryBreakdown(**{k: float(v) for k, v in out.items()})

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import simpy
+from numba import njit
 
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
 
@@ -43,6 +44,154 @@ Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 # rounding of `now + remaining / rate` must not leave a flow with a few bytes for a separate, spurious event.
 _TIME_EPS_ABS = 1e-12
 _TIME_EPS_REL = 1e-12
+
+
+@njit(cache=True)
+def _advance(active, size, remaining, rate, dt, eps):
+    """The active slots (ascending) after their flows drained `dt` seconds at their rates, which of them have
+    (nearly) nothing left (remaining <= rate x eps), and how many."""
+    n = 0
+    for i in range(size):
+        n += active[i]
+    act = np.empty(n, np.int64)
+    finished = np.empty(n, np.bool_)
+    j = done = 0
+    for i in range(size):
+        if active[i]:
+            if dt > 0:
+                remaining[i] -= rate[i] * dt
+            act[j] = i
+            finished[j] = remaining[i] <= rate[i] * eps
+            done += finished[j]
+            j += 1
+    return act, finished, done
+
+
+@njit(cache=True)
+def _changed(load, previous):
+    """Indices (ascending) where load differs from previous."""
+    n = 0
+    for i in range(load.shape[0]):
+        n += load[i] != previous[i]
+    out = np.empty(n, np.int64)
+    j = 0
+    for i in range(load.shape[0]):
+        if load[i] != previous[i]:
+            out[j] = i
+            j += 1
+    return out
+
+
+@njit(cache=True)
+def _gather_active(active, size, nhops, hops, caps):
+    """The active slots (ascending) and their flows as CSR rows of link indices, with their rate caps."""
+    n = 0
+    for i in range(size):
+        n += active[i]
+    act = np.empty(n, np.int64)
+    indptr = np.zeros(n + 1, np.int64)
+    j = 0
+    for i in range(size):
+        if active[i]:
+            act[j] = i
+            indptr[j + 1] = indptr[j] + nhops[i]
+            j += 1
+    indices = np.empty(indptr[n], np.int64)
+    flow_caps = np.empty(n)
+    for j in range(n):
+        s = act[j]
+        flow_caps[j] = caps[s]
+        for k in range(nhops[s]):
+            indices[indptr[j] + k] = hops[s, k]
+    return act, indptr, indices, flow_caps
+
+
+@njit(cache=True)
+def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
+    """Write the solved rates to their slots; returns the earliest time one of the flows finishes from now and
+    the bytes/s in use per link (summed in the order np.bincount would)."""
+    load = np.zeros(links)
+    t_min = np.inf
+    for j in range(act.shape[0]):
+        s = act[j]
+        rate[s] = rates[j]
+        t = remaining[s] / rates[j]
+        if t < t_min:
+            t_min = t
+        if track:
+            for k in range(indptr[j], indptr[j + 1]):
+                load[indices[k]] += rates[j]
+    return t_min, load
+
+
+@njit(cache=True)
+def _batch(wire, nhops, lat, now):
+    """Which flows of a batch move bytes over links, how many, when the others are delivered (now + their latency,
+    the latest; now when none), and whether any byte count is negative."""
+    moving = np.empty(wire.shape[0], np.bool_)
+    m = 0
+    deliver = now
+    negative = False
+    for i in range(wire.shape[0]):
+        negative |= wire[i] < 0
+        moving[i] = wire[i] > 0 and nhops[i] > 0
+        if moving[i]:
+            m += 1
+        elif now + lat[i] > deliver:
+            deliver = now + lat[i]
+    return moving, m, deliver, negative
+
+
+@njit(cache=True)
+def _fill_slots(slots, moving, hops, nhops, wire, caps, lat, now, gid, first_flow, s_hops, s_nhops, s_remaining,
+                s_wire, s_rate, s_cap, s_lat, s_start, s_group, s_flow_id):
+    """Write the moving flows of a batch (rows of hops where `moving`) into their slots, in row order."""
+    j = 0
+    for i in range(hops.shape[0]):
+        if not moving[i]:
+            continue
+        s = slots[j]
+        s_hops[s, :] = -1
+        for k in range(hops.shape[1]):
+            s_hops[s, k] = hops[i, k]
+        s_nhops[s] = nhops[i]
+        s_remaining[s] = wire[i]
+        s_wire[s] = wire[i]
+        s_rate[s] = 0.0
+        s_cap[s] = caps[i]
+        s_lat[s] = lat[i]
+        s_start[s] = now
+        s_group[s] = gid
+        s_flow_id[s] = first_flow + j
+        j += 1
+
+
+@njit(cache=True)
+def _finish_slots(slots, flow_id, active, rate, lat, group, now):
+    """Retire finished flows: their slots in start order (deactivated, rate 0), their delivery times, and per
+    group they belong to (ascending): how many finished and the latest delivery."""
+    slots = slots[np.argsort(flow_id[slots], kind="mergesort")]
+    deliver = np.empty(slots.shape[0])
+    for j in range(slots.shape[0]):
+        s = slots[j]
+        active[s] = False
+        rate[s] = 0.0
+        deliver[j] = now + lat[s]
+    gids = group[slots]
+    order = np.argsort(gids, kind="mergesort")
+    uniq = np.empty(slots.shape[0], np.int64)
+    counts = np.zeros(slots.shape[0], np.int64)
+    latest = np.full(slots.shape[0], -np.inf)
+    n = -1
+    for j in order:
+        g = gids[j]
+        if n < 0 or uniq[n] != g:
+            n += 1
+            uniq[n] = g
+        counts[n] += 1
+        if deliver[j] > latest[n]:
+            latest[n] = deliver[j]
+    return slots, deliver, uniq[: n + 1], counts[: n + 1], latest[: n + 1]
 
 
 def _default_router(graph, src: str, dst: str):
@@ -176,24 +325,29 @@ class Network:
         return self.transfer_many(links[None, :], np.array([links.size]), nbytes, tag=tag, efficiency=efficiency,
                                   rate_cap_Bps=rate_cap_Bps)
 
+    def route_latencies(self, hops: np.ndarray) -> np.ndarray:
+        """Summed link latency of each row of padded link indices (k x h, -1 padded)."""
+        return np.where(hops >= 0, self.latency[hops], 0.0).sum(axis=1) if hops.shape[0] else np.zeros(0)
+
     def transfer_many(self, hops: np.ndarray, nhops: np.ndarray, nbytes, *, tag=None, efficiency: float = 1.0,
-                      rate_cap_Bps=math.inf) -> simpy.Event:
+                      rate_cap_Bps=math.inf, lat: np.ndarray | None = None) -> simpy.Event:
         """Start k flows at once: hops (k x h link indices, -1 padded, as from `route_matrix`), nhops (k), nbytes
-        (scalar or k), rate_cap_Bps (scalar or k). One event (value: tag) succeeds when all k are delivered."""
+        (scalar or k), rate_cap_Bps (scalar or k). One event (value: tag) succeeds when all k are delivered.
+        lat: route_latencies(hops), when the caller keeps it."""
         if not 0.0 < efficiency <= 1.0:
             raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
         k = hops.shape[0]
-        wire = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), (k,)) / efficiency
-        if k and wire.min() < 0:
-            raise ValueError("nbytes must be >= 0")
+        wire = (np.full(k, float(nbytes)) if np.ndim(nbytes) == 0 else np.asarray(nbytes, dtype=np.float64)) / \
+            efficiency
         nhops = np.asarray(nhops, dtype=np.int64)
-        lat = np.where(hops >= 0, self.latency[hops], 0.0).sum(axis=1) if k else np.zeros(0)
-        moving = (wire > 0) & (nhops > 0)
+        if lat is None:
+            lat = self.route_latencies(hops)
         now = self.env.now
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
-        deliver = float((now + lat[~moving]).max(initial=now))
+        moving, m, deliver, negative = _batch(wire, nhops, lat, float(now))
+        if negative:
+            raise ValueError("nbytes must be >= 0")
         done = self.env.event()
-        m = int(moving.sum())
         if m == 0:
             self._deliver(done, tag, deliver - now)
             return done
@@ -201,18 +355,11 @@ class Network:
         self._next_group += 1
         self._groups[gid] = [done, m, deliver, tag]
         slots = self._alloc(m, hops.shape[1])
-        h = hops[moving]
-        self._hops[slots] = -1
-        self._hops[slots, : h.shape[1]] = h
-        self._nhops[slots] = nhops[moving]
-        self._remaining[slots] = wire[moving]
-        self._wire[slots] = wire[moving]
-        self._rate[slots] = 0.0
-        self._cap[slots] = np.broadcast_to(np.asarray(rate_cap_Bps, dtype=np.float64), (k,))[moving]
-        self._lat[slots] = lat[moving]
-        self._start[slots] = now
-        self._group[slots] = gid
-        self._flow_id[slots] = np.arange(self._next_flow, self._next_flow + m)
+        caps = np.full(k, float(rate_cap_Bps)) if np.ndim(rate_cap_Bps) == 0 else \
+            np.asarray(rate_cap_Bps, dtype=np.float64)
+        _fill_slots(slots, moving, hops, nhops, wire, caps, lat, float(now), gid, self._next_flow,
+                    self._hops, self._nhops, self._remaining, self._wire, self._rate, self._cap, self._lat,
+                    self._start, self._group, self._flow_id)
         self._next_flow += m
         self._pending.append(slots)
         self.stats["flows"] += m
@@ -261,38 +408,29 @@ class Network:
 
     def _update(self) -> None:
         now = self.env.now
-        act = np.flatnonzero(self._active[: self._size])
-        if act.size:
-            dt = now - self._last
-            if dt > 0:
-                self._remaining[act] -= self._rate[act] * dt
-            eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
-            finished = self._remaining[act] <= self._rate[act] * eps
-            if finished.any():
-                self._finish(act[finished], now)
-                act = act[~finished]
+        eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
+        act, finished, done = _advance(self._active, self._size, self._remaining, self._rate, now - self._last, eps)
+        if done:
+            self._finish(act[finished], now)
         self._last = now
         if self._pending:
-            new = np.concatenate(self._pending)
+            new = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
             self._pending.clear()
             self._active[new] = True
-            act = np.union1d(act, new)
-        self.stats["max_active"] = max(self.stats["max_active"], int(act.size))
+        size = self._size
+        act, indptr, indices, caps = _gather_active(self._active, size, self._nhops, self._hops, self._cap)
+        self.stats["max_active"] = max(self.stats["max_active"], act.size)
         if act.size == 0:
             self._gen += 1  # no wake-up is needed any more
             self._wake_at = math.inf
-            self._record_load(now, None, None)
+            self._record_load(now, np.zeros(len(self.links)))
             return
-        nh = self._nhops[act]
-        indptr = np.zeros(act.size + 1, dtype=np.int64)
-        np.cumsum(nh, out=indptr[1:])
-        hops = self._hops[act]
-        indices = hops[hops >= 0]
-        rates = self._solve(indptr, indices, self.capacity, self._cap[act])
+        rates = self._solve(indptr, indices, self.capacity, caps)
         self.stats["solves"] += 1
-        self._rate[act] = rates
-        self._record_load(now, indices, np.repeat(rates, nh))
-        t_next = now + float((self._remaining[act] / rates).min())
+        t_min, load = _apply_rates(act, indptr, indices, rates, self._remaining, self._rate, len(self.links),
+                                   self.track_utilisation)
+        self._record_load(now, load)
+        t_next = now + t_min
         if t_next == self._wake_at:
             return  # the pending wake-up is still the right one
         # SimPy cannot cancel a timeout: the superseded wake-up stays queued and is ignored when it fires (it may
@@ -303,19 +441,12 @@ class Network:
         self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda ev, g=gen: self._on_wake(g, ev))
 
     def _finish(self, slots: np.ndarray, now: float) -> None:
-        slots = slots[np.argsort(self._flow_id[slots], kind="stable")]
-        self._active[slots] = False
-        self._rate[slots] = 0.0
-        deliver = now + self._lat[slots]
-        gids = self._group[slots]
+        slots, deliver, uniq, counts, latest = _finish_slots(slots, self._flow_id, self._active, self._rate,
+                                                             self._lat, self._group, now)
         if self.record_flows:
-            for g, s, d, w in zip(gids.tolist(), self._start[slots].tolist(), deliver.tolist(),
+            for g, s, d, w in zip(self._group[slots].tolist(), self._start[slots].tolist(), deliver.tolist(),
                                   self._wire[slots].tolist()):
                 self.flow_log.append((self._groups[g][3], s, d, w))
-        uniq, inv = np.unique(gids, return_inverse=True)
-        counts = np.bincount(inv)
-        latest = np.full(uniq.size, -np.inf)
-        np.maximum.at(latest, inv, deliver)
         for g, c, d in zip(uniq.tolist(), counts.tolist(), latest.tolist()):
             rec = self._groups[g]
             rec[1] -= c
@@ -326,14 +457,11 @@ class Network:
         self._free.extend(slots.tolist())
 
     # ---------------------------------------------------------------------------------------- observation
-    def _record_load(self, now: float, indices, weights) -> None:
+    def _record_load(self, now: float, load: np.ndarray) -> None:
+        """Keep the links whose bytes/s in use changed (load: bytes/s per link now)."""
         if not self.track_utilisation:
             return
-        if indices is None:
-            load = np.zeros(len(self.links))
-        else:
-            load = np.bincount(indices, weights=weights, minlength=len(self.links))
-        changed = np.flatnonzero(load != self._load)
+        changed = _changed(load, self._load)
         if changed.size:
             self._util_t.append(np.full(changed.size, now))
             self._util_l.append(changed)

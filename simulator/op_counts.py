@@ -52,7 +52,7 @@ TABLE_MODELS = ("tiny-dense", "tiny-moe", "tiny-moe-dense0")
 CACHE_ENV = "RACKCAST_CACHE"
 CACHE_SUBDIR = "op-counts"
 KEYS = ("fwd_embed", "fwd_layers", "fwd_experts", "fwd_head", "bwd_over_fwd", "optimizer_ops")
-UNKEYED = ("name", "family", "description")  # labels, not structure: left out of the key
+UNKEYED = ("name", "family", "description", "recipe")  # labels and the recipe, not structure: not in the key
 COUNT_SEQ = 32  # tokens per counted sequence (backend.opcount): more than any preset's conv kernel, so every lag runs
 GROUPED_MM_ALIGN_BYTES = 16  # torch grouped_mm wants row strides of a multiple of 16 bytes (backend.moe pads others)
 COUNT_DTYPE_BYTES = 4  # counts run in fp32 (backend.opcount)
@@ -179,6 +179,11 @@ def structural_twin(spec: ModelSpec, seq: int = COUNT_SEQ) -> ModelSpec:
     seq_len to the counted tokens and the window to at most that (a local layer masks exactly when the full spec's
     does on those tokens). Idempotent, and the same for two specs whose widths differ but keep those orders."""
     a = spec.attention
+    if a.mla is not None:
+        # The twin shrinks head_dim and the widths it pairs; latent attention's ranks and head split are not among
+        # them yet, so its op count (the host per-op overhead term) is refused rather than guessed.
+        raise RackcastError(f"op counts of model {spec.name!r}: the host per-op overhead does not model latent "
+                            "attention (attention.mla) yet; set efficiency.host_op_s to zeros to leave the term out")
     kind = _rope_kind(a.head_dim, a.rope_fraction)
     head_dim, w = a.head_dim, widths(spec)  # the spec's own widths, where no smaller ones keep the orders
     for candidate in range(min(a.head_dim, MIN_WIDTH), a.head_dim):

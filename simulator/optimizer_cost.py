@@ -4,27 +4,38 @@ Shared by the closed-form estimate and the discrete-event workload so both price
 also runs quantile balancing's reductions (`balancing_reductions`; priced by simulator.estimate.balancing_time).
 MuonH orthogonalises every matrix with NEWTON_SCHULZ_STEPS quintic iterations (Jordan et al. 2024, "Muon");
 one iteration on an m x n matrix (m <= n) computes A = X X^T, B = bA + cA^2, X' = aX + BX: 4 m^2 n + 2 m^3 FLOPs.
-Dense matrices are split `tensor` ways and their orthogonalisation spread over the `fsdp` shards; expert matrices
-over the expert ranks and the experts' own FSDP shards.
+Dense matrices are split `tensor` ways; with fsdp > 1 every rank of the fsdp group orthogonalises each whole matrix
+(backend.optim.orthogonalise: the update is all-gathered in fp32 over the fsdp group, Newton-Schulz runs on every
+rank, each keeps its rows; `muon_gather`), and the hyperball step all-reduces three Frobenius norms (one fp32 scalar
+each) per dense matrix over that group. Expert stacks are sharded along the expert dimension, so each rank
+orthogonalises only its own experts (split over the expert ranks and the experts' own FSDP shards) without
+communication.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator.activations import INDEX_BYTES
 from rackcast.simulator.memory import BYTES, RankParams, optimizer_state_bytes
+from rackcast.simulator.plan_arrays import is_arrays, state_location
 from rackcast.vocab import NEWTON_SCHULZ_STEPS
 
 
 def balancing_reductions(spec: ModelSpec, layers: list[int]) -> tuple[int, float, float]:
-    """Quantile expert balancing (backend.balancing) on a rank holding `layers`, per step: every MoE layer with a
-    router bias all-reduces its margin extremes (2 fp32, max) and its margin histogram (experts x bins + 1 int64
-    counts, sum) over the ranks that see different tokens. Returns (such layers, histogram bytes, extremes bytes)."""
+    """The balancing rule's reductions on a rank holding `layers`, per step, over the ranks that see different
+    tokens. Quantile balancing (backend.balancing): every MoE layer all-reduces its margin extremes (2 fp32, max)
+    and its margin histogram (experts x bins + 1 int64 counts, sum). The auxiliary-loss-free bias
+    (backend.frontier_routing): every MoE layer all-reduces its expert loads (experts int64 counts), no extremes.
+    An auxiliary loss or no balancing reduces nothing. Returns (such layers, histogram bytes, extremes bytes)."""
     moe = spec.moe
-    if moe is None or not moe.router_bias:
+    if moe is None or moe.balance_method not in ("quantile", "aux_free_bias"):
         return 0, 0.0, 0.0
     count = sum(1 for i in layers if spec.is_moe(i))
+    if moe.balance_method == "aux_free_bias":
+        return count, float(moe.experts * INDEX_BYTES), 0.0
     return count, float((moe.experts * moe.balance_bins + 1) * INDEX_BYTES), float(2 * BYTES["fp32"])
 
 
@@ -34,28 +45,75 @@ def matrix_ns_flops(m: int, n: int) -> float:
     return 4 * m * m * n + 2 * m * m * m
 
 
+def _dense_matrices(spec: ModelSpec, layer: int) -> list[tuple[int, int]]:
+    """The MuonH matrices of one layer other than the routed experts (attention, shared experts, latent projections,
+    dense MLP)."""
+    d, a = spec.d_model, spec.attention
+    mlp_matrices = 3 if spec.activation == "swiglu" else 2
+    kv = spec.kv_heads_stored(layer) * a.head_dim
+    mats = [(d, a.heads * a.head_dim), (d, kv), (d, kv), (a.heads * a.head_dim, d)]
+    if spec.is_moe(layer):
+        mo = spec.moe
+        mats += [(d, mo.shared_ffn)] * mlp_matrices * mo.shared_experts
+        mats += [(d, mo.latent_dim)] * 2 if mo.latent_dim else []
+    else:
+        mats += [(d, spec.ffn)] * mlp_matrices
+    return mats
+
+
+def newton_schulz_parts(spec: ModelSpec, layers) -> tuple[float, float]:
+    """MuonH orthogonalisation FLOPs per step of `layers` before their split over ranks: (dense matrices, expert
+    matrices)."""
+    mlp_matrices = 3 if spec.activation == "swiglu" else 2
+    dense = expert = 0.0
+    for i in layers:
+        if spec.is_moe(i):
+            mo = spec.moe
+            expert += NEWTON_SCHULZ_STEPS * mo.experts * mlp_matrices * matrix_ns_flops(spec.expert_input_dim,
+                                                                                       mo.expert_ffn)
+        dense += NEWTON_SCHULZ_STEPS * sum(matrix_ns_flops(*m) for m in _dense_matrices(spec, i))
+    return dense, expert
+
+
+def newton_schulz_split(parts: tuple, plan) -> float:
+    """One rank's share of newton_schulz_parts (arrays for PlanArrays): dense matrices split `tensor` ways and
+    orthogonalised whole on every rank of the fsdp group (backend.optim.orthogonalise; see muon_gather), expert
+    matrices over the expert ranks and the experts' own FSDP shards (whole experts per shard)."""
+    par = plan.parallel
+    dense, expert = parts
+    return dense / par.tensor + expert / (par.expert * par.expert_fsdp)
+
+
 def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float:
     """MuonH orthogonalisation FLOPs per step on one rank holding `layers` (0 for other optimizers)."""
     if plan.optimizer.name != "muonh":
         return 0.0
+    return newton_schulz_split(newton_schulz_parts(spec, layers), plan)
+
+
+def muon_gather_parts(spec: ModelSpec, layers) -> tuple[float, float]:
+    """The dense matrices of `layers` that MuonH gathers under FSDP: (their fp32 bytes, whole matrices; how many)."""
+    mats = [m for i in layers for m in _dense_matrices(spec, i)]
+    return float(sum(m * n for m, n in mats) * BYTES["fp32"]), float(len(mats))
+
+
+def muon_gather_split(parts: tuple, plan):
+    """One rank's muon_gather from muon_gather_parts (arrays for PlanArrays): nothing without fsdp."""
     par = plan.parallel
-    efsdp = par.expert_fsdp
-    d, a = spec.d_model, spec.attention
-    mlp_matrices = 3 if spec.activation == "swiglu" else 2
-    total = 0.0
-    for i in layers:
-        kv = spec.kv_heads_stored(i) * a.head_dim
-        mats = [(d, a.heads * a.head_dim), (d, kv), (d, kv), (a.heads * a.head_dim, d)]
-        if spec.is_moe(i):
-            mo = spec.moe
-            mats += [(d, mo.shared_ffn)] * mlp_matrices * mo.shared_experts
-            mats += [(d, mo.latent_dim)] * 2 if mo.latent_dim else []
-            per_expert = mlp_matrices * matrix_ns_flops(spec.expert_input_dim, mo.expert_ffn)
-            total += NEWTON_SCHULZ_STEPS * mo.experts / (par.expert * efsdp) * per_expert
-        else:
-            mats += [(d, spec.ffn)] * mlp_matrices
-        total += NEWTON_SCHULZ_STEPS * sum(matrix_ns_flops(*m) for m in mats) / (par.tensor * par.fsdp)
-    return total
+    nbytes, count = parts
+    sharded = np.asarray(par.fsdp) > 1
+    return np.where(sharded, nbytes / par.tensor, 0.0), np.where(sharded, 3 * count, 0.0)
+
+
+def muon_gather(spec: ModelSpec, plan: Plan, layers: list[int]) -> tuple[float, float]:
+    """MuonH on fsdp-sharded dense matrices, per step on one rank holding `layers`: (bytes of the fp32 updates
+    all-gathered over the fsdp group, whole-matrix sizes, i.e. the all_gather's full output; number of fp32 scalar
+    norm all-reduces over that group, three per matrix for the hyperball's norms). (0, 0) without fsdp or for other
+    optimizers."""
+    if plan.optimizer.name != "muonh":
+        return 0.0, 0.0
+    nbytes, count = muon_gather_split(muon_gather_parts(spec, layers), plan)
+    return float(nbytes), float(count)
 
 
 def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
@@ -68,5 +126,5 @@ def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:
     w_bytes, g_bytes = BYTES["bf16"], BYTES[plan.grad_dtype]
     master, state = optimizer_state_bytes(rp, plan)
     hbm = shard * (2 * w_bytes + g_bytes) + 2 * (master + state)
-    host = 2 * (master + state) if plan.optimizer.state_location == "host" else 0.0
-    return hbm, host
+    host = np.where(state_location(plan) == "host", 2 * (master + state), 0.0)
+    return hbm, host if is_arrays(plan) else float(host)

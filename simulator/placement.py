@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from rackcast.plan import Plan
 
 
@@ -23,14 +25,17 @@ class Group:
     domains: int  # domains the group touches
 
 
-def make_group(size: int, stride: int, usable_per_domain: int) -> Group:
+def make_group(size, stride, usable_per_domain) -> Group:
     """The group of ranks 0, stride, ..., (size - 1) x stride, in closed form (O(1) for groups of millions): the
     first domain holds the members below usable_per_domain; members fewer than a domain apart touch every domain
-    from the first to the last one's, members a domain or more apart one domain each."""
+    from the first to the last one's, members a domain or more apart one domain each. Arrays of sizes, strides or
+    GPUs per domain give a Group of arrays (simulator.plan_arrays)."""
     u = usable_per_domain
-    per_domain = min(size, (u - 1) // stride + 1)
-    domains = (size - 1) * stride // u + 1 if stride < u else size
-    span = "scale_up" if domains == 1 else "scale_out"
+    per_domain = np.minimum(size, (u - 1) // stride + 1)
+    domains = np.where(stride < u, (size - 1) * stride // u + 1, size)
+    span = np.where(domains == 1, "scale_up", "scale_out")
+    if np.ndim(domains) == 0:
+        per_domain, domains, span = int(per_domain), int(domains), str(span)
     return Group(size=size, stride=stride, span=span, per_domain=per_domain, domains=domains)
 
 
@@ -46,9 +51,11 @@ class Placement:
     expert_fsdp: Group  # the copies of one expert slice that shard its parameters ZeRO-3 style
     expert_replicas: Group  # the remaining copies, holding the same shard (their gradients are all-reduced)
     dense_replicas: Group  # fsdp x data x context as one group (gradient reduction of dense parameters)
+    inner: Group  # the fsdp x context group: the inner level of a reduction over the token-sharding ranks
 
 
-def place(plan: Plan, usable_per_domain: int) -> Placement:
+def place(plan, usable_per_domain) -> Placement:
+    """Where a plan's groups lie; for PlanArrays (and arrays of GPUs per domain) every group's fields are arrays."""
     par = plan.parallel
     u = usable_per_domain
     t, c, f, d = par.tensor, par.context, par.fsdp, par.data
@@ -64,4 +71,5 @@ def place(plan: Plan, usable_per_domain: int) -> Placement:
         expert_fsdp=make_group(efsdp, ep, u),
         expert_replicas=make_group(par.expert_replicas, ep * efsdp, u),
         dense_replicas=make_group(par.reduction_inner * par.reduction_outer, t, u),
+        inner=make_group(par.reduction_inner, t, u),
     )

@@ -7,7 +7,11 @@ columns layer, expert, count). Token assignments are drawn multinomially with a 
 gives the same counts.
 
 Dropless transport: every assignment is computed and the step waits for the most loaded rank. Capacity transport
-(factor c): each expert takes at most c x tokens x top_k / experts assignments; the rest are dropped.
+(factor c): each expert takes at most capacity = floor(c x tokens x top_k / experts) assignments; the rest are
+dropped, and every expert's buffer is padded to its capacity, so each rank computes (experts / ep) x capacity rows
+and every dispatch and combine moves capacity-sized buffers whatever the routing (the expert-capacity dispatch of
+GShard, Lepikhin et al. 2020, arXiv 2006.16668, section 2.2, and the Switch Transformer, Fedus et al. 2021,
+arXiv 2101.03961, section 2.2; Megatron-Core's moe_pad_expert_input_to_capacity).
 
 """
 
@@ -92,10 +96,17 @@ def rank_loads(counts: np.ndarray, ep: int, capacity_factor: float | None, token
     return kept.reshape(ep, experts // ep).sum(axis=1), dropped
 
 
+def capacity_rows(capacity_factor: float, tokens: float, top_k: int, experts: int) -> float:
+    """Slots of one expert's padded buffer in capacity mode: floor(c x tokens x top_k / experts)."""
+    return float(np.floor(capacity_factor * tokens * top_k / experts))
+
+
 def expected_max_load_factor(transport: ExpertTransport, experts: int, top_k: int, ep: int, tokens_group: float,
                              seed: int = 0) -> tuple[float, float]:
-    """(most loaded rank / mean rank load, drop fraction), averaged over LOAD_SAMPLES seeded draws.
+    """(rows the most loaded rank computes / mean rank load, drop fraction), over LOAD_SAMPLES seeded draws.
 
+    Dropless: the most loaded rank's received rows from the draws (averaged). Capacity: the padded buffers,
+    (experts / ep) x capacity rows on every rank, whatever the draw; the drops from the draws.
     `tokens_group` is the number of tokens routed inside one expert-parallel group per micro-batch.
     """
     tokens = max(int(round(tokens_group)), 1)
@@ -108,4 +119,6 @@ def expected_max_load_factor(transport: ExpertTransport, experts: int, top_k: in
         loads, dropped = rank_loads(draw_expert_counts(probs, tokens, top_k, rng), ep, cf, tokens, top_k)
         factors.append(loads.max() / mean_load)
         drops.append(dropped / (tokens * top_k))
+    if cf is not None:
+        return experts / ep * capacity_rows(cf, tokens, top_k, experts) / mean_load, float(np.mean(drops))
     return float(np.mean(factors)), float(np.mean(drops))

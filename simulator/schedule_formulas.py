@@ -56,6 +56,25 @@ def _check_covered(name: str, stages: int, microbatches: int, virtual: int) -> N
         raise ValueError(f"zbv: closed form needs microbatches >= 2 x stages, got {microbatches} < {2 * stages}")
 
 
+def bubble_coefficients(
+    name: str, stages: int, microbatches: int, virtual: int = 1, fuse_pairs: bool = False
+) -> tuple[int, int, int]:
+    """(cF, cB, cW): idle per rank = cF x F + cB x B + cW x W for per-chunk forward, input-gradient and
+    weight-gradient times (the forms of the module docstring). Linear in the times, so the estimate can apply them
+    to arrays of layouts; the V-shaped schedules' forms are those of F = B = W (see bubble_time_s)."""
+    _check_covered(name, stages, microbatches, virtual)
+    k = stages - 1
+    if name in ("gpipe", "1f1b", "interleaved_1f1b"):
+        return k, k, k
+    if name == "zb_h1":
+        return k, k, -k
+    if name == "dualpipev" and fuse_pairs:
+        return k, 2 * k, -k  # (F + B + W) + (B + W) - 3W
+    if name in ("dualpipev", "zbv"):
+        return k, 0, 0
+    raise ValueError(f"no closed form for schedule {name!r}")
+
+
 def bubble_time_s(
     name: str,
     stages: int,
@@ -67,22 +86,13 @@ def bubble_time_s(
     fuse_pairs: bool = False,
 ) -> float:
     """Idle time per rank in one step (seconds, given per-chunk durations in seconds)."""
-    _check_covered(name, stages, microbatches, virtual)
-    p, f, b, w = stages, forward_s, backward_input_s, backward_weight_s
-    if name in ("gpipe", "1f1b", "interleaved_1f1b"):
-        return (p - 1) * (f + b + w)
-    if name == "zb_h1":
-        if w > f or w > b:
-            raise ValueError("zb_h1 closed form assumes backward_weight_s <= forward_s and <= backward_input_s")
-        return (p - 1) * (f + b - w)
-    if name in ("dualpipev", "zbv"):
-        if not (f == b == w):
-            raise ValueError(f"{name} closed form covers forward_s == backward_input_s == backward_weight_s only")
-        if name == "dualpipev" and fuse_pairs:
-            f_and_b = f + b + w
-            return (p - 1) * (f_and_b + (b + w) - 3 * w)
-        return (p - 1) * f
-    raise ValueError(f"no closed form for schedule {name!r}")
+    f, b, w = forward_s, backward_input_s, backward_weight_s
+    c_f, c_b, c_w = bubble_coefficients(name, stages, microbatches, virtual, fuse_pairs)
+    if name == "zb_h1" and (w > f or w > b):
+        raise ValueError("zb_h1 closed form assumes backward_weight_s <= forward_s and <= backward_input_s")
+    if name in ("dualpipev", "zbv") and not (f == b == w):
+        raise ValueError(f"{name} closed form covers forward_s == backward_input_s == backward_weight_s only")
+    return c_f * f + c_b * b + c_w * w
 
 
 def bubble_fraction(

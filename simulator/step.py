@@ -193,7 +193,8 @@ class _Rank:
                 yield from self.wait_dep(("F", c - 1, i))
             elif a.kind in ("B", "BW") and c < last_chunk:
                 yield from self.wait_dep(("G", c + 1, i))
-            ops = sim.chunk_ops(work, a, reduce=last_grad.get(c) == idx, top=idx == final)
+            overlap = sim.plan.overlap_grad_reduce
+            ops = sim.chunk_ops(work, a, reduce=overlap and last_grad.get(c) == idx, top=idx == final)
             yield from self.run(ops, {})
             if a.kind != "W":
                 key = ("F" if a.kind == "F" else "G", c, i)
@@ -205,10 +206,13 @@ class _Rank:
                     self.start(comm).callbacks.append(lambda _e, k=key: sim.event(("arrive",) + k).succeed())
                 else:
                     sim.event(("arrive",) + key).succeed()
+        t0 = env.now
+        if not sim.plan.overlap_grad_reduce:  # after the backward, one collective at a time, blocking
+            for comm in work.reduction_comms:
+                yield self.start(comm)
         if self.pending:
-            t0 = env.now
             yield env.all_of(self.pending)
-            self.phases["exposed_dp_comm"] += env.now - t0
+        self.phases["exposed_dp_comm"] += env.now - t0
         host = work.host_bytes
         for comm, phase in ((Comm("from_host", "host", host, "host", "optimizer state in"), "host_transfer"),
                             (None, "optimizer"),
@@ -281,12 +285,19 @@ class _StepSim:
         ops: list = []
         seq = layers if a.kind == "F" else layers[::-1]
         gathers = [wl.gather_comms(lw) for lw in seq] if a.kind in ("F", "BW", "B") else [[] for _ in seq]
+        ends = ((st.embed_params if a.stage == 0 else 0.0) + (st.head_params if last else 0.0)
+                if a.kind in ("F", "BW", "B") else 0.0)
+        top_gather = wl.top_gather(ends)
+        for comm, nbytes in top_gather:
+            ops += [Memory(nbytes), Start("top", comm), Wait("top", "exposed_fsdp_gather")]
         if a.kind != "F" and last:
             if st.head_ops > 0.0:
                 ops.append(Host("head and loss backward host ops", wl.host_backward_s(st.head_ops, a.kind)))
             ops.append(Compute("head and loss backward", (2.0 if a.kind == "BW" else 1.0) * st.head_s))
-        if a.kind == "F" and a.stage == 0 and st.embed_ops > 0.0:
-            ops.append(Host("embedding host ops", wl.host_forward_s(st.embed_ops)))
+        if a.kind == "F" and a.stage == 0:
+            if st.embed_ops > 0.0:
+                ops.append(Host("embedding host ops", wl.host_forward_s(st.embed_ops)))
+            ops.append(Compute("embedding", st.embed_s))
 
         def start_gather(j):
             for n, (comm, nbytes) in enumerate(gathers[j]):
@@ -326,8 +337,11 @@ class _StepSim:
             if st.head_ops > 0.0:
                 ops.append(Host("head and loss host ops", wl.host_forward_s(st.head_ops)))
             ops.append(Compute("head and loss", st.head_s))
-        if a.kind != "F" and a.stage == 0 and st.embed_ops > 0.0:
-            ops.append(Host("embedding backward host ops", wl.host_backward_s(st.embed_ops, a.kind)))
+        if a.kind != "F" and a.stage == 0:
+            ops.append(Compute("embedding backward", (2.0 if a.kind == "BW" else 1.0) * st.embed_s))
+            if st.embed_ops > 0.0:
+                ops.append(Host("embedding backward host ops", wl.host_backward_s(st.embed_ops, a.kind)))
+        ops += [Memory(-nbytes) for _, nbytes in top_gather]
         if reduce and top and st.top_params > 0:
             ops += [Reduce(comm) for comm in wl.reduction_comms(st.top_params, 0.0)]
         return ops

@@ -31,27 +31,21 @@ import numpy as np
 
 from rackcast.plan import Plan
 from rackcast.simulator import collectives
-from rackcast.simulator.collective_formulas import algo_factor, latency_steps
+from rackcast.simulator.collective_formulas import HIERARCHY, algo_factor, latency_steps
 from rackcast.simulator.network import Network
 from rackcast.simulator.placement import Group, make_group, place
 from rackcast.topologies.spec import Topology
 
 RING_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-HIERARCHY = {  # kind -> phases (kind, level), as simulator.collectives runs them
-    "all_reduce": (("reduce_scatter", "local"), ("all_reduce", "cross"), ("all_gather", "local")),
-    "reduce_scatter": (("reduce_scatter", "local"), ("reduce_scatter", "cross")),
-    "all_gather": (("all_gather", "cross"), ("all_gather", "local")),
-}
 A2A_CATEGORIES = ("local", "same_rail", "other_rail")
 
 
 def axis_groups(plan: Plan, usable: int) -> dict[str, Group]:
     """Every communication axis of a plan as a placement Group (size, stride, span)."""
-    par = plan.parallel
     pl = place(plan, usable)
     return {"tensor": pl.tensor, "context": pl.context, "fsdp": pl.fsdp, "data": pl.data,
             "pipeline": pl.pipeline, "expert": pl.expert,
-            "expert_data": pl.expert_data, "inner": make_group(par.reduction_inner, par.tensor, usable),
+            "expert_data": pl.expert_data, "inner": pl.inner,
             "expert_fsdp": pl.expert_fsdp, "expert_replicas": pl.expert_replicas}
 
 
@@ -187,10 +181,11 @@ class StepNetwork:
                      for n in names]
             yield self.env.all_of(procs)
             return
-        for phase_kind, links, n, alpha, span, div in self._ring_plan(stage, axis, kind):
+        for phase_kind, (hops, nhops, lat), n, alpha, span, div in self._ring_plan(stage, axis, kind):
             msg = nbytes / div
             eff = self._eff(phase_kind, span, msg)
-            yield self.net.transfer(links, float(algo_factor(phase_kind, n)) * msg, tag=tag, efficiency=eff)
+            yield self.net.transfer_many(hops, nhops, float(algo_factor(phase_kind, n)) * msg, tag=tag,
+                                         efficiency=eff, lat=lat)
             steps = float(latency_steps(phase_kind, n))
             if steps > 1 and alpha > 0:
                 yield self.env.timeout((steps - 1) * alpha)
@@ -225,7 +220,8 @@ class StepNetwork:
             span = "scale_up" if len({self.domain(r) for r in ring}) == 1 else "scale_out"
             alpha = max(float(self.net.latency[self.net.links_of(self.path(ring[i], ring[(i + 1) % n]))].sum())
                         for i in range(n))
-            out.append((k, self.net.links_of(self.path(ring[0], ring[1 % n])), n, alpha, span, div))
+            hop = self.net.links_of(self.path(ring[0], ring[1 % n]))[None, :]  # one flow: the representative's
+            out.append((k, (hop, np.array([hop.shape[1]]), self.net.route_latencies(hop)), n, alpha, span, div))
         self._plans[key] = out
         return out
 
@@ -258,7 +254,7 @@ class StepNetwork:
         groups = self.members(stage, "expert")
         if len(groups[0]) <= 1:
             return
-        hops, nhops, tails, span = self._a2a_port_routes(stage)
+        hops, nhops, tails, span, lat = self._a2a_port_routes(stage)
         if self.reduce:
             send, recv = _busiest_ports(send), _busiest_ports(recv)
         nbytes = np.concatenate([send, recv], axis=1).ravel()  # per rank: 3 up, then 3 down categories
@@ -266,7 +262,7 @@ class StepNetwork:
         used = nbytes > 0
         if used.any():
             yield self.net.transfer_many(hops[used], nhops[used], nbytes[used], tag=tag,
-                                         efficiency=self._eff("all_to_all", span, message_bytes))
+                                         efficiency=self._eff("all_to_all", span, message_bytes), lat=lat[used])
             tail = float(tails[used].max())
             if tail > 0:  # the halves paid their own latency; a pair's route pays both
                 yield self.env.timeout(tail)
@@ -296,7 +292,7 @@ class StepNetwork:
             hops[i, : len(x)] = x
         nhops = np.array([len(x) for x in routes], dtype=np.int64)
         span = "scale_up" if len({self.domain(r) for r in groups[0]}) == 1 else "scale_out"
-        out = self._a2a_routes[stage] = (hops, nhops, np.array(tails), span)
+        out = self._a2a_routes[stage] = (hops, nhops, np.array(tails), span, self.net.route_latencies(hops))
         return out
 
     # ---------------------------------------------------------------------------------- point to point, host

@@ -33,8 +33,9 @@ from rackcast.simulator.host_overhead import layer_forward_ops, optimizer_ops
 from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, layer_activation_bytes_per_token,
                                        rank_params, static_bytes)
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Start, Wait
-from rackcast.simulator.optimizer_cost import balancing_reductions, newton_schulz_flops, optimizer_traffic_bytes
-from rackcast.simulator.routing import expert_probabilities
+from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather, newton_schulz_flops,
+                                               optimizer_traffic_bytes)
+from rackcast.simulator.routing import capacity_rows, expert_probabilities
 from rackcast.topologies.spec import Topology
 
 HW = costs.HW
@@ -63,12 +64,16 @@ class LayerWork:
 class StageWork:
     stage: int
     chunks: dict[int, list[LayerWork]]  # global chunk -> its layers in order
-    head_s: float  # output head and loss (forward) on the stage holding the last chunk
+    head_s: float  # output head, loss and final norm (forward) on the stage holding the last chunk
+    embed_s: float  # the embedding's norm (forward) on the stage holding the first chunk
     top_params: float  # embedding, head and final norms held by this stage (after tensor split)
+    embed_params: float  # the embedding end's part of top_params (first chunk)
+    head_params: float  # the head end's part of top_params (last chunk)
     static_bytes: dict[str, float]  # weights, gradients, master, optimizer
     io_bytes: float  # embedding output and head input (kept once)
     optimizer_s: float
     host_bytes: float  # optimizer state + master moved each way between host and GPU
+    reduction_comms: list = None  # the stage's whole gradient reduction, when it runs after the backward
     embed_ops: float = 0.0  # the embedding's framework ops (forward) on the stage holding the first chunk
     head_ops: float = 0.0  # the head and loss ops (forward) on the stage holding the last chunk
 
@@ -137,20 +142,24 @@ class Workload:
         spec, plan = self.spec, self.plan
         rp = rank_params(spec, plan, s)
         layers = [lw.index for c in chunks for lw in chunks[c]]
-        head_s = self._gemm_s(spec.head_flops_fwd(HW)) if (self.n_chunks - 1) in chunks else 0.0
+        head_s = self._gemm_s(spec.tail_flops_fwd(HW)) if (self.n_chunks - 1) in chunks \
+            else 0.0
+        embed_s = self._gemm_s(spec.embed_flops_fwd()) if 0 in chunks else 0.0
         static = static_bytes(rp, plan)
         host_bytes = static.pop("host")  # resident on the host; the step moves it in and back out
         opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
         ns = newton_schulz_flops(spec, plan, layers)
         optimizer_s = float(costs.optimizer_time(opt_bytes, ns, costs.newton_schulz_size(spec), self.topo)) + \
-            self._balancing_s(layers)
+            self._balancing_s(layers) + self._muon_gather_s(layers)
         top = rp.dense - sum(lw.dense_params for c in chunks for lw in chunks[c])
         embed_ops = head_ops = 0.0
         if self.counts:
             optimizer_s += optimizer_ops(self.counts, spec, plan, s) * self.host.optimizer
             embed_ops = self.counts["fwd_embed"] if 0 in chunks else 0.0
             head_ops = self.counts["fwd_head"] if (self.n_chunks - 1) in chunks else 0.0
-        return StageWork(stage=s, chunks=chunks, head_s=head_s, top_params=top, static_bytes=static,
+        return StageWork(stage=s, chunks=chunks, head_s=head_s, embed_s=embed_s, top_params=top,
+                         embed_params=rp.embed_end, head_params=rp.head_end, static_bytes=static,
+                         reduction_comms=self.reduction_comms(rp.dense, rp.expert),
                          io_bytes=2 * W_BYTES * spec.d_model * self.tokens_mb, optimizer_s=optimizer_s,
                          host_bytes=host_bytes, embed_ops=embed_ops, head_ops=head_ops)
 
@@ -164,6 +173,18 @@ class Workload:
         f = {"bal_count": count, "bal_hist_bytes": hist, "bal_max_bytes": extremes,
              **costs.reduction_groups(self.plan, place(self.plan, self.topo.scale_up.usable_gpus))}
         return float(costs.balancing_time(f, self.topo))
+
+    def _muon_gather_s(self, layers: list[int]) -> float:
+        """MuonH's gathers of fsdp-sharded matrices for these layers (costs.muon_gather_time)."""
+        from rackcast.simulator.placement import place
+
+        gathered, norms = muon_gather(self.spec, self.plan, layers)
+        if not gathered:
+            return 0.0
+        pl = place(self.plan, self.topo.scale_up.usable_gpus)
+        f = {"muon_gather_bytes": gathered, "muon_norm_count": norms, "fsdp_n": self.plan.parallel.fsdp,
+             "fsdp_out": pl.fsdp.span == "scale_out", "fsdp_pd": costs.group_per_domain(pl.fsdp)}
+        return float(costs.muon_gather_time(f, self.topo))
 
     def host_forward_s(self, forward_ops: float) -> float:
         """Host time of `forward_ops` framework ops in a forward pass."""
@@ -260,6 +281,14 @@ class Workload:
                              "expert fsdp all-gather"), W_BYTES * lw.expert_params))
         return out
 
+    def top_gather(self, params: float) -> list[tuple[Comm, float]]:
+        """FSDP all-gather of a chunk's embedding or head end (its own unit, gathered before the chunk's layers
+        run, as FSDP2's root module is) and the bytes of its unsharded buffer."""
+        if self.plan.parallel.fsdp <= 1 or params <= 0:
+            return []
+        return [(Comm("all_gather", "fsdp", params * W_BYTES, "fsdp", "fsdp all-gather (embedding/head)"),
+                 W_BYTES * params)]
+
     def grad_buffer_bytes(self, lw: LayerWork) -> float:
         """Unsharded gradient buffer of one layer during its backward (FSDP only; memory.py counts one layer)."""
         par, g = self.plan.parallel, BYTES[self.plan.grad_dtype]
@@ -284,8 +313,9 @@ class ExpertLoads:
     contiguously on `expert` blocks of expert_tensor consecutive ranks, each rank of a block holding a 1/expert_tensor
     slice of the block's experts, so every row routed to a block goes to each of its ranks. Capacity mode keeps at
     most floor(c x group tokens x top_k / experts) rows per expert, dropping the excess of every source in
-    proportion; dropless keeps all. All data-parallel replicas replay the same draw (the symmetry the reduction
-    relies on).
+    proportion (the drops counted); the buffers are padded to capacity, so every pair moves and every rank computes
+    capacity-sized rows (simulator.routing). Dropless keeps all. All data-parallel replicas replay the same draw
+    (the symmetry the reduction relies on).
     """
 
     def __init__(self, spec: ModelSpec, plan: Plan, work: Workload, seed: int):
@@ -301,11 +331,13 @@ class ExpertLoads:
         if plan.expert_transport.mode == "capacity":
             counts = rng.multinomial(tokens * moe.top_k, probs, size=size).astype(np.float64)
             total = counts.sum()
-            cap = np.floor(plan.expert_transport.capacity_factor * tokens * group * moe.top_k / moe.experts)
+            cap = capacity_rows(plan.expert_transport.capacity_factor, tokens * group, moe.top_k, moe.experts)
             per_expert = counts.sum(axis=2, keepdims=True)
             counts = np.floor(counts * np.minimum(1.0, cap / np.maximum(per_expert, 1.0)))
             self.drop_fraction = float(1.0 - counts.sum() / total) if total else 0.0
-            rows = counts.reshape(*size, ep, moe.experts // ep).sum(axis=4)
+            # Padded to capacity (simulator.routing): every source fills its share of each expert's buffer, so every
+            # pair moves and every rank computes the same capacity-sized rows whatever was kept or dropped.
+            rows = np.full(size + (ep,), moe.experts // ep * cap / group)
         else:  # dropless needs only rows per expert rank: a multinomial over ranks is the same distribution
             rank_probs = probs.reshape(ep, moe.experts // ep).sum(axis=1)
             rows = rng.multinomial(tokens * moe.top_k, rank_probs / rank_probs.sum(), size=size).astype(np.float64)

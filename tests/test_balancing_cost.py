@@ -29,6 +29,24 @@ def test_balancing_reductions_follow_the_spec():
     assert balancing_reductions(no_bias, list(range(spec.layers))) == (0, 0.0, 0.0)
 
 
+@pytest.mark.parametrize("method, expected", [
+    ("quantile", lambda m: (m.experts * m.balance_bins + 1) * 8),
+    ("aux_free_bias", lambda m: m.experts * 8),  # DeepSeek-V3's bias update pools each layer's expert loads
+    ("aux_loss", None),  # nothing to reduce: the loss is computed where the tokens are
+    ("none", None),
+])
+def test_balancing_is_priced_by_the_method_not_by_the_router_bias(method, expected):
+    spec = load_plan(str(PLANS / "tiny-1proc.yaml")).model_spec()
+    spec = replace(spec, moe=replace(spec.moe, balancing=method, aux_loss_weight=0.01))
+    assert spec.moe.router_bias
+    count, hist, extremes = balancing_reductions(spec, list(range(spec.layers)))
+    if expected is None:
+        assert (count, hist, extremes) == (0, 0.0, 0.0)
+    else:
+        assert count == spec.layers and hist == expected(spec.moe)
+        assert extremes == (8 if method == "quantile" else 0)
+
+
 def test_data_parallel_plan_pays_one_all_reduce_pair_per_moe_layer():
     one = load_plan(str(PLANS / "tiny-1proc.yaml"))
     dp2 = replace(one, parallel=replace(one.parallel, data=2),

@@ -44,13 +44,15 @@ def _pipeline_plan(schedule="1f1b", p=4, m=8, v=1):
                                batch=dataclasses.replace(plan.batch, global_batch=m * par.data))
 
 
-@pytest.mark.parametrize("p, m", [(4, 8), (8, 32), (8, 8)])
-def test_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
-    result = estimate(_pipeline_plan("1f1b", p, m))
-    phases = result.phases_s
-    busy = result.step_time_s - phases["pipeline_bubble"] - phases["exposed_dp_comm"] - phases["optimizer"] - \
-        phases["host_transfer"]
-    assert phases["pipeline_bubble"] / (busy + phases["pipeline_bubble"]) == pytest.approx((p - 1) / (m + p - 1))
+@pytest.mark.parametrize("p", [4, 8])
+def test_1f1b_fill_and_drain_are_p_minus_1_micro_batches_of_the_lighter_stages(p):
+    # The slowest stage (the last: it holds the output head) is busy every micro-batch; the fill and drain run
+    # through the other p - 1 stages once, whatever the number of micro-batches (Narayanan et al. 2021).
+    few, many = estimate(_pipeline_plan("1f1b", p, 8)), estimate(_pipeline_plan("1f1b", p, 16))
+    assert few.phases_s["pipeline_bubble"] == pytest.approx(many.phases_s["pipeline_bubble"], rel=1e-9)
+    heavy_mb = (many.step_time_s - few.step_time_s) / 8
+    lighter_mb = few.phases_s["pipeline_bubble"] / (p - 1)
+    assert 0.8 * heavy_mb < lighter_mb < heavy_mb
 
 
 def test_interleaving_shrinks_the_bubble():

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 from rackcast.backend.layers import rotary_dims as backend_rotary_dims  # noqa: E402
 from rackcast.backend.opcount import count_ops  # noqa: E402
+from rackcast.errors import RackcastError  # noqa: E402
 from rackcast.presets import list_models, load_model  # noqa: E402
 from rackcast.simulator import op_counts as oc  # noqa: E402
 
@@ -42,7 +43,16 @@ def test_rotary_dims_restates_the_backend():
             assert oc.rotary_dims(head_dim, fraction) == backend_rotary_dims(head_dim, fraction)
 
 
-@pytest.mark.parametrize("name", PRESETS)
+LATENT = [name for name in PRESETS if load_model(name).attention.mla is not None]
+
+
+@pytest.mark.parametrize("name", LATENT)
+def test_twin_of_a_latent_attention_model_is_refused_with_one_line(name):
+    with pytest.raises(RackcastError, match="latent attention"):
+        oc.structural_twin(load_model(name))
+
+
+@pytest.mark.parametrize("name", [name for name in PRESETS if name not in LATENT])
 def test_twin_keeps_the_structure_and_is_small(name):
     spec = load_model(name)
     twin = oc.structural_twin(spec)

@@ -20,7 +20,7 @@ from rackcast.topologies.graph import build_graph, gpu_name, max_flow_Bps, route
 from rackcast.topologies.spec import Topology
 
 REPO = Path(__file__).resolve().parent.parent
-EXPECTED_PRESETS = {"gb200-nvl72", "h100-hgx", "h200-hgx", "b200-hgx", "a100-dgx", "local-cpu"}
+EXPECTED_PRESETS = {"gb200-nvl72", "gb300-nvl72", "h100-hgx", "h200-hgx", "b200-hgx", "a100-dgx", "local-cpu"}
 
 
 def _preset_data(name: str) -> dict:
@@ -132,6 +132,31 @@ def test_route_refuses_an_unknown_gpu():
 def test_single_machine_preset_refuses_several_domains_at_load():
     with pytest.raises(RackcastError, match="domains: local-cpu has no scale-out fabric"):
         load_topology("local-cpu", domains=2)
+
+
+@pytest.mark.parametrize("name, domains, gpus, nic_Bps, hbm_bytes", [
+    ("h100-hgx", 2048, 16384, 48.5e9, 80.0e9),     # a 16,384-GPU H100 cluster over 400G NDR InfiniBand
+    ("b200-hgx", 32, 256, 48.5e9, 180.0e9),
+    ("gb300-nvl72", 4, 256, 97.0e9, 279.0e9),     # 4 racks x 64 GPUs, 800G ConnectX-8 per GPU
+])
+def test_frontier_cluster_preset_loads_and_builds_its_graph(name, domains, gpus, nic_Bps, hbm_bytes):
+    topo = load_topology(name, domains=domains)
+    assert topo.gpus == gpus
+    assert topo.accelerator.hbm_bytes == hbm_bytes
+    graph = build_graph(topo)
+    assert sum(1 for _, kind in graph.nodes(data="kind") if kind == "gpu") == gpus
+    two = build_graph(load_topology(name, domains=2))
+    assert max_flow_Bps(two, gpu_name(0, 0), gpu_name(1, 3)) == pytest.approx(nic_Bps)
+    assert max_flow_Bps(two, gpu_name(0, 0), gpu_name(0, 3)) == pytest.approx(topo.scale_up.bandwidth_Bps)
+
+
+def test_gb300_keeps_gb200_fabric_and_differs_in_memory_fp4_and_nic():
+    gb200, gb300 = load_topology("gb200-nvl72"), load_topology("gb300-nvl72")
+    assert gb300.scale_up == gb200.scale_up
+    assert gb300.peak_flops("bf16") == gb200.peak_flops("bf16")
+    assert gb300.peak_flops("fp4") == 1.5 * gb200.peak_flops("fp4")
+    assert gb300.accelerator.hbm_bytes > gb200.accelerator.hbm_bytes
+    assert gb300.scale_out.nic_bandwidth_Bps == 2 * gb200.scale_out.nic_bandwidth_Bps
 
 
 def test_704_gpu_graph_builds_in_well_under_a_second():

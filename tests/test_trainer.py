@@ -21,6 +21,7 @@ from rackcast.backend.model import build_model
 from rackcast.backend.parallel import validate_trainable
 from rackcast.backend.record import write_routing
 from rackcast.errors import RackcastError
+from rackcast.modelspec import MTPSpec
 from rackcast.plan import ExpertTransport, load_plan
 from rackcast.presets import load_model
 from conftest import PLANS
@@ -48,6 +49,14 @@ def test_validate_trainable_refuses_split_backward_schedules_with_experts_and_ac
         validate_trainable(replace(plan, schedule="dualpipev", parallel=replace(plan.parallel, virtual=2)))
     for name in ("tiny-1proc", "tiny-2proc-ep", "tiny-2proc-pp", "tiny-4proc"):
         validate_trainable(load_plan(PLANS / f"{name}.yaml"))
+
+
+def test_validate_trainable_refuses_multi_token_prediction_under_a_pipeline():
+    plan = load_plan(PLANS / "tiny-2proc-pp.yaml")
+    spec = replace(plan.model_spec(), mtp=MTPSpec(depth=1))
+    with pytest.raises(RackcastError, match=r"parallel\.pipeline: .*multi-token prediction"):
+        validate_trainable(replace(plan, model=spec))
+    validate_trainable(replace(load_plan(PLANS / "tiny-1proc.yaml"), model=spec))
 
 
 def test_data_ranks_never_overlap_and_together_equal_one_process(data_folder):

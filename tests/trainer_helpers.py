@@ -1,4 +1,4 @@
 """The trainer tests' helpers live in rackcast.backend.tiny_runs (the benchmarks use them too); this name stays for
 the tests that import it."""
 
-from rackcast.backend.tiny_runs import losses, manifest, run_worker, write_plan  # noqa: F401
+from rackcast.backend.tiny_runs import losses, manifest, routing, run_worker, write_plan  # noqa: F401

@@ -85,7 +85,7 @@ def write_suite(folder: Path, topology: str, quick: bool) -> list[Path]:
         plan = {"name": name, "model": "tiny-moe",
                 "topology": {"name": topology, "domains": 1, "usable_gpus": world},
                 "parallel": par, "batch": {"global_batch": gb, "micro_batch": mb}, "schedule": schedule,
-                "optimizer": {"name": "muonh", "lr": 0.01, "adam_lr": 0.003},
+                "optimizer": {"name": "muonh", "lr": 0.01, "adam_lr": 0.003}, "precision": "fp32",
                 "expert_transport": {"mode": transport, "capacity_factor": 1.0}}
         path = folder / f"{name}.yaml"
         write_text_atomic(path, yaml.safe_dump(plan, sort_keys=False))

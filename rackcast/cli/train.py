@@ -15,6 +15,7 @@ with --profile, trace.json. Ctrl-C or a kill of the launcher stops every worker;
 
     rackcast train examples/plans/tiny-2proc-ep.yaml --steps 50
     rackcast train examples/plans/tiny-1proc.yaml --steps 400 --out runs/learn --checkpoint-every 100 --resume
+    rackcast train p.yaml --check      # can the trainer run it? one line per reason it cannot; launches nothing
     rackcast train PLAN --nnodes 2 --rdzv-endpoint node0:29500 --ifname eth0        # on each of two nodes
     srun rackcast train PLAN --launcher env                                         # see examples/slurm/
 """
@@ -57,6 +58,8 @@ def register(sub) -> None:
     parser.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (default: at the end)")
     parser.add_argument("--log-every", type=int, default=1, help="print progress every N steps")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (default cores/processes)")
+    parser.add_argument("--check", action="store_true", help="say whether the trainer can run the plan (one line "
+                                                             "per reason it cannot) and launch nothing")
     nodes = parser.add_argument_group("several nodes")
     nodes.add_argument("--nnodes", type=int, default=1, help="machines in the run (default 1)")
     nodes.add_argument("--nproc-per-node", type=int, help="processes on this machine (default: the plan's world "
@@ -122,6 +125,30 @@ def _run_here(args, plan, worker: list[str], provided: dict[str, str]) -> int:
     return worker_main(["--plan", args.plan, *worker])
 
 
+def check_lines(plan_path: str, plan) -> list[str]:
+    """Why the trainer cannot run the plan, one line per reason naming the field ([] when it can)."""
+    from rackcast.capabilities import refusals
+    from rackcast.simulator.estimate import estimate
+
+    lines = [f"{plan_path}: {reason}" for reason in refusals(plan, plan.model_spec())]
+    try:
+        predicted = estimate(plan)
+        refuse_unless_fits(plan_path, predicted.fits, predicted.memory.total, predicted.hbm_bytes)
+    except RackcastError as exc:
+        lines.append(str(exc))
+    return lines
+
+
+def _check(plan_path: str, plan) -> int:
+    lines = check_lines(plan_path, plan)
+    for line in lines:
+        print(f"rackcast train: error: {line}", file=sys.stderr)
+    if lines:
+        return 2
+    print(f"{plan_path}: the trainer can run this plan ({plan.parallel.gpus} processes)")
+    return 0
+
+
 def _run(args) -> int:
     from rackcast.backend.data import prepare
     from rackcast.backend.launch import Nodes, launcher_env, supervise, torchrun_command, worker_env
@@ -131,6 +158,8 @@ def _run(args) -> int:
     if args.steps <= 0:
         raise RackcastError(f"--steps must be positive, got {args.steps}")
     plan = load_plan(args.plan)
+    if args.check:
+        return _check(args.plan, plan)
     validate_trainable(plan, where=args.plan)
     predicted = estimate(plan)
     refuse_unless_fits(args.plan, predicted.fits, predicted.memory.total, predicted.hbm_bytes)

@@ -1,0 +1,68 @@
+"""Fully sharded data parallelism (plan `parallel.fsdp > 1`) with FSDP2, `torch.distributed.fsdp.fully_shard`.
+
+Meshes (ranks as backend.parallel: stage outermost, then data, then fsdp innermost):
+- dense parameters: the (data, fsdp) mesh of the stage; fsdp > 1 with data > 1 is HSDP (replicated over "data",
+  sharded over "fsdp"). Each transformer block is one FSDP unit (all-gathered before its forward and backward,
+  gradients reduce-scattered after its backward), and the chunk itself one more for the embedding, head and norms.
+  Gradients are averaged over data x fsdp (FSDP2's default divide factor, the mesh size).
+- expert stacks: when the expert group fits inside the fsdp group, sharded fsdp / expert ways over the ranks of the
+  fsdp group holding the same expert slice and replicated over "data" (Layout.expert_fsdp, the layout
+  simulator.memory.expert_fsdp prices). Each MoE layer's experts are their own FSDP unit. Each EP rank's expert
+  gradient already holds the contributions of its whole EP group (the all-to-all's backward brings them), so the
+  reduction sums over the expert-data ranks and divides by dp = data x fsdp, not by their count:
+  `set_gradient_divide_factor(dp)`.
+Parameters without a gradient (the balancing bias) stay out of FSDP. Expert stacks that are not sharded
+(Layout.expert_fsdp == 1) stay out of the dense unit and are reduced as without FSDP (backend.parallel.reduce_grads).
+Mixed precision: on CUDA with precision bf16, FSDP2's MixedPrecisionPolicy (bf16 compute weights, gradients
+reduced in the plan's grad_dtype); on CPU the trainer's bf16 autocast is used instead and FSDP keeps fp32.
+Gradient accumulation over micro-batches defers the reduce-scatter to the last one (set_requires_gradient_sync).
+MuonH on sharded matrices: backend.optim.orthogonalise gathers each 2-D matrix's update once (see there).
+
+    shard_model(chunks, groups, layout, plan, device)     # in place, before the optimizer is built
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def _policy(plan, device: torch.device) -> MixedPrecisionPolicy:
+    if device.type == "cuda" and plan.precision == "bf16":
+        reduce = torch.float32 if plan.grad_dtype == "fp32" else torch.bfloat16
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(chunks: list[nn.Module], groups, layout, plan, device: torch.device) -> bool:
+    """Apply FSDP2 to every chunk in place. Returns whether the expert stacks were sharded; when not, their
+    gradients are still reduced by backend.parallel.reduce_grads."""
+    policy = _policy(plan, device)
+    experts_sharded = groups.expert_fsdp_mesh is not None
+    for chunk in chunks:
+        for block in chunk.layers.values():
+            experts = getattr(getattr(block, "mlp", None), "experts", None)
+            if experts is not None and experts_sharded:
+                fully_shard(experts, mesh=groups.expert_fsdp_mesh, mp_policy=policy, reshard_after_forward=True)
+                experts.set_gradient_divide_factor(float(layout.dp))
+                if device.type == "cpu":  # gloo has no pre-multiplied sum: sum, then scale after the reduction
+                    experts.set_force_sum_reduction_for_comms(True)
+            kept = _unsharded(block) | (set(experts.parameters()) if experts is not None and not experts_sharded
+                                         else set())
+            fully_shard(block, mesh=groups.fsdp_mesh, mp_policy=policy, ignored_params=kept or None)
+        fully_shard(chunk, mesh=groups.fsdp_mesh, mp_policy=policy, ignored_params=_unsharded(chunk) or None)
+    return experts_sharded
+
+
+def _unsharded(module: nn.Module) -> set[nn.Parameter]:
+    """Parameters without a gradient (the router's balancing bias, which the quantile balancer sets identically on
+    every rank from pooled statistics) stay whole, plain tensors on every rank."""
+    return {p for p in module.parameters() if not p.requires_grad}
+
+
+def set_gradient_sync(chunks: list[nn.Module], sync: bool) -> None:
+    """Reduce-scatter after this backward (the last micro-batch) or keep accumulating unsharded gradients."""
+    for chunk in chunks:
+        if isinstance(chunk, FSDPModule):
+            chunk.set_requires_gradient_sync(sync)

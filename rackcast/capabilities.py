@@ -1,0 +1,129 @@
+"""What the trainer can run: the one definition the planner enumerates from and the trainer checks plans against.
+
+`TRAINER` lists the parallel axes, recomputation modes, optimizer-state locations, pipeline schedules and plan
+field values that rackcast.backend implements. The planner (planner.space) offers only layouts that pass
+`refusals`, and the trainer (backend.parallel.validate_trainable, `rackcast train PLAN --check`) refuses a plan with
+the same lines, one per reason, each naming the plan field. A feature joins `TRAINER` in the commit that implements
+it in the backend, so the planner never recommends a layout the trainer cannot rehearse.
+
+    from rackcast.capabilities import TRAINER, refusals
+    refusals(plan, plan.model_spec())        # [] when the trainer can run the plan, else "field: reason" lines
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rackcast.modelspec import ModelSpec
+from rackcast.vocab import PLAN_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The features one executor implements; a plan asking for anything else is refused (see `refusals`)."""
+
+    fsdp: bool
+    tensor: bool
+    sequence_parallel: bool
+    context: bool
+    expert_tensor: bool
+    recompute: tuple[str, ...]
+    optimizer_state: tuple[str, ...]  # where optimizer state and master weights may live
+    schedules: tuple[str, ...]
+    zero_bubble_with_experts: bool  # zb_h1 / dualpipev together with expert parallelism
+    zero_bubble_with_fsdp: bool  # zb_h1 / dualpipev together with fsdp > 1
+    zb_h1_single_chunk: bool  # zb_h1 with virtual: 1
+    tied_embeddings_pipeline: bool
+    mtp_pipeline: bool  # multi-token prediction modules with pipeline > 1
+    precisions: tuple[str, ...]
+    grad_dtypes: tuple[str, ...]
+    master_weights: tuple[bool, ...]
+    attention_kernels: tuple[str, ...]
+    dropout: bool
+
+
+# What rackcast.backend implements today (each flag is the backend module that does it).
+TRAINER = Capabilities(
+    fsdp=True,  # backend.fsdp (FSDP2)
+    tensor=False,
+    sequence_parallel=False,
+    context=False,
+    expert_tensor=False,
+    recompute=("none", "selective", "full"),  # backend.recompute
+    optimizer_state=("hbm", "host"),  # backend.offload
+    schedules=SCHEDULES,  # backend.pipeline runs each as its torch schedule class
+    zero_bubble_with_experts=False,
+    zero_bubble_with_fsdp=False,  # measured: parameters 3e-2 off one process's after 5 steps (not diagnosed)
+    zb_h1_single_chunk=False,
+    tied_embeddings_pipeline=False,
+    mtp_pipeline=False,  # backend.mtp runs after the head of an unsplit model
+    precisions=("bf16", "fp32"),  # bf16: autocast on CUDA and CPU (backend.train)
+    grad_dtypes=("fp32",),  # fp32 parameters, so fp32 gradients, reduced in fp32
+    master_weights=(True,),  # the fp32 parameters are the master copy
+    attention_kernels=("flash", "materialized"),  # fused SDPA, or SDPA's math backend (scores in memory)
+    dropout=False,
+)
+
+# Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.
+EVERYTHING = Capabilities(
+    fsdp=True, tensor=True, sequence_parallel=True, context=True, expert_tensor=True,
+    recompute=("none", "selective", "full"), optimizer_state=("hbm", "host"),
+    schedules=PLAN_SCHEDULES, zero_bubble_with_experts=True,
+    zero_bubble_with_fsdp=True,
+    zb_h1_single_chunk=True, tied_embeddings_pipeline=True, mtp_pipeline=True, precisions=("bf16", "fp8", "fp32"),
+    grad_dtypes=("bf16", "fp32"), master_weights=(True, False), attention_kernels=("flash", "materialized"),
+    dropout=True,
+)
+
+
+def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
+    """Every reason the executor cannot run `plan`, one "field: reason" line each ([] when it can)."""
+    p = plan.parallel
+    out: list[str] = []
+    axes = (("fsdp", p.fsdp > 1, caps.fsdp, "fully sharded data parallelism"),
+            ("tensor", p.tensor > 1, caps.tensor, "tensor parallelism"),
+            ("sequence_parallel", p.sequence_parallel, caps.sequence_parallel, "sequence parallelism"),
+            ("context", p.context > 1, caps.context, "context parallelism"),
+            ("expert_tensor", p.expert_tensor > 1, caps.expert_tensor, "expert tensor parallelism"))
+    for name, asked, implemented, what in axes:
+        if asked and not implemented:
+            out.append(f"parallel.{name}: {what} is not implemented by the trainer")
+    if p.pipeline > 1 and spec.tied_embeddings and not caps.tied_embeddings_pipeline:
+        out.append("parallel.pipeline: tied embeddings across pipeline stages are not supported by the trainer")
+    if p.pipeline > 1 and spec.mtp is not None and not caps.mtp_pipeline:
+        out.append("parallel.pipeline: the trainer runs multi-token prediction (model mtp) after the head of an "
+                   "unsplit model; use pipeline 1")
+    if p.pipeline == 1 and p.virtual > 1:
+        out.append("parallel.virtual: virtual stages need pipeline > 1")
+    if p.pipeline > 1:
+        if plan.schedule not in caps.schedules:
+            out.append(f"schedule: {plan.schedule} is not implemented by the trainer")
+        if plan.schedule in SPLIT_BACKWARD_SCHEDULES and p.expert > 1 and not caps.zero_bubble_with_experts:
+            out.append(f"schedule: {plan.schedule} splits backward into input and weight parts, which the expert "
+                       "all-to-all does not support; use 1f1b, gpipe or interleaved_1f1b with expert > 1")
+        if plan.schedule in SPLIT_BACKWARD_SCHEDULES and p.fsdp > 1 and not caps.zero_bubble_with_fsdp:
+            out.append(f"schedule: {plan.schedule} with fsdp > 1 does not train what one process trains in this "
+                       "trainer; use 1f1b, gpipe or interleaved_1f1b with fsdp > 1")
+        if plan.schedule == "zb_h1" and p.virtual == 1 and not caps.zb_h1_single_chunk:
+            out.append("parallel.virtual: zb_h1 runs as torch's ScheduleInterleavedZeroBubble, which needs "
+                       "virtual >= 2")
+    if plan.recompute not in caps.recompute:
+        out.append(f"recompute: {plan.recompute} activation recomputation is not implemented by the trainer")
+    if plan.optimizer.state_location not in caps.optimizer_state:
+        out.append(f"optimizer.state_location: optimizer state in {plan.optimizer.state_location} memory is not "
+                   "implemented by the trainer")
+    if plan.precision not in caps.precisions:
+        out.append(f"precision: {plan.precision} training is not implemented by the trainer "
+                   f"(it runs {' or '.join(caps.precisions)})")
+    if plan.grad_dtype not in caps.grad_dtypes:
+        out.append(f"grad_dtype: {plan.grad_dtype} gradients are not implemented by the trainer "
+                   f"(it keeps {' or '.join(caps.grad_dtypes)})")
+    if plan.optimizer.master_weights not in caps.master_weights:
+        out.append("optimizer.master_weights: training without an fp32 master copy is not implemented by the "
+                   "trainer")
+    if plan.attention_kernel not in caps.attention_kernels:
+        out.append(f"attention_kernel: {plan.attention_kernel} is not implemented by the trainer")
+    if plan.dropout and not caps.dropout:
+        out.append("dropout: the trainer's model has no dropout layers")
+    return out

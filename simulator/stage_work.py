@@ -1,0 +1,101 @@
+"""Work of every pipeline stage of a plan, per token of a micro-batch, as sums over layer kinds.
+
+The closed-form estimate prices the slowest stage and the pipeline's fill and drain from these sums
+(simulator.estimate); the discrete-event workload (simulator.workload) builds the same stages layer by layer. Which stage holds which
+layers and chunks comes from the layout (rackcast.layout.ParallelSpec.layer_ranks / chunk_ranks): the stage holding
+the first chunk runs the embedding, the one holding the last chunk the output head and loss (both on rank 0 under the
+V-shaped schedules), and a stage's global-attention layers cost what their context makes them cost.
+
+Layers are grouped into kinds (the same FLOPs by component and the same attention span: e.g. local and global
+attention, MoE and dense MLP), so a stage's work is counts[stage, kind] @ per-kind work: no loop over a stage's
+layers, and the arrays stack over many layouts.
+
+    from rackcast.simulator.stage_work import stage_work
+    w = stage_work(spec, plan)      # w.gemm[s]: dense-GEMM FLOPs per token on stage s (forward), ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rackcast.modelspec import ModelSpec
+from rackcast.plan import Plan
+from rackcast.simulator.activations import layer_activation_bytes_per_token
+from rackcast.simulator.costs import HW
+
+# Per-layer FLOPs components that are not dense GEMMs: the attention core and the routed experts.
+NON_GEMM = ("attn_scores_values", "experts")
+_KINDS: dict[int, tuple] = {}  # id(spec) -> (spec, kind of each layer, representative layer of each kind, table)
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """Forward work per token of one micro-batch on each pipeline stage (arrays of length pipeline), before the
+    tensor split and expert imbalance: `gemm` dense-GEMM FLOPs of the layers (attention projections, norms,
+    convolutions, router, latent projections, shared experts, dense MLP), `attn` attention-core FLOPs, `experts`
+    routed-expert FLOPs (balanced routing), `shared` the shared-expert part of `gemm`, `head` the output head, loss,
+    final norm and multi-token-prediction modules (ModelSpec.tail_flops_fwd, priced as GEMM work, on the stage
+    holding the last chunk), `embed` the embedding's norm (on the stage holding the
+    first), `elem_bytes` the elementwise traffic (activations written in forward and read in backward), `layers` and
+    `moe_layers` counts, `dense_params` and `expert_params` the layers' parameters before any split; `first` and
+    `last` mark the stages holding the first and the last chunk."""
+
+    gemm: np.ndarray
+    attn: np.ndarray
+    experts: np.ndarray
+    shared: np.ndarray
+    head: np.ndarray
+    embed: np.ndarray
+    elem_bytes: np.ndarray
+    layers: np.ndarray
+    moe_layers: np.ndarray
+    dense_params: np.ndarray
+    expert_params: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+
+
+def layer_kinds(spec: ModelSpec) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """(kind of each layer, a representative layer of each kind, per-kind rows gemm, attn, experts, shared, moe,
+    dense parameters, routed-expert parameters):
+    layers with the same FLOPs by component are one kind. Cached per model object."""
+    hit = _KINDS.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1:]
+    keys: dict[tuple, int] = {}
+    kind, reps, rows = [], [], []
+    for i in range(spec.layers):
+        parts = spec.layer_flops_breakdown(i, HW)
+        key = (spec.is_global(i), spec.is_moe(i), tuple(sorted(parts.items())))
+        if key not in keys:
+            keys[key] = len(reps)
+            reps.append(i)
+            expert_params = spec.layer_param_breakdown(i).get("experts", 0)
+            rows.append((sum(v for k, v in parts.items() if k not in NON_GEMM), parts.get("attn_scores_values", 0.0),
+                         parts.get("experts", 0.0), parts.get("shared_experts", 0.0), float(spec.is_moe(i)),
+                         float(spec.layer_params(i) - expert_params), float(expert_params)))
+        kind.append(keys[key])
+    out = (np.array(kind), reps, np.array(rows))
+    _KINDS[id(spec)] = (spec,) + out
+    return out
+
+
+def stage_work(spec: ModelSpec, plan: Plan) -> StageWork:
+    """Every stage's forward work per token (see StageWork)."""
+    par = plan.parallel
+    p = par.pipeline
+    kind, reps, table = layer_kinds(spec)
+    counts = np.zeros((p, len(reps)))
+    np.add.at(counts, (np.array(par.layer_ranks(plan.schedule, spec.layers)), kind), 1.0)
+    elem = np.array([2 * layer_activation_bytes_per_token(spec, i, plan) for i in reps])  # written, then read
+    sums = counts @ table
+    owner = par.chunk_ranks(plan.schedule)
+    first = np.arange(p) == owner[0]
+    last = np.arange(p) == owner[-1]
+    return StageWork(gemm=sums[:, 0], attn=sums[:, 1], experts=sums[:, 2], shared=sums[:, 3],
+                     head=np.where(last, spec.tail_flops_fwd(HW), 0.0),
+                     embed=np.where(first, spec.embed_flops_fwd(), 0.0), elem_bytes=counts @ elem,
+                     layers=counts.sum(axis=1), moe_layers=sums[:, 4], dense_params=sums[:, 5],
+                     expert_params=sums[:, 6], first=first, last=last)

@@ -1,0 +1,51 @@
+"""FSDP2 layouts train what one process trains (5 steps; losses to 1e-5 relative, parameters to 1e-5 absolute), with
+MuonH and with Adam on every group: sharded experts whose reduce-scatter divides by dp (not by the expert-data
+group), FSDP with expert parallelism (losses only: that layout writes no checkpoint yet), and FSDP across pipeline
+stages.
+
+    .venv/bin/pytest -q tests/test_trainer_fsdp.py        (several minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rackcast.backend.checkpoint import latest_complete, full_model_state
+from trainer_helpers import losses, run_worker, write_plan
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+LAYOUTS = {
+    "f2": ({"fsdp": 2}, 2),  # experts sharded over the 2 expert-data ranks; MuonH gathers each 2-D matrix
+    "f4e2": ({"fsdp": 4, "expert": 2}, 4),  # EP2 inside FSDP4: expert stacks sharded over edp=2, divided by dp=4
+    "f2p2": ({"fsdp": 2, "pipeline": 2}, 4),  # FSDP2 inside each pipeline stage (1f1b)
+}
+
+
+def _ok(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module", params=["muonh", "adamw"])
+def reference(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"ref-{request.param}")
+    _ok(run_worker(write_plan(d / "ref.yaml", {}, optimizer=request.param), d / "run", STEPS))
+    return request.param, losses(d / "run"), full_model_state(latest_complete(d / "run"))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_fsdp_layout_trains_what_one_process_trains(name, reference, tmp_path):
+    optimizer, ref_losses, ref_params = reference
+    parallel, world = LAYOUTS[name]
+    plan = write_plan(tmp_path / f"{name}.yaml", parallel, optimizer=optimizer)
+    _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
+    assert losses(tmp_path / "run") == pytest.approx(ref_losses, rel=1e-5)
+    if parallel.get("expert", 1) > 1:  # FSDP-sharded expert stacks under expert parallelism: no checkpoint yet
+        assert latest_complete(tmp_path / "run") is None
+        return
+    params = full_model_state(latest_complete(tmp_path / "run"))
+    assert params.keys() == ref_params.keys()
+    for key, value in ref_params.items():
+        torch.testing.assert_close(params[key], value, atol=1e-5, rtol=0, msg=key)
