@@ -217,6 +217,19 @@ def test_verified_ranking_simulates_a_candidate_whose_estimate_beats_the_best_si
     assert res.ranked[:len(simulated)] == simulated  # simulated rows first, ranked by their simulated figures
 
 
+def test_candidates_too_large_to_simulate_keep_their_estimate_and_the_plan_still_finishes(monkeypatch):
+    from rackcast.planner import search as S
+    from rackcast.simulator import step
+
+    monkeypatch.setattr(step, "MAX_LAYER_PASSES", 1)  # every candidate is past simulate's work bound
+    request = S.Request(model="tiny-moe", topology="local-cpu", racks=1, tokens=1e9, top=2, simulate=True,
+                        workers=1, band=0.05)
+    res = S.search(request)
+    assert res.ranked and not any(row.sim for row in res.ranked)  # closed-form figures everywhere
+    assert "too large to simulate keep their estimate" in res.sim_note
+    assert S.predicted_for(res, res.winner).source == "estimate"
+
+
 def test_default_batch_follows_the_recipe_else_the_batch_law():
     from rackcast.planner.batch import default_batch, law_batch_tokens
 

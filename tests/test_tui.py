@@ -194,3 +194,18 @@ def test_light_theme_and_help():
             assert type(app.screen).__name__ == "PlanScreen"
 
     asyncio.run(run())
+
+
+def test_detail_of_a_candidate_too_large_to_simulate_shows_the_estimate_and_why(monkeypatch):
+    from rackcast.planner import search as S
+    from rackcast.simulator import step
+    from rackcast.tui.detail_screen import render_detail
+    from rackcast.tui.planning import detail
+
+    result = S.search(S.Request(model="tiny-moe", topology="local-cpu", racks=1, tokens=1e9, top=0, simulate=False,
+                                workers=1))
+    monkeypatch.setattr(step, "MAX_LAYER_PASSES", 1)  # past simulate's work bound
+    d = detail(result, result.winner)
+    assert d.sim is None and d.source == "estimate" and "not simulated: batch.global_batch" in d.sim_note
+    text = "\n".join(f"{title}\n{body.plain}" for title, body in render_detail(d))
+    assert "not simulated" in text and "closed-form estimate" in text

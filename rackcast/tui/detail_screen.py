@@ -61,6 +61,8 @@ def render_detail(d: Detail, width: int = 76) -> list[tuple[str, Text]]:
         tl = d.sim.timeline
         sections.append(("Simulated step, per stage and stream (simulator.step; expert all-to-all D/C)",
                          stream_gantt(tl.slices, tl.process_names, d.sim.step_time_s, width - 22)))
+    elif d.sim_note:
+        sections.append(("Simulated step", Text(d.sim_note + " (the figures above are the closed-form estimate's)")))
     return sections
 
 

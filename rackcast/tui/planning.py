@@ -158,6 +158,7 @@ class Detail:
     source: str  # simulate | estimate
     pipeline: object = None  # simulator.pipeline_exec.PipelineResult (pipeline > 1)
     sim: object = None  # simulator.step.SimResult with its timeline
+    sim_note: str = ""  # why there is no simulated step (past simulate's work bound), else ""
 
 
 def cli_command(request, tokens_text: str = "") -> str:
@@ -192,9 +193,14 @@ def detail(result, row) -> Detail:
         # Schedule units, as simulator.pipeline_exec draws them: forward of one model = 1.
         pipeline = run_pipeline(plan.schedule, p.pipeline, plan.microbatches, p.virtual,
                                 ChunkDurations.uniform(1.0 / (p.pipeline * p.virtual)))
+    from rackcast.errors import RackcastError
     from rackcast.simulator.step import simulate
 
-    sim = simulate(plan, seed=plan.seed)
+    sim, sim_note = None, ""
+    try:
+        sim = simulate(plan, seed=plan.seed)
+    except RackcastError as exc:  # past simulate's work bound (simulator.step.check_work): the estimate stands
+        sim_note = f"not simulated: {exc}"
     days = result.days_for(row)
     return Detail(
         title=f"#{row.rank} {row.layout.parallel_label}", label=row.layout.label, plan=plan, memory=row.memory,
@@ -202,7 +208,7 @@ def detail(result, row) -> Detail:
         step_s=row.sim.get("step_time_s", row.step_time_s), tokens_per_s=row.best_tokens_per_s, mfu=row.best_mfu,
         days=days, steady_days=row.best_days, available_days=result.available_days,
         meets=result.meets_deadline(row), deadline_prob=result.deadline_prob.get(id(row), math.nan),
-        source="simulate" if row.sim else "estimate", pipeline=pipeline, sim=sim)
+        source="simulate" if row.sim else "estimate", pipeline=pipeline, sim=sim, sim_note=sim_note)
 
 
 # ---------------------------------------------------------------- size search
