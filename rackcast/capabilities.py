@@ -44,6 +44,7 @@ class Capabilities:
     master_weights: tuple[bool, ...]
     attention_kernels: tuple[str, ...]
     dropout: bool
+    balanced_routing: bool  # expert_transport.routing: balanced forces the router's choices (rackcast.vocab)
 
 
 # What rackcast.backend implements today (each flag is the backend module that does it).
@@ -69,6 +70,7 @@ TRAINER = Capabilities(
     master_weights=(True,),  # the fp32 parameters are the master copy
     attention_kernels=("flash", "materialized"),  # fused SDPA, or SDPA's math backend (scores in memory)
     dropout=False,
+    balanced_routing=False,  # backend.moe's router always learns its top-k; no force-balanced assignment yet
 )
 
 # Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.
@@ -79,7 +81,7 @@ EVERYTHING = Capabilities(
     zero_bubble_with_fsdp=True,
     zb_h1_single_chunk=True, tied_embeddings_pipeline=True, uneven_pipeline=True, zero=(0, 1, 2), zero_with_fsdp=True, mtp_pipeline=True, precisions=("bf16", "fp8", "fp32"),
     grad_dtypes=("bf16", "fp32"), master_weights=(True, False), attention_kernels=("flash", "materialized"),
-    dropout=True,
+    dropout=True, balanced_routing=True,
 )
 
 
@@ -140,4 +142,7 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
         out.append(f"attention_kernel: {plan.attention_kernel} is not implemented by the trainer")
     if plan.dropout and not caps.dropout:
         out.append("dropout: the trainer's model has no dropout layers")
+    if plan.expert_transport.routing == "balanced" and spec.moe is not None and not caps.balanced_routing:
+        out.append("expert_transport.routing: balanced (force-balanced benchmarking routing) is not implemented by "
+                   "the trainer, whose router learns its choices; the estimate and simulator price it")
     return out

@@ -24,7 +24,7 @@ from rackcast.modelspec import ModelSpec, Recipe
 from rackcast.presets import load_model
 from rackcast.atomic import write_text_atomic
 from rackcast.strict import dump_yaml, from_data, load_yaml, to_data
-from rackcast.vocab import DEFAULT_STACK_PROFILE, STAGE_BOUND_SCHEDULES, PlanSchedule
+from rackcast.vocab import DEFAULT_STACK_PROFILE, STAGE_BOUND_SCHEDULES, PlanSchedule, Routing
 
 
 
@@ -74,7 +74,7 @@ class ExpertTransport:
     mode: Literal["dropless", "capacity"] = "dropless"
     # capacity mode: slots per expert = factor x tokens x top_k / experts
     capacity_factor: Annotated[float, Range(0, 1024, above=True)] = 1.0
-    routing: Literal["uniform", "zipf", "histogram"] = "uniform"
+    routing: Routing = "uniform"  # rackcast.vocab.ROUTINGS
     zipf_s: Annotated[float, Range(0, 64)] = 1.0  # Zipf exponent for routing: zipf
     histogram: str = ""  # routing: histogram -> path to a recorded histogram (Parquet or YAML)
 

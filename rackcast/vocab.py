@@ -37,6 +37,15 @@ STAGE_BOUND_SCHEDULES = frozenset(SCHEDULES) - {"gpipe"}
 # Schedules that split the backward into input- and weight-gradient parts (zero-bubble and DualPipe).
 SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_h1", "zbv", "dualpipev"})
 
+# ------------------------------------------------------------------------------------------------- expert routing
+# A plan's `expert_transport.routing` (simulator.routing draws each): "uniform" (every expert equally likely, drawn
+# multinomially), "zipf" (skewed popularity), "histogram" (counts the trainer recorded) and "balanced" (every expert
+# gets exactly its share, tokens x top_k / experts: the force-balanced routing that published MoE throughput
+# benchmarks run, Megatron-Core's --moe-router-force-load-balancing, https://docs.nvidia.com/megatron-core/
+# developer-guide/latest/api-guide/moe.html; a benchmarking mode, not learned routing).
+Routing = Literal["uniform", "zipf", "histogram", "balanced"]
+ROUTINGS: tuple[str, ...] = get_args(Routing)
+
 # ------------------------------------------------------------------------------------------------ stack profiles
 # The stack profile a plan runs on when it names none (topologies/profiles/*.yaml, a plan's topology.profile).
 DEFAULT_STACK_PROFILE = "megatron-te"

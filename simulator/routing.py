@@ -4,7 +4,10 @@ A plan's `expert_transport` names the distribution: "uniform" (every expert equa
 of the i-th most popular expert proportional to 1/(i+1)^s, experts shuffled over ranks by the seed) or "histogram"
 (per-expert counts recorded by the trainer, a YAML file `{counts: [[layer0 counts...], ...]}` or a Parquet file with
 columns layer, expert, count). Token assignments are drawn multinomially with a seeded generator, so the same seed
-gives the same counts.
+gives the same counts. "balanced" draws nothing: every expert receives exactly its share, tokens x top_k / experts
+(the force-balanced routing of published throughput benchmarks, Megatron-Core's --moe-router-force-load-balancing;
+rackcast.vocab), the remainder going one row each to experts taken in rank-striped order (see `balanced_counts`),
+so the most loaded rank is the mean (to one row when ep does not divide the assignments).
 
 Dropless transport: every assignment is computed and the step waits for the most loaded rank. Capacity transport
 (factor c): each expert takes at most capacity = floor(c x tokens x top_k / experts) assignments; the rest are
@@ -69,7 +72,7 @@ def _histogram_probs(path: str, experts: int) -> tuple[float, ...]:
 
 
 def expert_probabilities(transport: ExpertTransport, experts: int, seed: int = 0) -> np.ndarray:
-    if transport.routing == "uniform":
+    if transport.routing in ("uniform", "balanced"):  # balanced: the same means, without the draw's spread
         return np.full(experts, 1.0 / experts)
     if transport.routing == "zipf":
         ranks = np.arange(1, experts + 1, dtype=float)
@@ -77,6 +80,22 @@ def expert_probabilities(transport: ExpertTransport, experts: int, seed: int = 0
         probs /= probs.sum()
         return np.random.default_rng(seed).permutation(probs)
     return np.asarray(_histogram_probs(transport.histogram, experts))
+
+
+def balanced_order(experts: int, ep: int) -> np.ndarray:
+    """Experts in rank-striped order (rank 0's first, rank 1's first, ..., rank 0's second, ...), for contiguous
+    blocks of experts // ep experts per rank: consecutive assignments land on different ranks."""
+    per = experts // ep
+    return np.arange(experts).reshape(ep, per).T.reshape(-1)
+
+
+def balanced_counts(assignments: int, experts: int, ep: int, offset: int = 0) -> np.ndarray:
+    """Force-balanced routing: assignment j (counted from `offset`) goes to expert balanced_order[j mod experts],
+    so every expert gets floor or ceil of assignments / experts and the remainder is striped over the ranks."""
+    counts = np.full(experts, assignments // experts, dtype=np.int64)
+    rest = np.arange(offset + assignments - assignments % experts, offset + assignments) % experts
+    np.add.at(counts, balanced_order(experts, ep)[rest], 1)
+    return counts
 
 
 def draw_expert_counts(probs: np.ndarray, tokens: int, top_k: int, rng: np.random.Generator) -> np.ndarray:
@@ -110,10 +129,14 @@ def expected_max_load_factor(transport: ExpertTransport, experts: int, top_k: in
     `tokens_group` is the number of tokens routed inside one expert-parallel group per micro-batch.
     """
     tokens = max(int(round(tokens_group)), 1)
-    probs = expert_probabilities(transport, experts, seed)
-    rng = np.random.default_rng(seed)
     cf = transport.capacity_factor if transport.mode == "capacity" else None
     mean_load = tokens * top_k / ep
+    if transport.routing == "balanced":  # no draw: every expert its share (balanced_counts)
+        loads, dropped = rank_loads(balanced_counts(tokens * top_k, experts, ep), ep, cf, tokens, top_k)
+        factor = experts / ep * capacity_rows(cf, tokens, top_k, experts) if cf is not None else loads.max()
+        return float(factor / mean_load), float(dropped / (tokens * top_k))
+    probs = expert_probabilities(transport, experts, seed)
+    rng = np.random.default_rng(seed)
     factors, drops = [], []
     for _ in range(LOAD_SAMPLES):
         loads, dropped = rank_loads(draw_expert_counts(probs, tokens, top_k, rng), ep, cf, tokens, top_k)

@@ -36,7 +36,7 @@ from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, la
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Start, Wait
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather, newton_schulz_flops,
                                                optimizer_traffic_bytes)
-from rackcast.simulator.routing import capacity_rows, expert_probabilities
+from rackcast.simulator.routing import balanced_counts, capacity_rows, expert_probabilities
 from rackcast.topologies.spec import Topology
 
 HW = costs.HW
@@ -328,7 +328,9 @@ class ExpertLoads:
     """Routed rows per (micro-batch, layer, source rank, expert), drawn from the plan's routing distribution.
 
     Each of the expert_group = expert x expert_tensor ranks of an expert group (rackcast.layout) routes its
-    micro-batch's tokens top_k ways (multinomial over the expert probabilities of simulator.routing). Experts lie
+    micro-batch's tokens top_k ways (multinomial over the expert probabilities of simulator.routing; balanced
+    routing draws nothing: the group's assignments, numbered source by source, go round the experts in
+    simulator.routing.balanced_counts's order, so every expert gets its share). Experts lie
     contiguously on `expert` blocks of expert_tensor consecutive ranks, each rank of a block holding a 1/expert_tensor
     slice of the block's experts, so every row routed to a block goes to each of its ranks. Capacity mode keeps at
     most floor(c x group tokens x top_k / experts) rows per expert, dropping the excess of every source in
@@ -347,8 +349,14 @@ class ExpertLoads:
         rng = np.random.default_rng(seed)
         probs = expert_probabilities(plan.expert_transport, moe.experts, seed)
         size = (m, len(self.layers), group)
+        balanced = None
+        if plan.expert_transport.routing == "balanced":  # no draw: source s's assignments continue source s-1's
+            per_src = np.stack([balanced_counts(tokens * moe.top_k, moe.experts, ep, s * tokens * moe.top_k)
+                                for s in range(group)]).astype(np.float64)
+            balanced = np.broadcast_to(per_src, size + (moe.experts,))
         if plan.expert_transport.mode == "capacity":
-            counts = rng.multinomial(tokens * moe.top_k, probs, size=size).astype(np.float64)
+            counts = (balanced.copy() if balanced is not None else
+                      rng.multinomial(tokens * moe.top_k, probs, size=size).astype(np.float64))
             total = counts.sum()
             cap = capacity_rows(plan.expert_transport.capacity_factor, tokens * group, moe.top_k, moe.experts)
             per_expert = counts.sum(axis=2, keepdims=True)
@@ -359,7 +367,11 @@ class ExpertLoads:
             rows = np.full(size + (ep,), moe.experts // ep * cap / group)
         else:  # dropless needs only rows per expert rank: a multinomial over ranks is the same distribution
             rank_probs = probs.reshape(ep, moe.experts // ep).sum(axis=1)
-            rows = rng.multinomial(tokens * moe.top_k, rank_probs / rank_probs.sum(), size=size).astype(np.float64)
+            if balanced is not None:
+                rows = balanced.reshape(size + (ep, moe.experts // ep)).sum(axis=-1)
+            else:
+                rows = rng.multinomial(tokens * moe.top_k, rank_probs / rank_probs.sum(),
+                                       size=size).astype(np.float64)
             self.drop_fraction = 0.0
         # rows[mb, layer, src, dst]: rows source rank src sends to rank dst of the group (each of a block's
         # expert_tensor ranks receives the block's rows)
