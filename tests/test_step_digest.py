@@ -36,9 +36,9 @@ CASES = {  # name -> plan builder
 }
 DIGESTS = {
     "gpt-145b-megatron": "fd56a971c0e502b194d3d4409db583260a86b5e1bb4c0aee669a31a41e175979",
-    "hero": "19a4b5c128965df0b88987cd84df6088e846a1b708a46207954ea60ad7fb515c",
-    "hero-16-stages": "d930bec28e3962d9fcedea18f5ba9e2cb148da6c98b036b60f752f6e270a32ea",
-    "tiny-2proc-ep": "52a4102b72f2288a3b97368c833662c523d900c422cc44e779f1840b28035d95",
+    "hero": "b52ad864d4d1782fa7f9d2b425f950f21b62aa26248430b16580e9fb31c934e3",
+    "hero-16-stages": "750808fd8c78b85ae76706c243b8a24fe2d0d7841d0abed6274ec5349aacbaa0",
+    "tiny-2proc-ep": "f4a19c90ed65213e5d65ed310b4afc9506a36d91b51960523948e79a9535f8fc",
     "tiny-2proc-pp": "17dba0c76929d8a8503af6324dc15bec4e9fac57ba788389bacbb0575fb2e27a",
 }
 
