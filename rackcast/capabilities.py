@@ -41,6 +41,7 @@ class Capabilities:
     master_weights: tuple[bool, ...]
     attention_kernels: tuple[str, ...]
     dropout: bool
+    compile_processes: int  # largest process count a plan with compile: true may use (0: compile not implemented)
 
 
 # What rackcast.backend implements today (each flag is the backend module that does it).
@@ -63,6 +64,7 @@ TRAINER = Capabilities(
     master_weights=(True,),  # the fp32 parameters are the master copy
     attention_kernels=("flash", "materialized"),  # fused SDPA, or SDPA's math backend (scores in memory)
     dropout=False,
+    compile_processes=1,  # backend.compiled: torch.compile on one-process plans (not tried with parallel layouts)
 )
 
 # Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.
@@ -73,7 +75,7 @@ EVERYTHING = Capabilities(
     zero_bubble_with_fsdp=True,
     zb_h1_single_chunk=True, tied_embeddings_pipeline=True, mtp_pipeline=True, precisions=("bf16", "fp8", "fp32"),
     grad_dtypes=("bf16", "fp32"), master_weights=(True, False), attention_kernels=("flash", "materialized"),
-    dropout=True,
+    dropout=True, compile_processes=2**31 - 1,
 )
 
 
@@ -126,4 +128,7 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
         out.append(f"attention_kernel: {plan.attention_kernel} is not implemented by the trainer")
     if plan.dropout and not caps.dropout:
         out.append("dropout: the trainer's model has no dropout layers")
+    if plan.compile and p.gpus > caps.compile_processes:
+        out.append(f"compile: the trainer compiles one-process plans only ({p.gpus} processes here; torch.compile "
+                   "with data, expert, fsdp or pipeline parallelism is not implemented); set compile: false")
     return out
