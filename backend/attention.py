@@ -8,7 +8,8 @@ RoPE on `rope_fraction` of each head's dims (none on global layers unless rope_o
 RMS q/k norm and a q multiplier; exclusive self-attention (each head's output loses its component along the token's
 own value vector, "XSA" in Marin's CausalSelfAttention); the per-head 2*sigmoid(x W_g) output gate, zero-initialised
 so it starts as the identity; causal short convolutions after the K and/or V projections. GPT models get biases on
-Q, K, V and O instead. Frontier options from the spec: learned per-head RMS q/k norms
+Q, K, V and O instead. Q, K and V are one fused projection (layers.FusedLinear `qkv`, its parts
+kept apart by the optimizer). Frontier options from the spec: learned per-head RMS q/k norms
 (ModelSpec.qk_norm, Qwen3) and a learned sink logit per head that joins every softmax (attention.sinks, GPT-OSS;
 backend.sinks).
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rackcast.backend.layers import Normal, RMSNorm, ShortConv, apply_rope, rms_norm, rotary_dims
+from rackcast.backend.layers import FusedLinear, Normal, RMSNorm, ShortConv, apply_rope, rms_norm, rotary_dims
 from rackcast.backend.sinks import SinkLogits, attention_with_sinks
 from rackcast.modelspec import ModelSpec
 from rackcast.simulator.activations import window_query_block
@@ -97,9 +98,7 @@ class Attention(nn.Module):
         self.is_global = spec.is_global(layer)
         self.window = 0 if self.is_global else spec.context(layer)
         q_dim, kv_dim = a.heads * a.head_dim, self.kv_stored * a.head_dim
-        self.q = nn.Linear(d, q_dim, bias=a.bias)
-        self.k = nn.Linear(d, kv_dim, bias=a.bias)
-        self.v = nn.Linear(d, kv_dim, bias=a.bias)
+        self.qkv = FusedLinear(d, (q_dim, kv_dim, kv_dim), a.bias)  # Q, K, V as one matmul (parts: q, k, v)
         self.o = nn.Linear(q_dim, d, bias=a.bias)
         self.gate = HeadGate(d, a.heads) if a.output_gate else None
         sites = spec.conv.sites if spec.conv is not None else []
@@ -116,10 +115,18 @@ class Attention(nn.Module):
         self.qk_multiplier = a.qk_multiplier
         self.exclusive = a.exclusive
 
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K, V projections of x [B, S, d_model] (stored widths), one fused matmul."""
+        return self.qkv.split(self.qkv(x))
+
+    def reference_project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """project with one matmul per projection (the test oracle)."""
+        return self.qkv.reference_forward(x)
+
     def forward(self, x: Tensor) -> Tensor:  # x: [B, S, d_model], already normed
         b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.heads, self.head_dim)
-        k, v = self.k(x), self.v(x)
+        q, k, v = self.project(x)
+        q = q.view(b, s, self.heads, self.head_dim)
         if self.conv_k is not None:
             k = self.conv_k(k)
         if self.conv_v is not None:

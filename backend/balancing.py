@@ -56,32 +56,39 @@ def histogram_upper_quantile(
     reduce_counts: Reduce | None = None,
     reduce_max: Reduce | None = None,
 ) -> Tensor:
-    """beta [E]: per expert, the value with (tokens x K / E) margins above it, from a histogram of margins [T, E]."""
+    """beta [..., E]: per expert, the value with (tokens x K / E) margins above it, from a histogram of margins
+    [..., T, E]. Leading dims (e.g. the MoE layers of a model, stacked) are independent problems, each with its own
+    [min, max] grid, computed together: one histogram and one reduction of each kind for all of them."""
     m = margins.float()
-    num_experts = m.shape[1]
+    lead, (tokens, num_experts) = m.shape[:-2], m.shape[-2:]
+    m = m.reshape(-1, tokens, num_experts)  # [L, T, E]
+    n = m.shape[0]
     with torch.no_grad():
-        extremes = torch.stack([-m.min(), m.max()]) if m.numel() else m.new_full((2,), -torch.inf)
+        if m.numel():
+            extremes = torch.stack([-m.amin((1, 2)), m.amax((1, 2))], 1)
+        else:
+            extremes = m.new_full((n, 2), -torch.inf)
         extremes = _apply(reduce_max, extremes)
-        lo, hi = -extremes[0], extremes[1]
+        lo, hi = -extremes[:, 0], extremes[:, 1]
         hi = torch.maximum(hi, lo + RANGE_EPS)
-        width = (hi - lo) / bins
-        idx = ((m - lo) / width).long().clamp_(0, bins - 1)
-        flat = (torch.arange(num_experts, device=m.device) * bins + idx).reshape(-1)
-        counts = torch.bincount(flat, minlength=num_experts * bins)
+        width = (hi - lo) / bins  # [L]
+        idx = ((m - lo[:, None, None]) / width[:, None, None]).long().clamp_(0, bins - 1)
+        cell = torch.arange(n * num_experts, device=m.device).view(n, 1, num_experts) * bins  # (layer, expert)
+        counts = torch.bincount((cell + idx).reshape(-1), minlength=n * num_experts * bins)
         # The token count rides along with the histogram so one reduction pools both.
-        packed = torch.cat([counts, counts.new_tensor([m.shape[0]])]).to(torch.int64)
+        packed = torch.cat([counts, counts.new_tensor([tokens])]).to(torch.int64)
         packed = _apply(reduce_counts, packed)
         if int(packed[-1]) == 0:  # no tokens on any rank: nothing to balance
-            return m.new_zeros(num_experts)
-        counts = packed[:-1].view(num_experts, bins).double()
+            return margins.new_zeros(*lead, num_experts, dtype=torch.float32)
+        counts = packed[:-1].view(n, num_experts, bins).double()
         target = packed[-1].double() * top_k / num_experts
-        from_top = counts.flip(-1).cumsum(-1).flip(-1)  # from_top[e, b] = margins of e in bins >= b
+        from_top = counts.flip(-1).cumsum(-1).flip(-1)  # from_top[l, e, b] = margins of e in bins >= b
         bstar = ((from_top >= target).sum(-1) - 1).clamp(0, bins - 1)
-        ct_b = from_top.gather(1, bstar[:, None])[:, 0]
-        h_b = counts.gather(1, bstar[:, None])[:, 0]
-        lower = lo.double() + bstar.double() * width.double()
-        beta = lower + width.double() * (ct_b - target) / h_b.clamp(min=1.0)
-    return beta.float()
+        ct_b = from_top.gather(2, bstar[..., None])[..., 0]
+        h_b = counts.gather(2, bstar[..., None])[..., 0]
+        lower = lo.double()[:, None] + bstar.double() * width.double()[:, None]
+        beta = lower + width.double()[:, None] * (ct_b - target) / h_b.clamp(min=1.0)
+    return beta.float().reshape(*lead, num_experts)
 
 
 class QuantileBalancer:
@@ -109,20 +116,29 @@ class QuantileBalancer:
         Every rank must call this (the reductions are collectives), even one whose layers saw no tokens.
         Returns beta per balanced layer, in model order.
         """
-        betas = []
+        margins = []
         for moe in self.layers:
             if moe.margins:
-                margins = torch.cat(moe.margins)
+                margins.append(torch.cat(moe.margins))
             else:
-                margins = moe.router.bias.new_zeros(0, moe.num_experts, dtype=torch.float32)
+                margins.append(moe.router.bias.new_zeros(0, moe.num_experts, dtype=torch.float32))
             moe.margins.clear()
-            beta = histogram_upper_quantile(
-                margins, moe.top_k, bins=self.bins, reduce_counts=self.reduce_counts, reduce_max=self.reduce_max
-            )
+        # Layers whose margins have one shape (in practice all: every layer sees the step's tokens) are balanced as
+        # one stacked problem: one histogram and two reductions per step instead of per layer. The grouping depends
+        # only on shapes that every data-parallel rank shares, so every rank makes the same collectives.
+        groups: dict[tuple, list[int]] = {}
+        for i, (moe, m) in enumerate(zip(self.layers, margins)):
+            groups.setdefault((tuple(m.shape), moe.top_k), []).append(i)
+        betas: list[Tensor] = [margins[0]] * len(self.layers)
+        for (_, top_k), idx in groups.items():
+            stacked = histogram_upper_quantile(torch.stack([margins[i] for i in idx]), top_k, bins=self.bins,
+                                               reduce_counts=self.reduce_counts, reduce_max=self.reduce_max)
+            bias = -stacked
             with torch.no_grad():
-                bias = -beta
-                moe.router.bias.copy_(bias - bias.mean())
-            betas.append(beta)
+                torch._foreach_copy_([self.layers[i].router.bias for i in idx],
+                                     list((bias - bias.mean(-1, keepdim=True)).unbind(0)))
+            for i, beta in zip(idx, stacked.unbind(0)):
+                betas[i] = beta
         return betas
 
     def detach(self) -> None:

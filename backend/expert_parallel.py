@@ -97,10 +97,10 @@ class ExpertParallelMoE(MoE):
 def _slice_experts(experts: GroupedExperts, start: int, stop: int) -> GroupedExperts:
     part = GroupedExperts.__new__(GroupedExperts)
     nn.Module.__init__(part)
-    part.activation = experts.activation
+    part.activation, part.width, part.matrix_parts = experts.activation, experts.width, experts.matrix_parts
     for name, p in experts.named_parameters(recurse=False):
         setattr(part, name, nn.Parameter(p.detach()[start:stop].clone(), requires_grad=p.requires_grad))
-    for name in ("w_gate", "b_gate", "b_up", "b_down"):
+    for name in ("w_gate_up", "w_up", "b_gate_up", "b_up", "b_down"):
         if getattr(experts, name) is None:
             setattr(part, name, None)
     return part

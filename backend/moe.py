@@ -93,38 +93,54 @@ def grouped_matmul(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """E routed experts as stacked tensors: w_gate/w_up [E, dim, width], w_down [E, width, dim] (+ biases [E, .]).
+    """E routed experts as stacked tensors: SwiGLU's gate and up fused, w_gate_up [E, dim, 2 width] (gate columns
+    first), else w_up [E, dim, width]; w_down [E, width, dim] (+ biases [E, .]).
 
     forward(x_sorted, counts) runs expert e on rows sum(counts[:e]) .. sum(counts[:e+1]) of x_sorted: each of the
     MLP's matrices is one grouped GEMM over all experts (torch.nn.functional.grouped_mm with cumulative offsets;
-    empty experts are empty groups), as torchtitan's GroupedExperts. len(counts) must equal the number of experts
+    empty experts are empty groups), as torchtitan's GroupedExperts; the gate and up projections are one grouped GEMM
+    over the fused matrix. `matrix_parts` tells MuonH to treat gate and up as separate matrices (per expert), and
+    init_weights draws them in that order, as with separate stacks. len(counts) must equal the number of experts
     this module holds, so an expert-parallel rank can hold a slice. `reference_forward` is the per-expert Python
-    loop, kept as the test oracle.
+    loop with separate gate and up matmuls, kept as the test oracle.
     """
 
-    OPTIM_GROUPS = {"b_gate": "adam", "b_up": "adam", "b_down": "adam"}  # biases are 2-D here; they are not matrices
+    OPTIM_GROUPS = {"b_gate_up": "adam", "b_up": "adam", "b_down": "adam"}  # biases are 2-D here; not matrices
 
     def __init__(self, experts: int, dim: int, width: int, activation: str, bias: bool):
         super().__init__()
         self.activation = activation
+        self.width = width
         swiglu = activation == "swiglu"
-        self.w_gate = nn.Parameter(torch.empty(experts, dim, width)) if swiglu else None
-        self.w_up = nn.Parameter(torch.empty(experts, dim, width))
+        self.w_gate_up = nn.Parameter(torch.empty(experts, dim, 2 * width)) if swiglu else None
+        self.w_up = nn.Parameter(torch.empty(experts, dim, width)) if not swiglu else None
         self.w_down = nn.Parameter(torch.empty(experts, width, dim))
-        self.b_gate = nn.Parameter(torch.empty(experts, width)) if bias and swiglu else None
-        self.b_up = nn.Parameter(torch.empty(experts, width)) if bias else None
+        self.b_gate_up = nn.Parameter(torch.empty(experts, 2 * width)) if bias and swiglu else None
+        self.b_up = nn.Parameter(torch.empty(experts, width)) if bias and not swiglu else None
         self.b_down = nn.Parameter(torch.empty(experts, dim)) if bias else None
+        self.matrix_parts = {"w_gate_up": (-1, (width, width))} if swiglu else {}
 
     @property
     def num_experts(self) -> int:
-        return self.w_up.shape[0]
+        return self.w_down.shape[0]
 
     def init_weights(self, normal: Normal) -> None:
-        for name, p in self.named_parameters(recurse=False):
-            if name.startswith("w_"):
-                normal(p)
-            else:
-                nn.init.zeros_(p)
+        with torch.no_grad():
+            for name, p in self.named_parameters(recurse=False):
+                if not name.startswith("w_"):
+                    nn.init.zeros_(p)
+                    continue
+                dim, sizes = self.matrix_parts.get(name, (-1, (p.shape[-1],)))
+                for part in p.split(sizes, dim):  # each part drawn whole, in order, then copied into its columns
+                    drawn = torch.empty(part.shape, dtype=p.dtype, device=p.device)
+                    normal(drawn)
+                    part.copy_(drawn)
+
+    def _in_weights(self) -> Tensor:
+        return self.w_gate_up if self.w_gate_up is not None else self.w_up
+
+    def _in_bias(self) -> Tensor | None:
+        return self.b_gate_up if self.w_gate_up is not None else self.b_up
 
     def _check(self, counts) -> Tensor:
         counts = torch.as_tensor(counts)
@@ -139,34 +155,33 @@ class GroupedExperts(nn.Module):
             return x_sorted.new_zeros(0, self.w_down.shape[-1]) + anchor
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         row_expert = None
-        if self.b_up is not None:  # per-expert biases: each row gathers its expert's
+        if self.b_down is not None:  # per-expert biases: each row gathers its expert's
             row_expert = torch.repeat_interleave(torch.arange(self.num_experts, device=counts.device), counts,
                                                  output_size=x_sorted.shape[0])
-        up = grouped_matmul(x_sorted, self.w_up, offs)
+        h = grouped_matmul(x_sorted, self._in_weights(), offs)
         if row_expert is not None:
-            up = up + self.b_up[row_expert]
-        if self.w_gate is not None:
-            gate = grouped_matmul(x_sorted, self.w_gate, offs)
-            if row_expert is not None:
-                gate = gate + self.b_gate[row_expert]
+            h = h + self._in_bias()[row_expert]
+        if self.w_gate_up is not None:
+            gate, up = h.split(self.width, -1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(up)
+            h = F.gelu(h)
         y = grouped_matmul(h, self.w_down, offs)
         return y + self.b_down[row_expert] if row_expert is not None else y
 
     # ------------------------------------------------------------------------------------------------ oracle
     def _expert(self, e: int, x: Tensor) -> Tensor:
-        up = x @ self.w_up[e]
-        if self.b_up is not None:
-            up = up + self.b_up[e]
-        if self.w_gate is not None:
-            gate = x @ self.w_gate[e]
-            if self.b_gate is not None:
-                gate = gate + self.b_gate[e]
+        w_in, b_in = self._in_weights()[e], self._in_bias()
+        if self.w_gate_up is not None:  # separate gate and up matmuls
+            w_gate, w_up = w_in.split(self.width, -1)
+            gate, up = x @ w_gate, x @ w_up
+            if b_in is not None:
+                b_gate, b_up = b_in[e].split(self.width)
+                gate, up = gate + b_gate, up + b_up
             h = F.silu(gate) * up
         else:
-            h = F.gelu(up)
+            up = x @ w_in
+            h = F.gelu(up + b_in[e] if b_in is not None else up)
         y = h @ self.w_down[e]
         return y + self.b_down[e] if self.b_down is not None else y
 

@@ -20,6 +20,12 @@ experiments/grug/moe_hero_ep/optimizer.py):
 - adam: plain Adam at adam_lr. Moments and steps over a group run as foreach ops (one call per op for all tensors).
 - hyperball: W' = W - lr * U * |W|_F / max(|U|_F, 1e-10); W_new = W' * |W|_F / max(|W'|_F, 1e-10), per matrix,
   and per expert (norms over the last two dims) for [E, ., .] stacks, so each matrix keeps its Frobenius norm.
+- fused projections (backend.layers.FusedLinear: attention Q/K/V, SwiGLU gate/up; GroupedExperts.w_gate_up) are
+  one parameter run as one matmul, but their parts stay separate matrices here: a module's `matrix_parts`
+  ({param: (dim, sizes)}) splits the parameter into views, each orthogonalised and hyperball-stepped as its own
+  matrix (`parameter_parts`), as the reference models do with separate Q, K, V and gate, up matrices (Marin; Muon
+  orthogonalises each weight matrix). Orthogonalising the fused matrix whole would couple the parts' singular
+  values and give Q, K and V one shared norm budget, a different optimizer from the one the model is copied from.
 No weight decay and no gradient clipping in MuonH (Marin). State: one momentum buffer per muonh parameter, two
 moments per adam/adamh parameter (and none for parameters that never get a gradient, e.g. the balancing bias).
 AdamW (torch.optim.AdamW) is the alternative: weight decay on the muonh and adamh groups' matrices, none elsewhere.
@@ -74,6 +80,16 @@ def param_group_names(model: nn.Module) -> dict[str, GroupName]:
     return out
 
 
+def parameter_parts(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Qualified parameter name -> (dim, part sizes) for fused parameters whose parts are separate matrices (a
+    module's `matrix_parts`, backend.layers.FusedLinear and backend.moe.GroupedExperts); others are absent."""
+    out = {}
+    for mod_name, module in model.named_modules():
+        for name, parts in getattr(module, "matrix_parts", {}).items():
+            out[f"{mod_name}.{name}" if mod_name else name] = parts
+    return out
+
+
 def param_groups(model: nn.Module) -> dict[GroupName, list[nn.Parameter]]:
     """Parameters per group ("muonh", "adamh", "adam"), each parameter exactly once."""
     params = dict(model.named_parameters())
@@ -92,18 +108,30 @@ def newton_schulz(g: Tensor, steps: int = NEWTON_SCHULZ_STEPS, eps: float = 1e-7
     """
     a, b, c = NS_COEFFICIENTS
     x = g.float()
+    shape = x.shape
+    x = x.reshape(-1, *shape[-2:])  # a batch of matrices, so each product is one bmm / baddbmm call
     wide = x.shape[-2] <= x.shape[-1]
     if not wide:
         x = x.mT
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
     for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x if wide else x.mT
+        gram = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
+        x = torch.baddbmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
+    return (x if wide else x.mT).reshape(shape)
 
 
-def orthogonalise(u: Tensor, steps: int = 5) -> Tensor:
-    """newton_schulz on whole matrices, also for FSDP2 shards (DTensors sharded along dim 0).
+def newton_schulz_parts(g: Tensor, steps: int, parts: tuple[int, tuple[int, ...]] | None) -> Tensor:
+    """newton_schulz of each part of each matrix of g (parts: (dim, sizes)), or of whole matrices when None."""
+    if parts is None:
+        return newton_schulz(g, steps)
+    dim, sizes = parts
+    return torch.cat([newton_schulz(piece, steps) for piece in g.split(sizes, dim)], dim)
+
+
+def orthogonalise(u: Tensor, steps: int = 5, parts: tuple[int, tuple[int, ...]] | None = None) -> Tensor:
+    """newton_schulz on whole matrices (or on each part of a fused one, `parts`), also for FSDP2 shards (DTensors
+    sharded along dim 0).
 
     A 3-D expert stack [E, m, n] sharded along E holds whole matrices on each rank: orthogonalised locally, no
     communication. A 2-D matrix sharded along its rows needs the whole matrix: its update is all-gathered
@@ -115,12 +143,12 @@ def orthogonalise(u: Tensor, steps: int = 5) -> Tensor:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     if not isinstance(u, DTensor):
-        return newton_schulz(u, steps)
+        return newton_schulz_parts(u, steps, parts)
     within_matrices = any(isinstance(pl, Shard) and pl.dim >= u.ndim - 2 for pl in u.placements)
     if not within_matrices:
-        local = newton_schulz(u.to_local(), steps)
+        local = newton_schulz_parts(u.to_local(), steps, parts)
         return DTensor.from_local(local, u.device_mesh, u.placements, shape=u.shape, stride=u.stride())
-    return distribute_tensor(newton_schulz(u.full_tensor(), steps), u.device_mesh, u.placements,
+    return distribute_tensor(newton_schulz_parts(u.full_tensor(), steps, parts), u.device_mesh, u.placements,
                              src_data_rank=None)
 
 
@@ -131,20 +159,38 @@ def _fro(t: Tensor) -> Tensor:
     return torch.linalg.matrix_norm(t, keepdim=True)
 
 
-def hyperball(w: Tensor, update: Tensor, lr: float) -> Tensor:
-    """W moved along `update` by lr of its own norm, then projected back onto its Frobenius sphere (per matrix),
-    in fp32."""
+def _part_fro(t: Tensor, parts: tuple[int, tuple[int, ...]]) -> Tensor:
+    """Frobenius norm of each part (parts: (dim, sizes) along one of the last two dims) of each matrix of t, spread
+    over that part's rows or columns (broadcastable to t). For an FSDP2 DTensor sharded along the parts' dim, the
+    squared sums per row or column are gathered (one float each), summed per part, and sharded again like t."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    dim, sizes = parts
+    other = -1 if dim % t.ndim == t.ndim - 2 else -2
+    sq = (t * t).sum(other, keepdim=True)
+    sharded = isinstance(sq, DTensor)
+    full = sq.full_tensor() if sharded else sq
+    norms = torch.cat([piece.sum(dim, keepdim=True).sqrt().expand_as(piece) for piece in full.split(sizes, dim)],
+                      dim)
+    return distribute_tensor(norms, t.device_mesh, t.placements, src_data_rank=None) if sharded else norms
+
+
+def hyperball(w: Tensor, update: Tensor, lr: float, parts: tuple[int, tuple[int, ...]] | None = None) -> Tensor:
+    """W moved along `update` by lr of its own norm, then projected back onto its Frobenius sphere (per matrix, or
+    per part of a fused matrix when `parts` is given), in fp32."""
+    fro = _fro if parts is None else (lambda t: _part_fro(t, parts))
     w = w.float()
     u = update.float()
-    w_norm = _fro(w)
-    moved = w - lr * u * (w_norm / _fro(u).clamp(min=NORM_FLOOR))
-    return moved * (w_norm / _fro(moved).clamp(min=NORM_FLOOR))
+    w_norm = fro(w)
+    moved = w - lr * u * (w_norm / fro(u).clamp(min=NORM_FLOOR))
+    return moved * (w_norm / fro(moved).clamp(min=NORM_FLOOR))
 
 
 @torch.no_grad()
-def hyperball_step_(p: Tensor, update: Tensor, lr: float) -> None:
-    """Move p along `update` by lr of its own norm, then project back onto its Frobenius sphere (per matrix)."""
-    p.copy_(hyperball(p, update, lr))
+def hyperball_step_(p: Tensor, update: Tensor, lr: float, parts: tuple[int, tuple[int, ...]] | None = None) -> None:
+    """Move p along `update` by lr of its own norm, then project back onto its Frobenius sphere (per matrix, or
+    per part)."""
+    p.copy_(hyperball(p, update, lr, parts))
 
 
 class MuonH(torch.optim.Optimizer):
@@ -182,12 +228,14 @@ class MuonH(torch.optim.Optimizer):
                 continue
             if group["kind"] == "muonh":
                 roles = group.get("roles") or [""] * len(has_grad)
-                self._muonh(params, [r for r, g in zip(roles, has_grad) if g], group)
+                parts = group.get("parts") or [None] * len(has_grad)
+                self._muonh(params, [r for r, g in zip(roles, has_grad) if g],
+                            [pt for pt, g in zip(parts, has_grad) if g], group)
             else:
                 self._adam(params, group)
         return loss
 
-    def _muonh(self, params: list[Tensor], roles: list[str], group: dict) -> None:
+    def _muonh(self, params: list[Tensor], roles: list[str], parts: list, group: dict) -> None:
         """Nesterov momentum over the group with foreach ops, then Newton-Schulz and the hyperball step: batched
         over the matrices of one role and shape (muonh_update_) for plain tensors, one matrix at a time through
         orthogonalise for FSDP2 shards (DTensors), whose whole matrices must be gathered first."""
@@ -204,12 +252,18 @@ class MuonH(torch.optim.Optimizer):
             if idx:
                 torch._foreach_mul_([bufs[i] for i in idx], mu)
                 torch._foreach_add_([bufs[i] for i in idx], [grads[i] for i in idx])
-        updates = [g.add(b, alpha=mu) if group["nesterov"] else b for g, b in zip(grads, bufs)]
+        updates: list[Tensor] = list(bufs)
+        if group["nesterov"]:
+            for idx in (plain, sharded):
+                if idx:
+                    for i, u in zip(idx, torch._foreach_add([grads[i] for i in idx], [bufs[i] for i in idx],
+                                                            alpha=mu)):
+                        updates[i] = u
         if plain:
             muonh_update_([params[i] for i in plain], [updates[i] for i in plain], group["lr"], group["ns_steps"],
-                          [roles[i] for i in plain] if roles else None)
+                          [roles[i] for i in plain] if roles else None, [parts[i] for i in plain])
         for i in sharded:
-            hyperball_step_(params[i], orthogonalise(updates[i], group["ns_steps"]), group["lr"])
+            hyperball_step_(params[i], orthogonalise(updates[i], group["ns_steps"], parts[i]), group["lr"], parts[i])
 
     def _adam(self, params: list[Tensor], group: dict) -> None:
         """Adam moments and direction m_hat / (sqrt(v_hat) + eps) over the group with foreach ops (one kernel per
@@ -262,23 +316,34 @@ def _matrices(t: Tensor) -> Tensor:
 
 
 def parameter_role(name: str) -> str:
-    """A parameter's name without its layer and chunk indices ("layers.3.attn.q.weight" -> "layers.attn.q.weight"):
+    """A parameter's name without its layer and chunk indices ("layers.3.attn.qkv.weight" -> "layers.attn.qkv.weight"):
     the same matrix in every layer."""
     return ".".join(part for part in name.split(".") if not part.isdigit())
 
 
 @torch.no_grad()
 def muonh_update_(params: list[Tensor], updates: list[Tensor], lr: float, ns_steps: int,
-                  roles: list[str] | None = None) -> None:
+                  roles: list[str] | None = None, parts: list | None = None) -> None:
     """For every matrix of `params` (2-D ones, and each [m, n] of a stacked [E, m, n]): orthogonalise its update
     with newton_schulz and take the hyperball step. The matrices of one role (parameter_role: the same parameter of
     every layer) and shape go through both as one batch (one chain of batched matmuls per batch, not one per
     matrix), then are copied back into their parameters. Batching by role rather than by shape alone keeps the
     number of batches, and so the op count, a matter of the model's structure, not of which of its widths happen to
-    be equal (simulator.op_counts counts on a twin with other widths)."""
+    be equal (simulator.op_counts counts on a twin with other widths). A fused parameter with `parts` ((dim, sizes),
+    parameter_parts) enters as one view per part, each part its own role."""
+    roles = roles or [""] * len(params)
+    params, updates, roles = list(params), list(updates), list(roles)
+    for i, pt in enumerate(parts or []):
+        if pt is not None:
+            dim, sizes = pt
+            params += list(params[i].split(sizes, dim))
+            updates += list(updates[i].split(sizes, dim))
+            roles += [f"{roles[i]}[{j}]" for j in range(len(sizes))]
+    fused = {i for i, pt in enumerate(parts or []) if pt is not None}
     batches: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
-        batches.setdefault((roles[i] if roles else "", tuple(p.shape[-2:])), []).append(i)
+        if i not in fused:
+            batches.setdefault((roles[i], tuple(p.shape[-2:])), []).append(i)
     for idx in batches.values():
         ws = [_matrices(params[i]) for i in idx]
         u = torch.cat([_matrices(updates[i]) for i in idx]) if len(idx) > 1 else _matrices(updates[idx[0]])
@@ -310,9 +375,11 @@ def build_optimizer(
     if name == "muonh":
         lr = MARIN_LR if lr is None else lr
         adam_lr = MARIN_ADAM_LR if adam_lr is None else adam_lr
-        roles = [parameter_role(n) for n, g in param_group_names(model).items() if g == "muonh"]  # params' order
+        muonh_names = [n for n, g in param_group_names(model).items() if g == "muonh"]  # params' order
+        fused = parameter_parts(model)
         spec = [
-            {"params": groups["muonh"], "kind": "muonh", "lr": lr, "roles": roles},
+            {"params": groups["muonh"], "kind": "muonh", "lr": lr, "roles": [parameter_role(n) for n in muonh_names],
+             "parts": [fused.get(n) for n in muonh_names]},
             {"params": groups["adamh"], "kind": "adamh", "lr": lr},
             {"params": groups["adam"], "kind": "adam", "lr": adam_lr},
         ]

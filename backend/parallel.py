@@ -40,6 +40,12 @@ def validate_trainable(plan: Plan, where: str = "") -> None:
     reasons = refusals(plan, plan.model_spec())
     if reasons:
         raise RackcastError(reasons[0], where=where)
+    if plan.compile:
+        from rackcast.backend.compiled import compile_problem
+
+        problem = compile_problem()
+        if problem:
+            raise RackcastError(f"compile: {problem}; set compile: false", where=where)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from torch import nn
 
 from rackcast.atomic import write_json_atomic
 from rackcast.backend import checkpoint, memprof, record
+from rackcast.backend.compiled import compile_blocks
 from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.balancing import AuxFreeBiasBalancer, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
@@ -151,6 +152,8 @@ class Trainer:
                                       self.timer)
         self.chunks = build_chunks(model, lay, self.plan.parallel, self.plan.schedule)
         apply_recompute(self.chunks, self.plan.recompute)
+        if self.plan.compile:  # after recompute's wrapping, before DDP / FSDP wrap the chunks
+            compile_blocks(self.chunks)
         self.chunk_index = chunk_ids(lay, self.plan.schedule)
         self.local = nn.ModuleList(self.chunks)
         # Keep only the MoE layers this rank's stages hold: a reference to the others would keep the whole model's
@@ -488,7 +491,7 @@ class Trainer:
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,
                 "memory_measure": self.memory_measure, "param_dtype": self.param_dtype,
                 "peak_memory_per_rank_bytes": [int(v) if v >= 0 else math.nan for v in per_rank.tolist()],
-                "activation_dtype": self.peak_dtype,
+                "activation_dtype": self.peak_dtype, "compile": self.plan.compile,
                 "routing_histogram": "routing.parquet" if self.spec.moe is not None else ""}
         write_json_atomic(self.out / "record.json", record.summary(self.rows, **info))
 

@@ -1,12 +1,13 @@
 """Benchmark of the trainer's kernels and steps on CPU, the current code next to a baseline commit's, in one run.
 
-    .venv/bin/python benchmarks/bench_trainer_speed.py [--baseline 104865f] [--repeats 3] [--skip-baseline]
+    .venv/bin/python benchmarks/bench_trainer_speed.py [--baseline 104865f] [--repeats 3] [--skip-baseline] \
+        [--only experts,attention,tiny,marin] [--compile]
 
 The baseline (default: main before issue 14, per-expert Python loop, dense window mask, per-matrix optimizer) is
 checked out into a temporary git worktree with its own virtual environment (`make setup` there), and every figure
 is measured by the same child code under both interpreters, interleaved (baseline, current, baseline, ...), each
-process pinned to one torch thread; min and median over the repeats are printed. The machine may be shared: the
-spread is part of the figure. Figures:
+process pinned to one torch thread; min, median and max over the repeats are printed. The machine may be shared:
+the spread is part of the figure. Figures:
 
 1. expert block (GroupedExperts) forward and backward at marin-ladder-d768's expert shape: E=192, d=w=384, top-4,
    256 tokens (the baseline's backward takes tens of seconds, so it runs once);
@@ -18,6 +19,9 @@ spread is part of the figure. Figures:
 4. one process of the Marin-shaped marin-cpu-d512 (d_model 512, 32 experts top-4), MuonH and AdamW, global batch
    16 x 512 tokens: MFU against local-cpu's calibrated fp32 matmul peak (the trainer's own record.json) and against
    the best fp32 matmul measured in this run.
+With --compile, the current code's tiny-1proc and marin-cpu-d512 runs are repeated with the plan's `compile: true`
+(backend.compiled) beside its eager runs: the steady step time (record.json's median, which skips the first step)
+and the compile time apart (the first step's time less that median).
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ import time
 from pathlib import Path
 
 import yaml
-
-from rackcast.units import SECONDS_PER_HOUR
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "104865f"  # main before issue 14
@@ -140,13 +142,16 @@ class Side:
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     def train(self, plan: Path, out: Path, steps: int, data_dir: Path) -> dict:
+        """The worker's record.json, plus first_step_s (the first step, which pays any compilation)."""
+        from rackcast.units import SECONDS_PER_HOUR  # parent side only: a baseline's child may predate it
+
         cmd = [str(self.python), "-m", "rackcast.backend.train", "--plan", str(plan), "--steps", str(steps),
                "--out", str(out), "--quiet", "--threads", "1", "--data-dir", str(data_dir)]
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
         r = subprocess.run(cmd, cwd=self.root, capture_output=True, text=True, timeout=SECONDS_PER_HOUR, env=env)  # one run at most an hour
         if r.returncode:
             raise RuntimeError(f"{self.name} train {plan.name}: {r.stderr.strip()[-2000:]}")
-        return json.loads((out / "record.json").read_text())
+        return json.loads((out / "record.json").read_text()) | {"first_step_s": _first_step_s(out)}
 
 
 def setup_baseline(rev: str, where: Path) -> Side:
@@ -158,13 +163,28 @@ def setup_baseline(rev: str, where: Path) -> Side:
 
 
 def _spread(values: list[float], scale: float = 1.0, fmt: str = "{:.3f}") -> str:
-    return f"min {fmt.format(min(values) * scale)}  median {fmt.format(statistics.median(values) * scale)}"
+    v = [x * scale for x in values]
+    return f"min {fmt.format(min(v))}  median {fmt.format(statistics.median(v))}  max {fmt.format(max(v))}"
 
 
-def _plan(path: Path, model: str, optimizer: str, batch: dict) -> Path:
+def _first_step_s(out: Path) -> float:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(out / "metrics.parquet", columns=["step_time_s"]).to_pydict()["step_time_s"][0]
+
+
+def _with_compile(plan: Path, where: Path) -> Path:
+    data = yaml.safe_load(plan.read_text()) | {"compile": True}
+    where.write_text(yaml.safe_dump(data, sort_keys=False))
+    return where
+
+
+def _plan(path: Path, model: str, optimizer: str, batch: dict, fp32_field: bool = True) -> Path:
+    """A one-process local-cpu plan in fp32 (fp32_field False: without the precision field, for a baseline that
+    predates it and runs fp32 on CPU anyway)."""
     opt = {"name": optimizer, "lr": 0.01} | ({"adam_lr": 0.003} if optimizer == "muonh" else {})
     plan = {"name": path.stem, "model": model, "topology": {"name": "local-cpu", "domains": 1, "usable_gpus": 1},
-            "parallel": {}, "batch": batch, "optimizer": opt}
+            "parallel": {}, "batch": batch, "optimizer": opt} | ({"precision": "fp32"} if fp32_field else {})
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return path
 
@@ -175,8 +195,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="steps per tiny-1proc run")
     ap.add_argument("--marin-steps", type=int, default=4, help="steps per marin-cpu-d512 run")
+    ap.add_argument("--marin-repeats", type=int, default=1, help="marin-cpu-d512 runs per side and optimizer")
     ap.add_argument("--skip-baseline", action="store_true", help="measure the current code only")
     ap.add_argument("--only", default="experts,attention,tiny,marin", help="comma-separated figures to measure")
+    ap.add_argument("--compile", action="store_true",
+                    help="also run the current code's tiny-1proc and marin-cpu-d512 plans with compile: true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -214,32 +237,62 @@ def main() -> int:
                       f"local/global {_spread(ratio, fmt='{:.2f}')}")
         if "tiny" in only:
             print(f"\n3. tiny-1proc step time, {args.steps} steps per run (record.json median, seconds)")
-            times = {side.name: [] for side in sides}
+            tiny = Path("examples") / "plans" / "tiny-1proc.yaml"  # each side's own (fp32 on CPU in both)
+            variants = [(side, side.root / tiny, side.name) for side in sides]
+            if args.compile:
+                variants.append((current, _with_compile(ROOT / tiny, tmp / "tiny-1proc-compile.yaml"),
+                                 "current compile"))
+            times = {name: [] for _, _, name in variants}
+            compile_s = []
             for i in range(args.repeats):
-                for side in sides:
-                    rec = side.train(ROOT / "examples" / "plans" / "tiny-1proc.yaml", tmp / f"tiny-{side.name}-{i}",
-                                     args.steps, data_dir)
-                    times[side.name].append(rec["step_time_s"])
+                for side, plan, name in variants:
+                    rec = side.train(plan, tmp / f"tiny-{name.replace(' ', '-')}-{i}", args.steps, data_dir)
+                    times[name].append(rec["step_time_s"])
+                    if name == "current compile":
+                        compile_s.append(rec["first_step_s"] - rec["step_time_s"])
             for name, t in times.items():
                 print(f"  {name:<18} {_spread(t)}")
+            if compile_s:
+                print(f"  compile time (first step less the median step): {_spread(compile_s, fmt='{:.1f}')} s")
             if len(sides) == 2:
                 old, new = (times[s.name] for s in sides)
                 print(f"  speed-up: {min(old) / min(new):.2f}x (min / min), "
-                      f"{statistics.median(old) / statistics.median(new):.2f}x (median / median)")
+                      f"{statistics.median(old) / statistics.median(new):.2f}x (median / median), "
+                      f"{max(old) / max(new):.2f}x (max / max)")
         if "marin" in only:
-            peak = current.child("peak", args.repeats)["fp32_matmul_flops"]
+            peak = current.child("peak", args.repeats)["fp32_matmul_flops"]  # the best of this run's matmuls
             b = MARIN_BATCH
             print(f"\n4. marin-cpu-d512, one process, global batch {b['global_batch']} x 512 tokens, micro-batch "
                   f"{b['micro_batch']}, {args.marin_steps} steps; best fp32 matmul measured now "
                   f"{peak / 1e9:.1f} GFLOP/s")
             for optimizer in ("muonh", "adamw"):
                 plan = _plan(tmp / f"marin-{optimizer}.yaml", str(MARIN_PRESET), optimizer, b)
-                for side in sides:
-                    rec = side.train(plan, tmp / f"marin-{optimizer}-{side.name}", args.marin_steps, data_dir)
-                    achieved = rec["model_flops_per_step"] / rec["step_time_s"]
-                    print(f"  {optimizer:<6} {side.name:<18} step {rec['step_time_s']:.2f} s  "
-                          f"{rec['tokens_per_s']:,.0f} tokens/s  MFU {100 * rec['mfu']:.1f}% of local-cpu's "
-                          f"{rec['peak_flops'] / 1e9:.0f} GFLOP/s, {100 * achieved / peak:.1f}% of this run's")
+                old = _plan(tmp / f"marin-{optimizer}-baseline.yaml", str(MARIN_PRESET), optimizer, b, False)
+                variants = [(side, plan if side is current else old, side.name) for side in sides]
+                if args.compile:
+                    variants.append((current, _with_compile(plan, tmp / f"marin-{optimizer}-compile.yaml"),
+                                     "current compile"))
+                runs: dict[str, list[dict]] = {name: [] for _, _, name in variants}
+                for i in range(args.marin_repeats):
+                    for side, p, name in variants:
+                        try:
+                            runs[name].append(side.train(p, tmp / f"marin-{optimizer}-{name.replace(' ', '-')}-{i}",
+                                                         args.marin_steps, data_dir))
+                        except RuntimeError as exc:  # a baseline may not run this preset: say so, keep going
+                            print(f"  {optimizer:<6} {name:<18} failed: {str(exc).splitlines()[0][:200]}")
+                for name, recs in runs.items():
+                    if not recs:
+                        continue
+                    step = [r["step_time_s"] for r in recs]
+                    mfu = [r["mfu"] for r in recs]
+                    ours = [r["model_flops_per_step"] / r["step_time_s"] / peak for r in recs]
+                    extra = ""
+                    if name == "current compile":
+                        extra = f"\n{'':<27} compile (first step less the median) " + _spread(
+                            [r["first_step_s"] - r["step_time_s"] for r in recs], fmt="{:.1f}") + " s"
+                    print(f"  {optimizer:<6} {name:<18} step s {_spread(step, fmt='{:.2f}')}\n{'':<27} MFU % of "
+                          f"local-cpu's {recs[0]['peak_flops'] / 1e9:.0f} GFLOP/s {_spread(mfu, 100, '{:.1f}')}"
+                          f"\n{'':<27} % of this run's best matmul {_spread(ours, 100, '{:.1f}')}{extra}")
     finally:
         if not args.skip_baseline and (tmp / "baseline").exists():
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "baseline")],

@@ -45,6 +45,7 @@ class Capabilities:
     attention_kernels: tuple[str, ...]
     dropout: bool
     balanced_routing: bool  # expert_transport.routing: balanced forces the router's choices (rackcast.vocab)
+    compile_processes: int  # largest process count a plan with compile: true may use (0: compile not implemented)
 
 
 # What rackcast.backend implements today (each flag is the backend module that does it).
@@ -71,6 +72,7 @@ TRAINER = Capabilities(
     attention_kernels=("flash", "materialized"),  # fused SDPA, or SDPA's math backend (scores in memory)
     dropout=False,
     balanced_routing=False,  # backend.moe's router always learns its top-k; no force-balanced assignment yet
+    compile_processes=1,  # backend.compiled: torch.compile on one-process plans (not tried with parallel layouts)
 )
 
 # Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.
@@ -81,7 +83,7 @@ EVERYTHING = Capabilities(
     zero_bubble_with_fsdp=True,
     zb_h1_single_chunk=True, tied_embeddings_pipeline=True, uneven_pipeline=True, zero=(0, 1, 2), zero_with_fsdp=True, mtp_pipeline=True, precisions=("bf16", "fp8", "fp32"),
     grad_dtypes=("bf16", "fp32"), master_weights=(True, False), attention_kernels=("flash", "materialized"),
-    dropout=True, balanced_routing=True,
+    dropout=True, balanced_routing=True, compile_processes=2**31 - 1,
 )
 
 
@@ -145,4 +147,7 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
     if plan.expert_transport.routing == "balanced" and spec.moe is not None and not caps.balanced_routing:
         out.append("expert_transport.routing: balanced (force-balanced benchmarking routing) is not implemented by "
                    "the trainer, whose router learns its choices; the estimate and simulator price it")
+    if plan.compile and p.gpus > caps.compile_processes:
+        out.append(f"compile: the trainer compiles one-process plans only ({p.gpus} processes here; torch.compile "
+                   "with data, expert, fsdp or pipeline parallelism is not implemented); set compile: false")
     return out

@@ -125,6 +125,9 @@ class Plan:
     # reduce-scatter stream). The estimate and the simulator both read it.
     overlap_grad_reduce: bool = False
     attention_kernel: Literal["flash", "materialized"] = "flash"
+    # torch.compile the trainer's transformer blocks (backend.compiled); the default stays eager: see the README's
+    # trainer table for where compiling was measured faster. The simulator prices eager steps either way.
+    compile: bool = False
     dropout: bool = False
     z_loss_weight: Annotated[float, Range(0, 10)] = 1e-4  # logit z-loss weight (Recipe)
     combine_sum: Annotated[float, Range(0, 1024, above=True)] = 1.0  # per-token sum of the MoE combine weights (Recipe)

@@ -34,6 +34,7 @@ from typing import Literal
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
+from rackcast.simulator.op_counts import rotary_dims
 
 Activations = Literal["fused", "eager"]
 MODES = ("fused", "eager")
@@ -116,10 +117,13 @@ def _attention_eager(spec: ModelSpec, layer: int, plan: Plan, e: float) -> float
     sp = t if plan.parallel.sequence_parallel else 1
     q_dim = a.heads * a.head_dim
     total = e * d / sp  # x, read by the Q, K, V projections and the output gate's W_g
+    kv_dim = spec.kv_heads_stored(layer) * a.head_dim
+    k_conv = spec.conv is not None and "k" in spec.conv.sites
     if has_qk_norm(spec):
-        # rms_norm's inputs (pow and the product read them): the Q projection and the whole stored K projection (or
-        # its convolution's output; the slice to the layer's heads is a view), and one fp32 rsqrt per head.
-        total += e * (q_dim + spec.kv_heads_stored(layer) * a.head_dim) / t
+        # rms_norm's inputs (pow and the product read them): Q, a view of the fused Q/K/V projection
+        # (backend.layers.FusedLinear), keeps all of it; K's is that view too, or its convolution's output (the
+        # slice to the layer's heads is a view); and one fp32 rsqrt per head.
+        total += e * (q_dim + 2 * kv_dim + (kv_dim if k_conv else 0)) / t
         total += FP32 * (a.heads + spec.kv_heads(layer)) / t
     if not spec.is_global(layer) and spec.context(layer) < spec.seq_len:
         # backend.attention.banded_attention: SDPA over query blocks keeps the blocked query copy, the keys and
@@ -139,6 +143,10 @@ def _attention_eager(spec: ModelSpec, layer: int, plan: Plan, e: float) -> float
     else:
         total += 3 * e * q_dim / t  # SDPA's query, key and value: K and V repeat_interleave'd to every query head
         total += e * q_dim / t + FP32 * a.heads / t  # SDPA's output and log-sum-exp
+        roped = spec.positional == "rope" and (not spec.is_global(layer) or a.rope_on_global) and \
+            rotary_dims(a.head_dim, a.rope_fraction) > 0
+        if not has_qk_norm(spec) and not spec.qk_norm and not roped and a.qk_multiplier == 1.0:
+            total += 2 * e * kv_dim / t  # SDPA's query is a view of the fused projection: K and V parts kept too
     if a.exclusive:  # y - (y.v / (v.v + eps)) v: the dot, the denominator and their ratio per head; the output
         total += 3 * e * a.heads / t + e * q_dim / t
     if a.output_gate:  # sigmoid(x W_g) (sigmoid's backward) and 2*sigmoid (the product's); the product (O's input)

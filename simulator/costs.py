@@ -255,7 +255,7 @@ def reduction_groups(plan, pl) -> dict:
 
 
 def balancing_time(f: dict, topo: Topology):
-    """Quantile balancing's reductions per step (simulator.optimizer_cost.balancing_reductions: f["bal_count"] layers,
+    """Balancing's reductions per step (simulator.optimizer_cost.balancing_reductions: f["bal_count"] reductions,
     f["bal_hist_bytes"], f["bal_max_bytes"]), blocking, priced as a hierarchical all-reduce over the token-sharding
     ranks like the gradient reduction (groups of reduction_groups): reduce-scatter inside the fsdp x context group,
     all-reduce of the shard across data replicas, all-gather inside again; the extremes all-reduced at both levels."""

@@ -26,17 +26,21 @@ from rackcast.vocab import NEWTON_SCHULZ_STEPS
 
 def balancing_reductions(spec: ModelSpec, layers: list[int]) -> tuple[int, float, float]:
     """The balancing rule's reductions on a rank holding `layers`, per step, over the ranks that see different
-    tokens. Quantile balancing (backend.balancing): every MoE layer all-reduces its margin extremes (2 fp32, max)
-    and its margin histogram (experts x bins + 1 int64 counts, sum). The auxiliary-loss-free bias
+    tokens. Quantile balancing (backend.balancing.QuantileBalancer): the rank's MoE layers balanced as one stacked
+    problem, so one all-reduce of every layer's margin extremes (2 fp32 each, max) and one of every layer's margin
+    histogram (experts x bins int64 counts each, plus the token count; sum). The auxiliary-loss-free bias
     (backend.frontier_routing): every MoE layer all-reduces its expert loads (experts int64 counts), no extremes.
-    An auxiliary loss or no balancing reduces nothing. Returns (such layers, histogram bytes, extremes bytes)."""
+    An auxiliary loss or no balancing reduces nothing. Returns (reductions of each kind, histogram bytes and
+    extremes bytes of each)."""
     moe = spec.moe
     if moe is None or moe.balance_method not in ("quantile", "aux_free_bias"):
         return 0, 0.0, 0.0
     count = sum(1 for i in layers if spec.is_moe(i))
     if moe.balance_method == "aux_free_bias":
         return count, float(moe.experts * INDEX_BYTES), 0.0
-    return count, float((moe.experts * moe.balance_bins + 1) * INDEX_BYTES), float(2 * BYTES["fp32"])
+    if not count:
+        return 0, 0.0, 0.0
+    return 1, float((count * moe.experts * moe.balance_bins + 1) * INDEX_BYTES), float(count * 2 * BYTES["fp32"])
 
 
 def matrix_ns_flops(m: int, n: int) -> float:

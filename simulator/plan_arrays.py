@@ -86,7 +86,7 @@ class PlanArrays:
         self.optimizer = template.optimizer  # its state_location is per plan: see .state_location
         self.precision, self.grad_dtype = template.precision, template.grad_dtype
         self.attention_kernel, self.dropout, self.seed = template.attention_kernel, template.dropout, template.seed
-        self.overlap_grad_reduce = template.overlap_grad_reduce
+        self.overlap_grad_reduce, self.compile = template.overlap_grad_reduce, template.compile
 
     def __len__(self) -> int:
         return self.n

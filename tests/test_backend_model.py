@@ -148,10 +148,11 @@ def test_global_layer_attends_with_only_the_first_kv_heads_it_stores():
         attn = model.layers[index].attn
         with torch.no_grad():
             base = attn(x)
-            saved = attn.k.weight[hd:].clone()
-            attn.k.weight[hd:] += 1.0  # perturb the second stored K head
+            k_weight = attn.qkv.weight.split(attn.qkv.parts)[1]  # the K part of the fused projection (a view)
+            saved = k_weight[hd:].clone()
+            k_weight[hd:] += 1.0  # perturb the second stored K head
             moved = attn(x)
-            attn.k.weight[hd:] = saved
+            k_weight[hd:] = saved
         if spec.is_global(index):
             torch.testing.assert_close(moved, base, rtol=0, atol=0)
         else:
@@ -181,7 +182,7 @@ def test_exclusive_attention_output_is_orthogonal_to_each_heads_own_value():
     with torch.no_grad():
         torch.nn.init.eye_(attn.o.weight)  # read the per-head outputs straight through the output projection
         y = attn(x).view(b, s, h, hd)
-        v = attn.v(x).view(b, s, attn.kv_stored, hd)[:, :, : attn.kv_heads].repeat_interleave(h // attn.kv_heads, 2)
+        v = attn.project(x)[2].reshape(b, s, attn.kv_stored, hd)[:, :, : attn.kv_heads].repeat_interleave(h // attn.kv_heads, 2)
     coefficient = (y * v).sum(-1) / (v * v).sum(-1)  # how much of v is left in y (position 0's y is all v: 0)
     assert coefficient.abs().max() < 1e-4
 

@@ -95,9 +95,7 @@ def test_param_groups_put_each_parameter_in_its_group_by_rule():
         "embed.norm.gated.down.weight": "muonh",
         "layers.0.attn_norm.norm.weight": "adam",
         "layers.0.attn_norm.gated.up.weight": "muonh",
-        "layers.0.attn.q.weight": "muonh",
-        "layers.0.attn.k.weight": "muonh",
-        "layers.0.attn.v.weight": "muonh",
+        "layers.0.attn.qkv.weight": "muonh",
         "layers.0.attn.o.weight": "muonh",
         "layers.0.attn.gate.weight": "adam",
         "layers.0.attn.conv_k.weight": "adam",
@@ -108,10 +106,9 @@ def test_param_groups_put_each_parameter_in_its_group_by_rule():
         "layers.0.mlp.latent_down.weight": "muonh",
         "layers.0.mlp.latent_norm.weight": "adam",
         "layers.0.mlp.latent_up.weight": "muonh",
-        "layers.0.mlp.experts.w_gate": "muonh",
-        "layers.0.mlp.experts.w_up": "muonh",
+        "layers.0.mlp.experts.w_gate_up": "muonh",
         "layers.0.mlp.experts.w_down": "muonh",
-        "layers.0.mlp.shared.0.gate.weight": "muonh",
+        "layers.0.mlp.shared.0.gate_up.weight": "muonh",
         "head.norm.norm.weight": "adam",
         "head.proj.weight": "adamh",
     }
@@ -127,7 +124,7 @@ def test_dense_gpt_groups_biases_and_tied_embedding_in_adam():
     names = param_group_names(model)
     assert "head.proj.weight" not in names and names["embed.tok.weight"] == "adam"  # tied head is the embedding
     assert names["embed.pos.weight"] == "adam"
-    assert names["layers.0.attn.q.bias"] == names["layers.0.mlp.up.bias"] == "adam"
+    assert names["layers.0.attn.qkv.bias"] == names["layers.0.mlp.up.bias"] == "adam"
     assert names["layers.0.attn_norm.norm.bias"] == "adam"
     assert names["layers.0.mlp.down.weight"] == "muonh"
     assert param_groups(model)["adamh"] == []
