@@ -84,7 +84,7 @@ def keeps_master(plan: Plan, dtype: str | None = None) -> bool:
 
 @dataclass(frozen=True)
 class RankParams:
-    """Parameters held by the heaviest pipeline rank, before FSDP sharding, split by optimizer group."""
+    """Parameters held by one pipeline rank (rank_params), before FSDP sharding, split by optimizer group."""
 
     dense: float  # non-expert matrices and vectors on this rank (after tensor/pipeline split)
     expert: float  # routed-expert parameters on this rank (after expert / expert_tensor split)
