@@ -5,8 +5,11 @@ The partition follows the plan's layout (see rackcast/plan.py): dense matrices s
 sharded `fsdp` ways (ZeRO-3), the experts' by the FSDP part of their expert-data group; `parallel.zero` shards the
 optimizer state and master (ZeRO-1) and the gradients (ZeRO-2) over the data replicas as well (Rajbhandari et al.,
 ZeRO: Memory Optimizations Toward Training Trillion Parameter Models, arXiv:1910.02054, section 5 and figure 1).
-Pipeline rank 0 is reported by default (it holds the embedding and the most in-flight micro-batches: the heaviest
-under an even split; under an uneven one, parallel.stage_layers, another rank may hold more); `rank` picks another.
+The heaviest pipeline rank is reported by default (memory_breakdown with rank=None; `rank` picks one): the largest
+total over the ranks that can be heaviest (HEAVIEST_CANDIDATES: rank 0, which holds the embedding and the most
+in-flight micro-batches; the last, which holds the head; the first rank whose layers hold the most parameters, which
+an uneven split, parallel.stage_layers, or a dense-first prefix makes another rank), the same for one Plan and for
+PlanArrays. A rank is an int, or a function of the plan (per plan for PlanArrays).
 
 Activations per layer per token are the tensors a layer saves for its backward pass, counted component by
 component in simulator.activations, in one of two modes (`activations`): "fused" (the default, what a production
@@ -30,6 +33,7 @@ gates, convolutions, biases) and for the head (AdamH); parameters without a grad
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Union
 
 import numpy as np
 
@@ -41,6 +45,24 @@ from rackcast.simulator.activations import (BYTES, FP32, Activations, activation
                                    edge_activation_bytes_per_token, layer_activation_bytes_per_token)
 from rackcast.simulator.plan_arrays import LAYER_SET, PlanArrays, is_arrays, per_key, state_location
 from rackcast.simulator.schedule_formulas import peak_in_flight
+
+
+Rank = Union[int, Callable[[Plan], int]]  # a pipeline rank, or a function of the plan that names one
+
+
+def _rank(p: Plan, rank: Rank) -> int:
+    return rank(p) if callable(rank) else rank
+
+
+def heaviest_layers_rank(spec: ModelSpec, p: Plan) -> int:
+    """The first pipeline rank whose layers hold the most parameters (the layer count under uniform layers)."""
+    held = [sum(spec.layer_params(i) for i in p.rank_layers(spec, r)) for r in range(p.parallel.pipeline)]
+    return held.index(max(held))
+
+
+def heaviest_candidates(spec: ModelSpec) -> tuple[Callable[[Plan], int], ...]:
+    """The ranks that can be heaviest (module docstring): rank 0, the last, the one with the most layer parameters."""
+    return (lambda p: 0, lambda p: p.parallel.pipeline - 1, lambda p: heaviest_layers_rank(spec, p))
 
 
 def weight_bytes(plan: Plan, dtype: str | None = None) -> int:
@@ -62,7 +84,7 @@ def keeps_master(plan: Plan, dtype: str | None = None) -> bool:
 
 @dataclass(frozen=True)
 class RankParams:
-    """Parameters held by the heaviest pipeline rank, before FSDP sharding, split by optimizer group."""
+    """Parameters held by one pipeline rank (rank_params), before FSDP sharding, split by optimizer group."""
 
     dense: float  # non-expert matrices and vectors on this rank (after tensor/pipeline split)
     expert: float  # routed-expert parameters on this rank (after expert / expert_tensor split)
@@ -144,25 +166,32 @@ def _layer_set_params(spec: ModelSpec, layers) -> tuple:
     return len(layers), dense, expert, adam, expert_adam, frozen, dense_max, expert_max
 
 
-def rank_params(spec: ModelSpec, plan: Plan | PlanArrays, rank: int = 0) -> RankParams:
+def rank_params(spec: ModelSpec, plan: Plan | PlanArrays, rank: Rank = 0) -> RankParams:
     """Parameters pipeline rank `rank` holds (arrays for PlanArrays): its layers' split `tensor` ways (dense) and
     `expert x expert_tensor` ways (experts), plus the embedding on the first rank and the head on the last."""
     par = plan.parallel
     t, experts_split = par.tensor, par.expert_group
     n, dense, expert, adam, expert_adam, frozen, dense_max, expert_max = per_key(
-        plan, LAYER_SET, lambda p: _layer_set_params(spec, p.rank_layers(spec, rank)))
+        plan, LAYER_SET, lambda p: _layer_set_params(spec, p.rank_layers(spec, _rank(p, rank))))
     top = spec.top_param_breakdown()
-    first = rank == 0
-    last = (rank == par.pipeline - 1) | ((plan.schedule == "dualpipev") & (rank == 0))
-    embed = (top.get("embedding", 0) + top.get("positions", 0)) / t if first else 0.0 * t
+    if callable(rank):
+        first, last = per_key(plan, LAYER_SET, lambda p: (_rank(p, rank) == 0, _rank(p, rank) == p.parallel.pipeline - 1
+                                                         or (p.schedule == "dualpipev" and _rank(p, rank) == 0)))
+        first, last = np.asarray(first) > 0, np.asarray(last) > 0
+        if not is_arrays(plan):
+            first, last = bool(first), bool(last)
+    else:
+        first = rank == 0
+        last = (rank == par.pipeline - 1) | ((plan.schedule == "dualpipev") & (rank == 0))
+    embed = np.where(first, (top.get("embedding", 0) + top.get("positions", 0)) / t, 0.0 * t)
     head = np.where(last, top.get("head", 0) / t, 0.0)
-    if spec.tied_embeddings and not first:
-        head = np.where(last, top.get("embedding", 0) / t, head)  # the last stage keeps its own copy of a tied embedding
+    if spec.tied_embeddings:  # the last stage keeps its own copy of a tied embedding
+        head = np.where(last & ~np.asarray(first), top.get("embedding", 0) / t, head)
     # The embedding's norm lives with the embedding (first stage), the final norm with the head (last stage); norm
     # gains are Adam parameters, the gated norms' matrices MuonH ones.
-    gains = (top.get("embed_norm", 0) if first else 0) + np.where(last, top.get("final_norm", 0), 0)
-    gated = (top.get("embed_gated_norm", 0) if first else 0) + np.where(last, top.get("final_gated_norm", 0), 0)
-    embed_end = embed + ((top.get("embed_norm", 0) + top.get("embed_gated_norm", 0)) / t if first else 0.0)
+    gains = np.where(first, top.get("embed_norm", 0), 0) + np.where(last, top.get("final_norm", 0), 0)
+    gated = np.where(first, top.get("embed_gated_norm", 0), 0) + np.where(last, top.get("final_gated_norm", 0), 0)
+    embed_end = embed + np.where(first, top.get("embed_norm", 0) + top.get("embed_gated_norm", 0), 0) / t
     head_end = head + np.where(last, top.get("final_norm", 0) + top.get("final_gated_norm", 0), 0) / t
     dense = dense / t + embed + head + (gains + gated) / t
     adam = adam / t + embed + gains / t
@@ -216,10 +245,11 @@ def static_bytes(rp: RankParams, plan: Plan | PlanArrays, dtype: str | None = No
             "host": np.where(host, master + states, 0.0)}
 
 
-def memory_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None = None, rank: int = 0,
+def memory_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None = None, rank: Rank | None = None,
                      activations: Activations = "fused") -> MemoryBreakdown:
-    """Bytes per GPU of pipeline rank `rank` (default 0, the heaviest: it holds the embedding and the most
-    in-flight micro-batches); for PlanArrays (simulator.plan_arrays) every field is an array, one element per plan.
+    """Bytes per GPU of pipeline rank `rank`, by default (None) of the heaviest one: the breakdown of the candidate
+    rank (heaviest_candidates) with the largest total, the first on ties; for PlanArrays (simulator.plan_arrays)
+    every field is an array, one element per plan, each plan's heaviest rank chosen on its own.
     `dtype` ("fp32", "bf16"): the dtype the trainer keeps weights and activations in
     (e.g. "fp32" for the CPU trainer, which runs without autocast); gradients are then kept in the wider of it and
     grad_dtype, and there is no separate master copy when the weights are fp32. The default (None) is the plan's
@@ -227,6 +257,33 @@ def memory_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None
     or "eager", rackcast's own backend run eagerly (see simulator.activations): its saved tensors, the embedding and
     head's per rank and in-flight micro-batch, what it holds for the whole step (activations), and its transients
     and pipeline buffers (buffers)."""
+    if rank is not None:
+        return _rank_breakdown(spec, plan, dtype, rank, activations)
+    arrays = is_arrays(plan)
+    if not arrays and plan.parallel.pipeline == 1:
+        return _rank_breakdown(spec, plan, dtype, 0, activations)
+    best, seen = None, []
+    for role in heaviest_candidates(spec):
+        ranks, = per_key(plan, LAYER_SET, role)
+        ranks = np.asarray(ranks)
+        if any(np.array_equal(ranks, r) for r in seen):
+            continue  # the same rank of every plan as an earlier candidate
+        seen.append(ranks)
+        mem = _rank_breakdown(spec, plan, dtype, role, activations)
+        if best is None:
+            best = mem
+        elif arrays:
+            heavier = mem.total > best.total
+            best = MemoryBreakdown(**{k: np.where(heavier, getattr(mem, k), getattr(best, k))
+                                      for k in MemoryBreakdown.__dataclass_fields__})
+        elif mem.total > best.total:
+            best = mem
+    return best
+
+
+def _rank_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None, rank: Rank,
+                    activations: Activations) -> MemoryBreakdown:
+    """memory_breakdown of pipeline rank `rank` (an int, or a function of each plan)."""
     eager = check_mode(activations) == "eager"
     par = plan.parallel
     rp = rank_params(spec, plan, rank=rank)
@@ -251,14 +308,14 @@ def memory_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None
     reads = ("tensor", "sequence_parallel", "expert_tensor") + (("micro_batch", "expert") if eager else ())
 
     def layer_sums(p) -> tuple[float, float, float]:
-        per_layer = [layer_activation_bytes_per_token(spec, i, p, dtype, activations) for i in p.rank_layers(spec, rank)]
-        cores = sum(attention_core_bytes_per_token(spec, i, p, dtype) for i in p.rank_layers(spec, rank))
+        per_layer = [layer_activation_bytes_per_token(spec, i, p, dtype, activations) for i in p.rank_layers(spec, _rank(p, rank))]
+        cores = sum(attention_core_bytes_per_token(spec, i, p, dtype) for i in p.rank_layers(spec, _rank(p, rank)))
         return sum(per_layer), max(per_layer), cores
 
     layer_sum, layer_max, cores = per_key(plan, LAYER_SET + reads, layer_sums)
     n_layers = rp.layers
-    inflight, = per_key(plan, ("schedule", "pipeline", "virtual", m), lambda p: inflight_chunk_microbatches(
-        p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.virtual, rank))
+    inflight, = per_key(plan, LAYER_SET + (m,), lambda p: inflight_chunk_microbatches(
+        p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.virtual, _rank(p, rank)))
     chunk_layers = n_layers / par.chunks_per_rank
     act_e = activation_bytes(dtype)
     full = plan.recompute == "full"
@@ -270,7 +327,7 @@ def memory_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None
     # rank (rank 0 too in the V of dualpipev) the head, for each of its in-flight micro-batches of that chunk.
 
     def edges(p) -> tuple[int, bool, bool, float]:
-        chunks = p.parallel.rank_chunks(rank, p.schedule)
+        chunks = p.parallel.rank_chunks(_rank(p, rank), p.schedule)
         first, last = 0 in chunks, p.parallel.chunks - 1 in chunks
         edge = edge_activation_bytes_per_token(spec, p, first=first, last=last, dtype=dtype, activations=activations)
         return len(chunks), first, last, edge
@@ -278,7 +335,7 @@ def memory_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None
     n_chunks, _, last, edge = per_key(plan, LAYER_SET + (("micro_batch",) if eager else ()), edges)
     saved = saved + edge * tokens_mb * (inflight / n_chunks if eager else 1.0)
     if eager:
-        moe_layers, = per_key(plan, LAYER_SET, lambda p: sum(spec.is_moe(i) for i in p.rank_layers(spec, rank)))
+        moe_layers, = per_key(plan, LAYER_SET, lambda p: sum(spec.is_moe(i) for i in p.rank_layers(spec, _rank(p, rank))))
         saved = saved + eager_step_bytes_per_token(spec, moe_layers) * tokens_mb * m
         buffers = buffers + np.where(last > 0, eager_loss_backward_bytes_per_token(spec) * tokens_mb, 0.0)
         # DDP (gradient_as_bucket_view, backend.parallel) keeps gradient buckets for the dense parameters across
@@ -288,9 +345,9 @@ def memory_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None
         buffers = buffers + np.where(ddp, g_bytes * (rp.dense - rp.frozen), 0.0)
 
         def pipeline_buffers(p) -> float:
-            chunks, total = p.parallel.rank_chunks(rank, p.schedule), p.parallel.chunks
+            chunks, total = p.parallel.rank_chunks(_rank(p, rank), p.schedule), p.parallel.chunks
             held = inflight_chunk_microbatches(p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.virtual,
-                                               rank) / len(chunks)
+                                               _rank(p, rank)) / len(chunks)
             return sum(eager_pipeline_bytes_per_token(spec, act_e, c == 0, c == total - 1, p.microbatches, held)
                        for c in chunks)
 
