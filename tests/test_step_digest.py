@@ -36,9 +36,9 @@ CASES = {  # name -> plan builder
 }
 DIGESTS = {
     "gpt-145b-megatron": "e1334932f6a1a58e74e9e66696490207efa5ee259fdd82aa94f06f450f8569cb",
-    "hero": "20f64a688c905c51a241e81d2704d0e6fad8f5d2ac516588e7e4917c21cdc5d1",
-    "hero-16-stages": "231cb73f0267c25ab6c1f4db91840aaaa8abb4ea3bf20bafd9388db04bc126fd",
-    "tiny-2proc-ep": "57364b4c4f9269c7da58c7577c386bf2f965bd58458976343771ef3d3e0fdce1",
+    "hero": "8b15a1b42cfcf672de5f8cc5abb0df09d37bf8d267fdaef9e83324c79494a0c8",
+    "hero-16-stages": "b1b0293fde60c996d32ab2961c4769d2782e80bf1e5f7c0d30c8fd01ee745f89",
+    "tiny-2proc-ep": "883ecbcbb62bf4dee7ce6f971fbcd908b3b30fd698ae129d77c904694dd8c307",
     "tiny-2proc-pp": "ac77f73add3341aa8827173c108e6845aea716c5edd4850bbcd41418c25e47bd",
 }
 
