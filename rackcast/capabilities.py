@@ -87,6 +87,9 @@ EVERYTHING = Capabilities(
 )
 
 
+# What `rackcast plan --executor NAME` searches: the layouts the trainer runs, or every layout the simulator prices.
+EXECUTORS = {"trainer": TRAINER, "any": EVERYTHING}
+
 def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
     """Every reason the executor cannot run `plan`, one "field: reason" line each ([] when it can)."""
     p = plan.parallel

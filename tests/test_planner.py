@@ -271,3 +271,17 @@ def test_plan_from_a_measurement_fits_then_plans_in_one_command(tmp_path, cli):
     assert data["ranked"][0]["tokens_per_s"] < 0.9 * plain["ranked"][0]["tokens_per_s"]
     text = cli(*args[:-1], "--measured", str(mfile), "--fitted-topology", str(fitted_path)).stdout
     assert "fitted to 1 measurement(s)" in text and "gemm x" in text
+
+
+def test_executor_any_searches_layouts_beyond_the_trainer_and_trainer_does_not(cli):
+    # The trainer runs no tensor parallelism (rackcast.capabilities.TRAINER), so the default search never offers it;
+    # --executor any searches every layout the simulator prices, tensor parallelism included.
+    import json
+
+    args = ("plan", "--model", "gpt-1.7b", "--topology", "h100-hgx", "--racks", "1", "--tokens", "1e9", "--top", "0",
+            "--rows", "200", "--json")
+    rows = {name: json.loads(cli(*args, *extra).stdout)["ranked"] for name, extra in
+            (("trainer", ()), ("any", ("--executor", "any")))}
+    tensor = {name: [r for r in got if r["tensor"] > 1] for name, got in rows.items()}
+    assert rows["trainer"] and not tensor["trainer"]
+    assert tensor["any"]

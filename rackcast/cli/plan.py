@@ -10,6 +10,7 @@ import shlex
 import sys
 from contextlib import contextmanager
 
+from rackcast.capabilities import EXECUTORS
 from rackcast.cli.common import bounded
 from rackcast.errors import RackcastError
 from rackcast.plan import BatchSpec, Plan, TopologyRef
@@ -61,6 +62,10 @@ def register(sub) -> None:
                         help="GPUs used per domain (e.g. 64 or 72 on NVL72; default: search both the preset's "
                              "default and the whole domain)")
     parser.add_argument("--rows", type=int, default=10, metavar="N", help="rows of the ranked table (default 10)")
+    parser.add_argument("--executor", choices=tuple(EXECUTORS), default="trainer",
+                        help="layouts to search: those rackcast's trainer runs (default), or any layout the "
+                             "simulator prices (tensor, sequence, context and expert-tensor parallelism, ZeRO-2, "
+                             "...: hardware studies beyond today's trainer; rackcast.capabilities.EXECUTORS)")
     parser.add_argument("--measured", default="", metavar="FILE",
                         help="fit the topology's efficiency profile to one measured run (a run folder with "
                              "record.json, or a measurement YAML as `rackcast calibrate --from-measurement` reads) "
@@ -160,6 +165,7 @@ def _run(args) -> int:
                            batch_range=parse_range(args.global_batch_range) if args.global_batch_range else None)
     if args.usable_gpus is not None:
         options = replace(options, usable=(args.usable_gpus,))
+    options = replace(options, capabilities=EXECUTORS[args.executor])
     measured = fit_measured(args) if args.measured else None
     if measured is not None:
         args.topology = measured["topology"]
