@@ -17,9 +17,7 @@ covers the two steps after the measured one (two profilers cannot run at once).
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 -m backend.train \
         --plan examples/plans/tiny-2proc-ep.yaml --steps 20 --out runs/tiny-2proc-ep
-RACKCAST_FAIL="RANK:STEP:WHERE" makes that rank exit abruptly at the start of step STEP (0-based; WHERE: step) or
-right after writing its checkpoint shard (WHERE: checkpoint), or hang there until killed (WHERE: stall), for
-failure tests.
+RACKCAST_FAIL injects failures for tests (backend.fault_injection).
 """
 
 from __future__ import annotations
@@ -45,6 +43,7 @@ from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.balancing import AuxFreeBiasBalancer, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
+from rackcast.backend.fault_injection import fail_hook
 from rackcast.backend.launch import exit_with_parent
 from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
@@ -64,7 +63,6 @@ from rackcast.vocab import BALANCE_BINS, MEASURED_PHASES
 EVAL_SEQUENCES = 16
 MEMORY_STEP = 2  # index, among this process's steps, of the step whose peak live tensor bytes are measured on CPU
 TRACE_STEPS = 2  # steps the --profile Chrome trace covers
-STALL_POLL_S = 1.0  # RACKCAST_FAIL=...:stall sleeps in steps this long until killed
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -86,29 +84,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="torch threads per process (0: backend.cpu_runtime.default_threads)")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args(argv)
-
-
-def _fail_hook(rank: int):
-    spec = os.environ.get("RACKCAST_FAIL", "")
-    if not spec:
-        return lambda where, step=None: None
-    f_rank, f_step, f_where = spec.split(":")
-    state = {"step": -1}
-
-    def hook(where: str, step: int | None = None):
-        if step is not None:
-            state["step"] = step
-        if rank != int(f_rank) or state["step"] != int(f_step):
-            return
-        if f_where == "stall" and where == "step":
-            print(f"rank {rank}: stalling on purpose at step {state['step']}", file=sys.stderr, flush=True)
-            while True:
-                time.sleep(STALL_POLL_S)
-        if where == f_where:
-            print(f"rank {rank}: failing on purpose at step {state['step']} ({where})", file=sys.stderr, flush=True)
-            os._exit(17)
-
-    return hook
 
 
 def _targets(tokens: torch.Tensor) -> torch.Tensor:
@@ -218,7 +193,7 @@ class Trainer:
         self.peak_bf16 = topo.peak_flops("bf16")
         self.tokens_per_step = self.plan.tokens_per_step(spec)
         self.model_flops = spec.flops_per_token_train(FlopsConvention()) * self.tokens_per_step
-        self.fail = _fail_hook(self.rank)
+        self.fail = fail_hook(self.rank)
 
     # ------------------------------------------------------------------------------------------------ data
     def _data(self):
