@@ -12,6 +12,7 @@ from rich.table import Table
 
 from rackcast.atomic import atomic_path
 from rackcast.plan import Plan, save_plan, with_prediction
+from rackcast.simulator import metrics
 from rackcast.planner.search import Result, Row, predicted_for
 from rackcast.planner.space import LAYOUT_COLUMNS
 from rackcast.units import GIB
@@ -214,7 +215,12 @@ def summary_lines(result: Result, n: int = 10) -> list[str]:
     if not math.isnan(result.available_days):
         lines.append(f"deadline: {result.request.deadline} is {result.available_days:.0f} days after "
                      f"{result.request.start}")
+    if result.ranked:
+        band = metrics.band_text(result.band_for(result.winner))
+        if band:
+            lines.append(f"winner's {band}")
     return lines
+
 
 
 def row_data(result: Result, row: Row) -> dict:
@@ -233,6 +239,7 @@ def row_data(result: Result, row: Row) -> dict:
         out["days_p50"] = result.p50_days(row)
         out["meets_deadline"] = result.meets_deadline(row)
         out["phases_s"] = row.sim.get("phases_s", row.phases)
+        out["band"] = result.band_for(row)
     return out
 
 

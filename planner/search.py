@@ -24,7 +24,7 @@ import numpy as np
 from rackcast.errors import RackcastError
 from rackcast.bounds import parse_date
 from rackcast.modelspec import FlopsConvention, ModelSpec
-from rackcast.plan import Plan, Predicted, validate
+from rackcast.plan import Plan, Predicted, PredictedBand, validate
 from rackcast.presets import load_model
 from rackcast.simulator import metrics
 from rackcast.simulator.estimate import plan_features, step_time
@@ -122,6 +122,12 @@ class Result:
     def days_for(self, row: Row) -> float:
         """P50 days with failures where the forecast ran on this row, else steady-state days."""
         return self.forecast_days.get(id(row), row.best_days)
+
+    def band_for(self, row: Row) -> dict:
+        """The error band around the row's step time, MFU and steady-state days (simulator.metrics.error_band: the
+        stack profile's band; {} where the profile has none)."""
+        step = row.sim.get("step_time_s", row.step_time_s)
+        return metrics.error_band(step, row.best_mfu, row.best_days, self.topo)
 
     def p50_days(self, row: Row) -> float:
         """P50 days with failures and restarts (planner.forecast), NaN where the forecast did not run on the row."""
@@ -434,10 +440,12 @@ def apply_forecast(result: Result, k: int) -> str:
 
 def predicted_for(result: Result, row: Row) -> Predicted:
     src = "simulate" if row.sim else "estimate"
-    return Predicted(source=src, step_time_s=row.sim.get("step_time_s", row.step_time_s),
+    step = row.sim.get("step_time_s", row.step_time_s)
+    return Predicted(source=src, step_time_s=step,
                      tokens_per_s=row.best_tokens_per_s, mfu=row.best_mfu, peak_memory_bytes=row.peak_memory,
                      days_to_budget=row.best_days, phases_s=row.sim.get("phases_s", row.phases),
-                     flops_convention=FlopsConvention().label, drop_fraction=row.drop_fraction, fits=True)
+                     flops_convention=FlopsConvention().label, drop_fraction=row.drop_fraction, fits=True,
+                     band=PredictedBand.of(result.band_for(row)))
 
 
 # ---------------------------------------------------------------- infeasible requests

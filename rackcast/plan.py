@@ -84,8 +84,29 @@ class ExpertTransport:
 
 
 @dataclass(frozen=True)
+class PredictedBand:
+    """The error band a prediction carries (simulator.metrics.error_band): the stack profile's relative band and the
+    low-high range it gives step time, MFU and days (a faster step is a higher MFU and fewer days)."""
+
+    relative: Annotated[float, Range(0, 1)]
+    stack: str  # the stack profile the band comes from (topologies/profiles/<stack>.yaml cites its source)
+    step_time_s: tuple[Annotated[float, Range(0, 1e30)], Annotated[float, Range(0, 1e30)]]
+    mfu: tuple[Annotated[float, Range(0, 1e6)], Annotated[float, Range(0, 1e6)]]
+    days_to_budget: tuple[Annotated[float, Range(0, 1e30, allow_nan=True)],
+                          Annotated[float, Range(0, 1e30, allow_nan=True)]]
+
+    @classmethod
+    def of(cls, band: dict) -> "PredictedBand | None":
+        """From simulator.metrics.error_band's dict (None where the topology carries no band)."""
+        if not band:
+            return None
+        return cls(relative=band["relative"], stack=band["stack"], step_time_s=tuple(band["step_time_s"]),
+                   mfu=tuple(band["mfu"]), days_to_budget=tuple(band["days_to_budget"]))
+
+
+@dataclass(frozen=True)
 class Predicted:
-    """What a prediction said about this plan (estimate or simulation)."""
+    """What a prediction said about this plan (estimate or simulation), with its error band."""
 
     source: Literal["estimate", "simulate", "plan"]
     step_time_s: Annotated[float, Range(0, 1e30)]
@@ -97,6 +118,7 @@ class Predicted:
     flops_convention: str = ""
     drop_fraction: Annotated[float, Range(0, 1)] = 0.0
     fits: bool = True
+    band: PredictedBand | None = None
 
 
 @dataclass(frozen=True)

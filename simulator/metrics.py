@@ -53,6 +53,17 @@ def error_band(step_time_s: float, mfu: float, days: float, topo: Topology) -> d
             "mfu": [mfu / (1 + b), mfu / (1 - b)], "days_to_budget": [days * (1 - b), days * (1 + b)]}
 
 
+def band_text(band: dict) -> str:
+    """The prediction's error band in one line (error_band), '' without one."""
+    if not band:
+        return ""
+    step, mfu, days = band["step_time_s"], band["mfu"], band["days_to_budget"]
+    out = (f"band +-{100 * band['relative']:.0f}% (stack profile {band['stack']}, topologies/profiles/{band['stack']}"
+           f".yaml says where it comes from): step {step[0]:.3g}-{step[1]:.3g} s, MFU {100 * mfu[0]:.1f}-"
+           f"{100 * mfu[1]:.1f}%")
+    return out if math.isnan(days[0]) else out + f", {days[0]:.1f}-{days[1]:.1f} days"
+
+
 def host_bytes_per_host(host_bytes_per_gpu, topo: Topology):
     """Host memory one host needs: what each of its GPUs keeps there (offloaded optimizer state) times its GPUs."""
     return host_bytes_per_gpu * topo.host.gpus_per_host

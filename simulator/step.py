@@ -31,7 +31,7 @@ import simpy
 
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
-from rackcast.plan import Plan, Predicted
+from rackcast.plan import PredictedBand, Plan, Predicted
 from rackcast.simulator import costs, metrics
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Reduce, Start, Wait
 from rackcast.simulator.schedules import pipeline_orders
@@ -85,7 +85,8 @@ class SimResult:
         return Predicted(source="simulate", step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s,
                          mfu=self.mfu, peak_memory_bytes=self.peak_memory_bytes,
                          days_to_budget=self.days_to_budget, phases_s=dict(self.phases_s),
-                         flops_convention=self.flops_convention, drop_fraction=self.drop_fraction, fits=self.fits)
+                         flops_convention=self.flops_convention, drop_fraction=self.drop_fraction, fits=self.fits,
+                         band=PredictedBand.of(self.band))
 
 
 class _Rank:

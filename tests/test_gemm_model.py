@@ -133,3 +133,23 @@ def test_estimate_and_simulate_carry_the_profiles_error_band(capsys):
     assert sim.band["step_time_s"] == pytest.approx([sim.step_time_s * (1 - b), sim.step_time_s * (1 + b)])
     assert main(["estimate", str(PLANS / "marin-535b-hero.yaml")]) == 0
     assert f"band +-{100 * b:.0f}% (stack profile megatron-te" in capsys.readouterr().out.replace("\n", " ")
+
+
+def test_planned_plan_file_json_and_summary_carry_the_winners_error_band(tmp_path):
+    from rackcast.planner import search as S
+    from rackcast.planner.report import result_json, summary_lines, write_best_plan
+    from rackcast.plan import PredictedBand
+
+    result = S.search(S.Request(model="tiny-moe", topology="local-cpu", racks=1, tokens=1e9, top=0, simulate=False,
+                                workers=1))
+    out = tmp_path / "p.yaml"
+    written = write_best_plan(result, out)
+    band = written.predicted.band
+    b = result.topo.efficiency.error_band
+    assert isinstance(band, PredictedBand) and band.relative == b > 0
+    step = written.predicted.step_time_s
+    assert band.step_time_s == pytest.approx((step * (1 - b), step * (1 + b)))
+    assert band.mfu == pytest.approx((written.predicted.mfu / (1 + b), written.predicted.mfu / (1 - b)))
+    assert load_plan(str(out)) == written  # the band round-trips through YAML
+    assert result_json(result)["ranked"][0]["band"]["relative"] == b
+    assert any(line.startswith(f"winner's band +-{100 * b:.0f}%") for line in summary_lines(result))

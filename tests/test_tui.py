@@ -156,7 +156,8 @@ def screens():
 
 @pytest.mark.parametrize("name, expected", [
     ("plan", ["tiny-moe", "local-cpu", "tok/s", "MFU", "mem", "P50 d", "meets", "mb", "ranked of", "^r Run"]),
-    ("detail", ["Candidate", "tokens/s", "days to the deadline", "Memory per GPU", "HBM", "Step time by phase"]),
+    ("detail", ["Candidate", "tokens/s", "days to the deadline", "band +-", "Memory per GPU", "HBM",
+                "Step time by phase"]),
     ("detail-gantt", ["rank 0", "rank 1", "micro-batch", "nvlink ep", "D=dispatch", "C=combine"]),
     ("size", ["dense-gpt", "deadline", "Pareto", "B params", "best layout", "nothing fits"]),
     ("compare", ["predicted", "measured", "step_time_s", "tokens_per_s", "step time per step"]),

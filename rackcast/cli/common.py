@@ -92,14 +92,3 @@ def refuse_unless_fits(plan_path: str, fits: bool, memory_bytes: float, hbm_byte
                             f"{gib(hbm_bytes)} HBM", where=plan_path)
     raise RackcastError("optimizer.state_location: the offloaded optimizer state does not fit host memory",
                         where=plan_path)
-
-
-def band_line(band: dict) -> str:
-    """The prediction's error band in one line (simulator.metrics.error_band), '' without one."""
-    if not band:
-        return ""
-    step, mfu, days = band["step_time_s"], band["mfu"], band["days_to_budget"]
-    out = (f"band +-{100 * band['relative']:.0f}% (stack profile {band['stack']}, topologies/profiles/{band['stack']}"
-           f".yaml says where it comes from): step {step[0]:.3g}-{step[1]:.3g} s, MFU {100 * mfu[0]:.1f}-"
-           f"{100 * mfu[1]:.1f}%")
-    return out if math.isnan(days[0]) else out + f", {days[0]:.1f}-{days[1]:.1f} days"

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 
-from rackcast.cli.common import band_line, console, gib, human, print_json, refuse_unless_fits, table
+from rackcast.cli.common import console, gib, human, print_json, refuse_unless_fits, table
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import load_plan
+from rackcast.simulator import metrics
 
 
 def add_convention_argument(parser) -> None:
@@ -54,7 +55,7 @@ def _run(args) -> int:
     out.print(f"tokens/s {human(result.tokens_per_s)}   MFU {100 * result.mfu:.1f}% of bf16 peak "
               f"({result.flops_convention})   {days}")
     if result.band:
-        out.print(band_line(result.band))
+        out.print(metrics.band_text(result.band))
     if result.drop_fraction:
         out.print(f"expected drop fraction (capacity transport): {100 * result.drop_fraction:.2f}%")
     refuse_unless_fits(args.plan, result.fits, result.memory.total, result.hbm_bytes)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 
-from rackcast.cli.common import band_line, bounded, console, gib, human, refuse_unless_fits, table
+from rackcast.cli.common import bounded, console, gib, human, refuse_unless_fits, table
 from rackcast.cli.estimate import add_convention_argument
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import Plan, load_plan
+from rackcast.simulator import metrics
 
 
 def register(sub) -> None:
@@ -58,7 +59,7 @@ def _run(args) -> int:
     out.print(f"tokens/s {human(result.tokens_per_s)}   MFU {100 * result.mfu:.1f}% of bf16 peak "
               f"({result.flops_convention})   {days}")
     if result.band:
-        out.print(band_line(result.band))
+        out.print(metrics.band_text(result.band))
     out.print(f"peak memory per GPU {gib(result.peak_memory_bytes)} (memory timeline)   "
               f"drop fraction {100 * result.drop_fraction:.2f}%   {result.events} events")
     for label, path in (("trace", args.trace), ("parquet", args.parquet)):

@@ -19,6 +19,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Label, Static
 
+from rackcast.simulator.metrics import band_text
 from rackcast.tui.planning import Detail, detail
 from rackcast.tui.widgets import fmt_days, fmt_rate, memory_bar, phase_bars, pipeline_gantt, stream_gantt
 
@@ -46,6 +47,8 @@ def render_detail(d: Detail, width: int = 76) -> list[tuple[str, Text]]:
     head.append(f"{fmt_rate(d.tokens_per_s)} tokens/s  MFU {100 * d.mfu:.1f}% of bf16 peak  step {d.step_s:.4g} s  "
                 f"({'simulated' if d.source == 'simulate' else 'closed-form estimate'})\n")
     head.append_text(days_text(d))
+    if d.band:
+        head.append("\n" + band_text(d.band))
     sections = [("Candidate", head),
                 ("Memory per GPU (heaviest pipeline rank) against HBM", memory_bar(d.memory, d.hbm_bytes, width - 28)),
                 ("Step time by phase", phase_bars(d.phases, d.step_s, max(10, width - 50)))]

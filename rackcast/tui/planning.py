@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rackcast.errors import RackcastError
 
@@ -159,6 +159,7 @@ class Detail:
     pipeline: object = None  # simulator.pipeline_exec.PipelineResult (pipeline > 1)
     sim: object = None  # simulator.step.SimResult with its timeline
     sim_note: str = ""  # why there is no simulated step (past simulate's work bound), else ""
+    band: dict = field(default_factory=dict)  # simulator.metrics.error_band of the figures above ({}: none)
 
 
 def cli_command(request, tokens_text: str = "") -> str:
@@ -208,7 +209,8 @@ def detail(result, row) -> Detail:
         step_s=row.sim.get("step_time_s", row.step_time_s), tokens_per_s=row.best_tokens_per_s, mfu=row.best_mfu,
         days=days, steady_days=row.best_days, available_days=result.available_days,
         meets=result.meets_deadline(row), deadline_prob=result.deadline_prob.get(id(row), math.nan),
-        source="simulate" if row.sim else "estimate", pipeline=pipeline, sim=sim, sim_note=sim_note)
+        source="simulate" if row.sim else "estimate", pipeline=pipeline, sim=sim, sim_note=sim_note,
+        band=result.band_for(row))
 
 
 # ---------------------------------------------------------------- size search
