@@ -182,7 +182,7 @@ def _worker(rank: int, world: int, port: int, quick: bool, q, threads: int = 0) 
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
         else:
-            configure_cpu_process(world, threads)
+            configure_cpu_process(world, threads, local_rank=rank)
         if world > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                     init_method=f"tcp://127.0.0.1:{port}",

@@ -3,13 +3,16 @@ and the allocator's treatment of large freed blocks.
 
 - Threads: one per process when the processes fill the cores (more would oversubscribe them: on a busy 2-core
   machine two threads per process made one-process steps 4-14x slower than one), else the cores shared evenly.
+- Pinning: each process is pinned to its own `threads` cores (local rank r takes cores r x threads onwards, modulo
+  the usable cores), so the scheduler does not migrate a measured process between cores mid-step and two processes
+  never share a core while another sits idle; the trainer and the calibration pin alike.
 - Large blocks: glibc malloc serves blocks above its mmap threshold (at most 32 MiB by default) with fresh mmaps, so
   every large gradient a backward allocates (an [E, d, w] expert stack's is 113 MiB at marin-ladder-d768's shape)
   page-faults in anew each step, which costs as much as the matmuls; raising the mmap and trim thresholds
   (mallopt(3): M_MMAP_THRESHOLD, M_TRIM_THRESHOLD) makes freed blocks reusable, as jemalloc or tcmalloc would.
 
     from rackcast.backend.cpu_runtime import configure_cpu_process
-    configure_cpu_process(processes=2)            # or requested_threads=N to force N
+    configure_cpu_process(processes=2, local_rank=0)   # or requested_threads=N to force N
 """
 
 from __future__ import annotations
@@ -53,10 +56,23 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEEP))
 
 
-def configure_cpu_process(processes: int, requested_threads: int = 0) -> int:
-    """Set torch's intra-op threads (requested_threads, or default_threads(processes)) and keep freed memory;
-    returns the threads set."""
+def pin_cores(local_rank: int, threads: int) -> list[int]:
+    """Pin this process to `threads` of the usable cores, local rank r taking cores r x threads onwards (wrapping);
+    returns the cores, or [] where affinity cannot be set (not Linux)."""
+    try:
+        usable = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return []
+    cores = [usable[(local_rank * threads + i) % len(usable)] for i in range(min(threads, len(usable)))]
+    os.sched_setaffinity(0, cores)
+    return cores
+
+
+def configure_cpu_process(processes: int, requested_threads: int = 0, local_rank: int = 0) -> int:
+    """Set torch's intra-op threads (requested_threads, or default_threads(processes)), pin the process to that
+    many cores (pin_cores) and keep freed memory; returns the threads set."""
     threads = requested_threads or default_threads(processes)
+    pin_cores(local_rank, threads)
     torch.set_num_threads(threads)
     keep_freed_memory()
     return threads

@@ -10,6 +10,8 @@ Files in the run folder:
 - record.json: the summary: plan, plan_hash, layout, device, steps, tokens_per_step, and the medians over steps after
   the first (warm-up), the memory-profiled step left out, of step_time_s, tokens_per_s, mfu, phases_s, and
   critical_path: the same medians of the slowest rank's step time and phases, and the rank slowest most often;
+  step_time_spread: those steps' median, quartiles and relative spread (rackcast.spread: flagged too_wide when the
+  interquartile range exceeds the scoring limit);
   peak_memory_bytes with memory_measure (how it was measured) and param_dtype / activation_dtype (what the trainer
   kept weights and activations in), peak_rss_bytes, drop_fraction, first/last loss, flops_convention, peak_flops
   with its dtype, and mfu_vs_bf16_peak (the simulator's convention).
@@ -35,6 +37,7 @@ import statistics
 from pathlib import Path
 
 from rackcast.atomic import atomic_path
+from rackcast.spread import quartile_spread_of
 from rackcast.units import KIB
 from rackcast.vocab import MEASURED_PHASES
 
@@ -100,6 +103,7 @@ def summary(rows: list[dict], **info) -> dict:
         **info,
         "steps": len(rows),
         "step_time_s": _median(steady, "step_time_s"),
+        "step_time_spread": quartile_spread_of(r["step_time_s"] for r in steady).as_dict(),
         "tokens_per_s": _median(steady, "tokens_per_s"),
         "mfu": _median(steady, "mfu"),
         "phases_s": phases,

@@ -104,7 +104,8 @@ class Trainer:
         self.rank, self.world, self.device = init_distributed()
         self.threads = 0
         if self.device.type == "cpu":
-            self.threads = configure_cpu_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), args.threads)
+            self.threads = configure_cpu_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), args.threads,
+                                                 int(os.environ.get("LOCAL_RANK", "0")))
         self.cuda = self.device.type == "cuda"
         self.layout = lay = Layout.of(self.plan, self.rank)
         self.groups = Groups(lay, self.device) if self.world > 1 else None

@@ -18,8 +18,11 @@ That is 12 plans; micro-batch sizes 2, 4 and 8. The fitted profile fits to the f
 coverage: 1p and dp2-ep2 at global batch 8 (compute and op overhead; expert all-to-all) and 1p at global batch 32
 (compute at the larger scale). `--quick` runs eight of them (both batch scales, every layout and both transports).
 Each plan is trained `repeats` times for `steps` steps, interleaved (plan 1..n, then again) so slow spells of a
-shared machine fall on every plan; the measured figure is the median over repeats of each run's median step (the first
-step, warm-up, skipped).
+shared machine fall on every plan, each process pinned to its own core (backend.cpu_runtime); the measured figure is
+the median over repeats of each run's median step (the first step, warm-up, skipped), reported with its spread
+(rackcast.spread): the range over repeats, and each run's interquartile range over its steps. A plan whose spread
+exceeds rackcast.spread.SPREAD_LIMIT is flagged too noisy to score, and the summary says whether the suite could be
+scored (`noisy_plans`, `scorable`): a MAPE taken over noisy measurements measures the machine, not the model.
 
 Predictions: the simulator (simulator.step.simulate) with the calibrated topology less its host per-op overhead
 ("microbenchmarks"); with the calibrated topology as it is, which includes the overhead (simulator.host_overhead:
@@ -51,6 +54,7 @@ from rackcast.atomic import atomic_path, write_text_atomic
 from rackcast.backend.launch import torchrun_command, worker_env
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
+from rackcast.spread import SPREAD_LIMIT, spread_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,6 +153,13 @@ class PlanResult:
     measured_peak_memory_bytes: float
     predicted: dict[str, dict] = field(default_factory=dict)  # profile label -> figures
     param_dtype: str = ""  # the dtype the trainer kept weights and activations in (its record's param_dtype)
+    repeat_spread: dict = field(default_factory=dict)  # rackcast.spread over the repeats' median steps
+    step_spread: float = math.nan  # the widest relative interquartile range of one run's steps
+
+    @property
+    def too_noisy(self) -> bool:
+        """Repeats or the steps within a run disagree by more than rackcast.spread.SPREAD_LIMIT."""
+        return bool(self.repeat_spread.get("too_wide")) or self.step_spread > SPREAD_LIMIT
 
 
 def summarise(results: list[PlanResult], label: str, held_out: set[str] | None = None) -> dict:
@@ -209,10 +220,13 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
     for p in plans:
         recs = records[p.stem]
         phases = {k: statistics.median(r["phases_s"].get(k, 0.0) or 0.0 for r in recs) for k in recs[0]["phases_s"]}
-        results.append(PlanResult(p.stem, str(p), statistics.median(r["step_time_s"] for r in recs),
-                                  [r["step_time_s"] for r in recs], phases,
+        runs = spread_of(r["step_time_s"] for r in recs)
+        results.append(PlanResult(p.stem, str(p), runs.centre, [r["step_time_s"] for r in recs], phases,
                                   max(r["peak_memory_bytes"] for r in recs),
-                                  param_dtype=recs[0].get("param_dtype", "")))
+                                  param_dtype=recs[0].get("param_dtype", ""), repeat_spread=runs.as_dict(),
+                                  step_spread=max((x for r in recs if not math.isnan(
+                                      x := r.get("step_time_spread", {}).get("relative", math.nan))),
+                                      default=math.nan)))
     if progress:
         progress("simulate (calibrated profile)", done, total)
     predict_all(results, topology, "microbenchmarks", overhead=False)
@@ -243,6 +257,8 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
                "fitted_std_error": res.std_error, "wall_s": time.perf_counter() - t0,
                "op_counts": counts,
                "runs_with_teardown_crash": sum("teardown_exit" in r for recs in records.values() for r in recs),
+               "spread_limit": SPREAD_LIMIT, "noisy_plans": [r.name for r in results if r.too_noisy],
+               "scorable": not any(r.too_noisy for r in results),
                "summaries": [summarise(results, label) for label in results[0].predicted if label != "fitted"] + [
                    summarise(results, "fitted"), dict(summarise(results, "fitted", held),
                                                       profile="fitted (held-out plans)")]}
@@ -260,7 +276,8 @@ def _write_results(out_dir: Path, results: list[PlanResult]) -> None:
     cols: dict[str, list] = {"plan": [], "profile": [], "prediction": [], "measured_step_s": [],
                              "measured_runs_s": [], "predicted_step_s": [], "step_error": [],
                              "measured_peak_memory_bytes": [], "predicted_peak_memory_bytes": [],
-                             "measured_compute_s": [], "predicted_compute_s": []}
+                             "measured_compute_s": [], "predicted_compute_s": [], "repeat_spread": [],
+                             "step_spread": [], "too_noisy": []}
     for r in results:
         for label, p in r.predicted.items():
             cols["plan"].append(r.name)
@@ -274,5 +291,8 @@ def _write_results(out_dir: Path, results: list[PlanResult]) -> None:
             cols["predicted_peak_memory_bytes"].append(p["peak_memory_bytes"])
             cols["measured_compute_s"].append(r.measured_phases_s.get("compute", 0.0))
             cols["predicted_compute_s"].append(p["phases_s"].get("compute", 0.0))
+            cols["repeat_spread"].append(r.repeat_spread.get("relative", math.nan))
+            cols["step_spread"].append(r.step_spread)
+            cols["too_noisy"].append(r.too_noisy)
     with atomic_path(out_dir / "results.parquet") as tmp:
         pq.write_table(pa.table(cols), tmp)

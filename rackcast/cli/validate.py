@@ -61,7 +61,8 @@ def _run(args) -> int:
     results = s.pop("results")
     if args.json:
         print_json({**s, "plans": [{"plan": r.name, "measured_step_s": r.measured_step_s,
-                                    "measured_runs_s": r.measured_runs_s,
+                                    "measured_runs_s": r.measured_runs_s, "repeat_spread": r.repeat_spread,
+                                    "step_spread": r.step_spread, "too_noisy": r.too_noisy,
                                     "measured_peak_memory_bytes": r.measured_peak_memory_bytes,
                                     "predicted": {k: {"step_time_s": v["step_time_s"], "source": v["source"],
                                                       "peak_memory_bytes": v["peak_memory_bytes"]}
@@ -72,7 +73,8 @@ def _run(args) -> int:
     rows = []
     for r in results:
         row = [r.name + (" (fit)" if r.name in s["fit_on"] else ""), f"{r.measured_step_s * 1e3:.1f}",
-               " ".join(f"{x * 1e3:.0f}" for x in r.measured_runs_s)]
+               " ".join(f"{x * 1e3:.0f}" for x in r.measured_runs_s),
+               f"{_pct(r.repeat_spread.get('relative'))} / {_pct(r.step_spread)}" + (" NOISY" if r.too_noisy else "")]
         for label in labels:
             p = r.predicted[label]["step_time_s"]
             row += [f"{p * 1e3:.1f}", _pct((p - r.measured_step_s) / r.measured_step_s)]
@@ -80,7 +82,7 @@ def _run(args) -> int:
         row += [f"{r.measured_peak_memory_bytes / MIB:.0f}", f"{pred_mem / MIB:.1f}"]
         rows.append(row)
     short = {"microbenchmarks": "sim", "microbenchmarks + op overhead": "sim+ovh", "fitted": "fitted"}
-    cols = ["plan", "measured", "runs"]
+    cols = ["plan", "measured", "runs", "spread runs / steps"]
     for label in labels:
         cols += [short.get(label, label), "err"]
     out.print(table(f"Step time per plan (ms; {s['repeats']} runs x {s['steps']} steps, medians; sim = "
@@ -90,10 +92,18 @@ def _run(args) -> int:
     rows = [[x["profile"], str(x["plans"]), _pct(x["step_mape"]), _pct(x["step_max_abs_error"]),
              f"{x['kendall_tau']:.2f}", _pct(x["memory_mape"]), _pct(x["memory_max_abs_error"])]
             for x in s["summaries"]]
-    out.print(table("Validation summary (targets: step MAPE <= 10%, tau >= 0.8)",
+    out.print(table("Validation summary (targets: step MAPE <= 15% unfitted, <= 5% fitted on held-out plans, "
+                    "Kendall tau >= 0.9)",
                     ["profile", "plans", "step MAPE", "max |error|", "Kendall tau", "memory MAPE",
                      "memory max |error|"], rows))
     out.print("fitted factors (" + ", ".join(s["fit_on"]) + "): "
               + ", ".join(f"{k} {v:.3g}" for k, v in s["fitted_factors"].items()))
+    if s["scorable"]:
+        out.print(f"spread: every plan's runs and steps agree within {_pct(s['spread_limit'])} (rackcast.spread): "
+                  "the suite can be scored")
+    else:
+        out.print(f"spread: {', '.join(s['noisy_plans'])} varied by more than {_pct(s['spread_limit'])} between "
+                  "runs or steps: too noisy to score; the errors above may be the machine's, not the model's "
+                  "(rerun on a quieter machine or with more --repeats)")
     out.print(f"results: {args.out}/results.parquet, {args.out}/summary.json ({s['wall_s']:.0f} s)")
     return 0

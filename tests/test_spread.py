@@ -1,0 +1,64 @@
+"""Measurement spread (rackcast.spread): closed forms, the too-noisy flag in record.json and in validate, and the
+trainer's core pinning."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from rackcast.spread import SPREAD_LIMIT, quartile_spread_of, spread_of
+
+
+def test_spread_is_median_with_range_and_relative_width():
+    s = spread_of([0.10, 0.12, 0.09, float("nan")])
+    assert (s.centre, s.low, s.high, s.n) == (0.10, 0.09, 0.12, 3)
+    assert s.relative == pytest.approx(0.3) and s.too_wide
+    assert not spread_of([1.0, 1.0, 1.0]).too_wide and spread_of([1.0, 1.0]).relative == 0.0
+    assert math.isnan(spread_of([]).relative) and not spread_of([]).too_wide
+
+
+def test_quartile_spread_ignores_one_slow_step():
+    steps = [1.0] * 9 + [5.0]  # one step five times slower: the range is wide, the quartiles are not
+    assert spread_of(steps).too_wide
+    q = quartile_spread_of(steps)
+    assert q.centre == 1.0 and q.relative == 0.0 and not q.too_wide
+    assert quartile_spread_of([1.0, 2.0, 3.0, 4.0, 5.0]).relative == pytest.approx((4.0 - 2.0) / 3.0)
+
+
+def test_record_summary_reports_the_step_spread_of_its_steady_steps():
+    from rackcast.backend.record import summary
+
+    nan = float("nan")
+    rows = [{"step": i, "loss": 1.0, "eval_loss": nan, "step_time_s": t, "tokens_per_s": 1.0, "mfu": 0.1,
+             "peak_memory_bytes": nan, "peak_rss_bytes": 1.0, "drop_fraction": 0.0}
+            for i, t in enumerate([9.0, 1.0, 1.1, 1.0, 1.2, 1.0])]  # the first (warm-up) step is left out
+    s = summary(rows)["step_time_spread"]
+    assert s["n"] == 5 and s["median"] == 1.0 and s["relative"] == pytest.approx(0.1) and not s["too_wide"]
+
+
+def test_validate_flags_a_plan_whose_repeats_or_steps_disagree_too_much():
+    from rackcast.validation.validate import PlanResult
+
+    def result(runs, step_spread):
+        return PlanResult("p", "", spread_of(runs).centre, runs, {}, 1.0,
+                          repeat_spread=spread_of(runs).as_dict(), step_spread=step_spread)
+
+    assert not result([1.0, 1.05, 1.02], 0.05).too_noisy
+    assert result([1.0, 1.3, 1.02], 0.05).too_noisy  # the repeats disagree by 30%
+    assert result([1.0], SPREAD_LIMIT * 2).too_noisy  # one run whose steps disagree
+    assert not result([1.0], math.nan).too_noisy
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_pin_cores_pins_each_local_rank_to_its_own_cores_and_wraps():
+    from rackcast.backend.cpu_runtime import pin_cores
+
+    usable = sorted(os.sched_getaffinity(0))
+    try:
+        assert pin_cores(0, 1) == [usable[0]] and os.sched_getaffinity(0) == {usable[0]}
+        os.sched_setaffinity(0, usable)
+        assert pin_cores(len(usable) + 1, 1) == [usable[1 % len(usable)]]  # wraps round the usable cores
+    finally:
+        os.sched_setaffinity(0, usable)
