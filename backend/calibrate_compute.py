@@ -1,4 +1,4 @@
-"""Compute microbenchmarks for `rackcast calibrate`: GEMM, grouped (looped) expert GEMM, attention, memory-bound.
+"""Compute microbenchmarks for `rackcast calibrate`: GEMM, grouped expert GEMM, attention, memory-bound.
 
 Every benchmark runs in the dtype the trainer computes in (fp32 on CPU, where the trainer uses no autocast; bf16 on
 CUDA, under autocast) and reports achieved FLOP/s or bytes/s; turning them into fractions of a peak is the job of
@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from rackcast.backend.moe import grouped_matmul
 from rackcast.units import MIB
 
 
@@ -122,14 +123,14 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
     experts = 8
     rows_list, dims = s["grouped"]
     for rows in rows_list:
+        # Per-expert token counts as a routing draw gives them (uniform top-k routing: multinomial around `rows`),
+        # uneven, so the measurement includes what uneven groups cost the kernel.
+        counts = torch.multinomial(torch.ones(experts), experts * rows, replacement=True, generator=g)
+        offs = torch.bincount(counts, minlength=experts).cumsum(0).to(device=device, dtype=torch.int32)
         for dim in dims:
             x, w = rand(experts * rows, dim), rand(experts, dim, dim)
-
-            def looped():  # the trainer's GroupedExperts loop: slice each expert's rows, one GEMM per expert
-                return torch.cat([x[e * rows:(e + 1) * rows] @ w[e] for e in range(experts)])
-
             barrier()
-            t = timer(looped)
+            t = timer(lambda: grouped_matmul(x, w, offs))  # what the trainer's GroupedExperts runs (backend.moe)
             out["grouped_gemm"].append({"experts": experts, "rows": rows, "dim": dim,
                                         "flops_per_group": 2.0 * rows * dim * dim, "seconds": t / experts})
             tick(f"grouped gemm {experts}x{rows}x{dim}")

@@ -99,7 +99,8 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
     notes.append("gemm (M x K x K: GFLOP/s): " + ", ".join(f"{e['m']}x{e['k']}: {rate(e) / 1e9:.3g}"
                                                            for e in comp["gemm"]))
     grouped = _curve([(e["flops_per_group"], rate(e, "flops_per_group") / peak) for e in comp["grouped_gemm"]])
-    notes.append(f"grouped_gemm (loop of {comp['grouped_gemm'][0]['experts']} expert GEMMs, rows x dim: GFLOP/s): "
+    notes.append(f"grouped_gemm (one grouped_mm over {comp['grouped_gemm'][0]['experts']} experts, uneven groups of "
+                 "mean rows x dim: GFLOP/s per expert): "
                  + ", ".join(f"{e['rows']}x{e['dim']}: {rate(e, 'flops_per_group') / 1e9:.3g}"
                              for e in comp["grouped_gemm"]))
     attn_rates = [rate(e, "train_flops") for e in comp["attention"]]
