@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from rackcast.simulator.memory import fsdp_kept_gathered
+
 
 def _policy(plan, device: torch.device) -> MixedPrecisionPolicy:
     if device.type == "cuda" and plan.precision == "bf16":
@@ -39,20 +41,35 @@ def shard_model(chunks: list[nn.Module], groups, layout, plan, device: torch.dev
     """Apply FSDP2 to every chunk in place. Returns whether the expert stacks were sharded; when not, their
     gradients are still reduced by backend.parallel.reduce_grads."""
     policy = _policy(plan, device)
+    reshard = reshard_after_forward(plan)
     experts_sharded = groups.expert_fsdp_mesh is not None
     for chunk in chunks:
         for block in chunk.layers.values():
             experts = getattr(getattr(block, "mlp", None), "experts", None)
             if experts is not None and experts_sharded:
-                fully_shard(experts, mesh=groups.expert_fsdp_mesh, mp_policy=policy, reshard_after_forward=True)
+                fully_shard(experts, mesh=groups.expert_fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard)
                 experts.set_gradient_divide_factor(float(layout.dp))
                 if device.type == "cpu":  # gloo has no pre-multiplied sum: sum, then scale after the reduction
                     experts.set_force_sum_reduction_for_comms(True)
             kept = _unsharded(block) | (set(experts.parameters()) if experts is not None and not experts_sharded
                                          else set())
-            fully_shard(block, mesh=groups.fsdp_mesh, mp_policy=policy, ignored_params=kept or None)
+            fully_shard(block, mesh=groups.fsdp_mesh, mp_policy=policy, ignored_params=kept or None,
+                        reshard_after_forward=reshard)
         fully_shard(chunk, mesh=groups.fsdp_mesh, mp_policy=policy, ignored_params=_unsharded(chunk) or None)
     return experts_sharded
+
+
+def reshard_after_forward(plan) -> bool:
+    """Whether FSDP2 frees a unit's gathered weights after its forward (and gathers them again for its backward).
+
+    Not under the split-backward schedules (zb_h1, dualpipev) of a pipeline: their weight-gradient pass
+    (torch.distributed.pipelining's stage_backward_weight) runs after later micro-batches' forwards and finds the
+    weights through the module's registered parameters, which a reshard after those forwards has swapped back to the
+    sharded ones, so part of the weight gradients is lost (measured here: parameters 2-7e-2 off one process's after 5
+    steps with Adam; exact with the gathered weights kept: FSDP2's reshard_after_forward=False, the ZeRO-2-like
+    mode of torch.distributed.fsdp.fully_shard). The memory model prices the whole rank's gathered weights for these
+    layouts (simulator.memory.fsdp_kept_gathered)."""
+    return not bool(fsdp_kept_gathered(plan))
 
 
 def _unsharded(module: nn.Module) -> set[nn.Parameter]:

@@ -208,6 +208,9 @@ def validate(plan: Plan, spec: ModelSpec, gpus_available: int, where: str = "") 
     if p.pipeline > 1 and plan.schedule in STAGE_BOUND_SCHEDULES and m < p.pipeline:
         fail("batch", f"{m} micro-batches per step are fewer than the {p.pipeline} pipeline stages that "
                       f"{plan.schedule} needs")
+    if p.pipeline > 1 and plan.schedule == "dualpipev" and m < p.chunks:
+        fail("batch", f"{m} micro-batches per step are fewer than the {p.chunks} model chunks (2 x pipeline) that "
+                      "dualpipev needs")
     if plan.schedule == "interleaved_1f1b" and p.pipeline > 1 and m % p.pipeline:
         fail("batch", f"interleaved_1f1b needs micro-batches ({m}) divisible by pipeline ({p.pipeline})")
     if plan.expert_transport.routing == "histogram" and not plan.expert_transport.histogram:

@@ -45,6 +45,7 @@ from rackcast.simulator.activations import (BYTES, FP32, Activations, activation
                                    edge_activation_bytes_per_token, layer_activation_bytes_per_token)
 from rackcast.simulator.plan_arrays import LAYER_SET, PlanArrays, is_arrays, per_key, state_location
 from rackcast.simulator.schedule_formulas import peak_in_flight
+from rackcast.vocab import SPLIT_BACKWARD_SCHEDULES
 
 
 Rank = Union[int, Callable[[Plan], int]]  # a pipeline rank, or a function of the plan that names one
@@ -281,6 +282,13 @@ def memory_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None
     return best
 
 
+def fsdp_kept_gathered(plan: Plan | PlanArrays):
+    """Whether the trainer's FSDP keeps each unit's weights gathered from its forward until its backward (bool, or
+    per plan for arrays): under the split-backward schedules (zb_h1, dualpipev) of a pipeline, whose weight-gradient
+    pass needs the gathered weights after later micro-batches' forwards (backend.fsdp.reshard_after_forward)."""
+    return (plan.parallel.pipeline > 1) & np.isin(plan.schedule, sorted(SPLIT_BACKWARD_SCHEDULES))
+
+
 def _rank_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None, rank: Rank,
                     activations: Activations) -> MemoryBreakdown:
     """memory_breakdown of pipeline rank `rank` (an int, or a function of each plan)."""
@@ -296,9 +304,13 @@ def _rank_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None,
     # FSDP gathers one layer while the next is prefetched: two layers of unsharded weights and one of gradients;
     # the embedding or head end of a chunk stays gathered through its whole forward or backward.
     ends = np.where(par.chunks == 1, rp.embed_end + rp.head_end, np.maximum(rp.embed_end, rp.head_end))
-    buffers = np.where(par.fsdp > 1, 2 * w_bytes * rp.dense_layer_max + g_bytes * rp.dense_layer_max +
-                       w_bytes * ends, 0.0)
-    buffers = buffers + np.where(efsdp > 1, 2 * w_bytes * rp.expert_layer_max + g_bytes * rp.expert_layer_max, 0.0)
+    # Under the split-backward schedules of a pipeline every unit stays gathered from its forward to its weight
+    # gradients (fsdp_kept_gathered): the rank's whole weights, unsharded, next to their shards.
+    kept = fsdp_kept_gathered(plan)
+    buffers = np.where(par.fsdp > 1, np.where(kept, w_bytes * rp.dense, 2 * w_bytes * rp.dense_layer_max + w_bytes * ends)
+                       + g_bytes * rp.dense_layer_max, 0.0)
+    buffers = buffers + np.where(efsdp > 1, np.where(kept, w_bytes * rp.expert, 2 * w_bytes * rp.expert_layer_max)
+                                 + g_bytes * rp.expert_layer_max, 0.0)
     # ZeRO-2 without fsdp: one layer's whole gradients wait for their reduce-scatter (ZeRO's bucketed reduction).
     buffers = buffers + np.where((par.zero >= 2) & (par.fsdp == 1), g_bytes * rp.dense_layer_max, 0.0) + \
         np.where((par.zero >= 2) & (efsdp == 1), g_bytes * rp.expert_layer_max, 0.0)

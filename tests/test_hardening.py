@@ -341,3 +341,15 @@ def test_placement_groups_are_closed_form_equal_to_enumerating_the_members():
         assert (group.domains, group.per_domain) == (len(domains), sum(r // usable == domains[0] for r in members))
     huge = make_group(2**24, 1, 64)
     assert (huge.domains, huge.per_domain, huge.span) == (2**18, 64, "scale_out")
+
+
+def test_dualpipev_with_fewer_micro_batches_than_model_chunks_is_refused_at_load_naming_batch(tmp_path, capsys):
+    # pipeline 2, virtual 2 (4 model chunks), global batch 8 over fsdp 2 in micro-batches of 2: 2 micro-batches
+    text = ("name: dpv\nmodel: tiny-moe\ntopology: {name: local-cpu, domains: 1, usable_gpus: 4}\n"
+            "parallel: {fsdp: 2, pipeline: 2, virtual: 2}\nbatch: {global_batch: 8, micro_batch: 2}\n"
+            "schedule: dualpipev\n")
+    path = tmp_path / "dpv.yaml"
+    path.write_text(text)
+    for args in (("estimate", str(path)), ("train", str(path), "--check")):
+        line = _refused(capsys, *args)
+        assert "batch: 2 micro-batches per step are fewer than the 4 model chunks" in line and "dpv.yaml" in line

@@ -79,6 +79,21 @@ def test_fsdp_shards_weights_gradients_and_state():
     assert sharded.buffers > 0
 
 
+def test_fsdp_under_split_backward_schedules_keeps_the_ranks_whole_weights_gathered():
+    from rackcast.simulator.memory import BYTES, fsdp_kept_gathered
+
+    base = {"parallel": {"data": 1, "fsdp": 4, "pipeline": 2, "virtual": 2}, "batch": {"global_batch": 16}}
+    rolling = gpt_plan(schedule="interleaved_1f1b", **base)
+    kept = gpt_plan(schedule="zb_h1", **base)
+    assert not fsdp_kept_gathered(rolling) and fsdp_kept_gathered(kept)
+    rp = rank_params(GPT, kept)
+    w = BYTES[kept.precision]
+    # two layers in flight (and the chunk's embedding or head end) against the rank's every weight, gathered
+    extra = w * rp.dense - (2 * w * rp.dense_layer_max + w * max(rp.embed_end, rp.head_end))
+    assert extra > 0
+    assert memory_breakdown(GPT, kept).buffers - memory_breakdown(GPT, rolling).buffers == pytest.approx(extra)
+
+
 def test_muonh_keeps_one_state_for_matrices_and_two_for_adam_groups():
     spec = load_model("tiny-moe")
     plan = from_data(Plan, {"name": "t", "model": "tiny-moe", "topology": {"name": "local-cpu", "usable_gpus": 1},
