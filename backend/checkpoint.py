@@ -4,7 +4,8 @@ What is saved, under global names that do not depend on the layout (a run saved 
 a pipeline, or one process; `resume_problem` only refuses another model, optimizer, global batch or seed):
 - model.<fqn>: every parameter and buffer under the full model's names (a rank holding pipeline chunks saves theirs,
   `global_view` merges them); expert stacks as the full [experts, ...] tensor, each expert-parallel rank's slice
-  saved as its shard (`shard_of`: a DTensor over the expert-data x expert mesh, Replicate x Shard(0)); the
+  saved as its shard (`shard_of`: a DTensor over the expert-data x expert mesh, Replicate x Shard(0); FSDP-sharded
+  expert slices over data x expert x the experts' FSDP shards, Replicate x Shard(0) x Shard(0)); the
   quantile-balancing state is the router bias, a parameter (its margins live within one step only);
 - optim.state.<fqn>.<key> and optim.param_groups.<fqn>.<key>: the optimizer's state per parameter (MuonH momentum,
   Adam moments and step counts), through torch.distributed.checkpoint.state_dict.get_state_dict with the flattened
@@ -119,28 +120,74 @@ def _optim_fqn(key: str) -> str:
     return key[len("state."):].rpartition(".")[0]
 
 
-def _globalise(state: dict, shard_of: ShardOf | None) -> dict:
-    """Wrap each plain local shard as a DTensor of its global tensor, so DCP records where it sits."""
+def _global_shape(value, mesh, placements) -> torch.Size:
+    """Shape of the global tensor whose shard on `mesh` with `placements` is `value`'s local part (a DTensor's
+    global shape grows along each dim by the Shard placements the new mesh adds beyond the DTensor's own)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = list(value.shape)
+    old = value.device_mesh if isinstance(value, DTensor) else None
+    for dim in range(len(shape)):
+        new_ways = 1
+        for size, pl in zip(mesh.shape, placements):
+            new_ways *= size if isinstance(pl, Shard) and pl.dim == dim else 1
+        old_ways = 1
+        if old is not None:
+            for size, pl in zip(old.shape, value.placements):
+                old_ways *= size if isinstance(pl, Shard) and pl.dim == dim else 1
+        shape[dim] = shape[dim] * new_ways // old_ways
+    return torch.Size(shape)
+
+
+def _globalise(state: dict, shard_of: ShardOf | None) -> tuple[dict, dict]:
+    """Wrap each tensor that holds part of a parameter as a DTensor of its global tensor, so DCP records where it
+    sits: a plain local slice (an expert-parallel slice), or an FSDP2 DTensor of such a slice (FSDP-sharded experts
+    under expert parallelism: its local shard re-placed on the mesh shard_of names). Returns the state and, for the
+    tensors it wrapped, what `_localise` needs to put them back (key -> None for a plain slice, or the FSDP2
+    DTensor's mesh, placements, shape and stride)."""
+    restore: dict = {}
     if shard_of is None:
-        return state
+        return state, restore
     from torch.distributed.tensor import DTensor
 
-    def wrap(value, fqn):
-        where = shard_of(fqn) if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) else None
-        return DTensor.from_local(value, where[0], where[1], run_check=False) if where else value
+    def wrap(key, value, fqn):
+        where = shard_of(fqn) if isinstance(value, torch.Tensor) and value.ndim else None  # not a 0-d step count
+        if not where:
+            return value
+        mesh, placements = where
+        local, restore[key] = value, None
+        if isinstance(value, DTensor):
+            restore[key] = (value.device_mesh, value.placements, value.shape, value.stride())
+            local = value.to_local()
+        shape = _global_shape(value, mesh, placements)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
-    model = {k: wrap(v, k) for k, v in state["model"].items()}
-    optim = {k: wrap(v, _optim_fqn(k)) if k.startswith("state.") else v for k, v in state["optim"].items()}
-    return dict(state, model=model, optim=optim)
+    model = {k: wrap(("model", k), v, k) for k, v in state["model"].items()}
+    optim = {k: wrap(("optim", k), v, _optim_fqn(k)) if k.startswith("state.") else v
+             for k, v in state["optim"].items()}
+    return dict(state, model=model, optim=optim), restore
 
 
-def _localise(values: dict) -> dict:
+def _localise(values: dict, kind: str, restore: dict) -> dict:
+    """The loaded values as set_state_dict takes them: what `_globalise` wrapped back as it was (a plain local slice,
+    or an FSDP2 DTensor on its own mesh); the model's own DTensors (FSDP2, tensor parallelism) as loaded."""
     from torch.distributed.tensor import DTensor
 
-    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()}
+    out = dict(values)
+    for k, v in values.items():
+        if (kind, k) not in restore or not isinstance(v, DTensor):
+            continue
+        back = restore[(kind, k)]
+        if back is None:
+            out[k] = v.to_local()
+        else:
+            mesh, placements, shape, stride = back
+            out[k] = DTensor.from_local(v.to_local(), mesh, placements, run_check=False, shape=shape, stride=stride)
+    return out
 
 
-def _state(model: nn.Module, optimizer, shard_of: ShardOf | None) -> dict:
+def _state(model: nn.Module, optimizer, shard_of: ShardOf | None) -> tuple[dict, dict]:
     model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
     return _globalise({"model": model_state, "optim": optim_state}, shard_of)
 
@@ -185,7 +232,7 @@ class Saver:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        state = _state(model, optimizer, shard_of)
+        state, _ = _state(model, optimizer, shard_of)
         state["trainer"] = extra
         marker = {"step": step, **info}
         with _quiet():
@@ -242,12 +289,12 @@ def load(folder: Path, model: nn.Module, optimizer, extra: dict, shard_of: Shard
     return the trainer.* values named by `extra` (name -> a template value of the right type and shape; a name the
     checkpoint lacks is left out of the result)."""
     saved = saved_keys(folder)
-    state = _state(model, optimizer, shard_of)
+    state, restore = _state(model, optimizer, shard_of)
     state["trainer"] = {k: v for k, v in extra.items() if f"trainer.{k}" in saved}
     with _quiet():
         dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=_localise(state["model"]),
-                   optim_state_dict=_localise(state["optim"]), options=OPTIONS)
+    set_state_dict(model, optimizer, model_state_dict=_localise(state["model"], "model", restore),
+                   optim_state_dict=_localise(state["optim"], "optim", restore), options=OPTIONS)
     return state["trainer"]
 
 

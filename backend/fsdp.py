@@ -59,6 +59,19 @@ def shard_model(chunks: list[nn.Module], groups, layout, plan, device: torch.dev
     return experts_sharded
 
 
+def expert_checkpoint_mesh(layout, device: torch.device):
+    """This stage's ranks as (data, expert, expert FSDP shard): the mesh on which an FSDP-sharded expert stack under
+    expert parallelism is Replicate x Shard(0) x Shard(0) of the full [experts, ...] stack (each expert rank's slice,
+    split again over its FSDP shards), for checkpoints (backend.checkpoint). The ranks are numbered as the expert
+    FSDP mesh of backend.parallel.Groups, (pipeline, data, shard, expert), so the expert and shard dims swap.
+    Collective: every rank builds it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(layout.world).reshape(layout.pp, layout.data, layout.expert_fsdp, layout.ep).transpose(2, 3)
+    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "replicate", "ep", "shard"))
+    return mesh["replicate", "ep", "shard"]
+
+
 def reshard_after_forward(plan) -> bool:
     """Whether FSDP2 frees a unit's gathered weights after its forward (and gathers them again for its backward).
 

@@ -49,7 +49,7 @@ from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
-from rackcast.backend.fsdp import set_gradient_sync, shard_model
+from rackcast.backend.fsdp import expert_checkpoint_mesh, set_gradient_sync, shard_model
 from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.backend.recompute import apply_recompute
@@ -141,16 +141,10 @@ class Trainer:
         self.saver = checkpoint.Saver(self.out, asynchronous=args.async_checkpoint)
         self.fsdp = lay.fsdp > 1
         self.experts_sharded = self.fsdp and shard_model(self.chunks, self.groups, lay, self.plan, self.device)
-        # FSDP2 shards each rank's expert-parallel slice again; DCP would need both splits of the expert dimension
-        # recorded (an expert-parallel Shard inside an FSDP Shard), which checkpoint._globalise does not build yet.
-        self.can_checkpoint = not (self.experts_sharded and lay.ep > 1)
-        if not self.can_checkpoint and (args.checkpoint_every or args.resume):
-            raise RackcastError("checkpoint_every/resume: checkpoints of FSDP-sharded expert stacks with expert "
-                                "parallelism are not supported yet (fsdp > 1 with expert > 1)", option="checkpoint_every")
+        # FSDP2 shards each rank's expert-parallel slice again: checkpoints record both splits of the expert dimension
+        self.expert_mesh = expert_checkpoint_mesh(lay, self.device) if self.experts_sharded and lay.ep > 1 else None
         if self.plan.parallel.zero and args.resume:  # saved: each rank writes the state it holds; loaded: not yet
             raise RackcastError("resume: ZeRO-sharded optimizer state (parallel.zero) is not resumed yet", option="resume")
-        if not self.can_checkpoint and self.rank == 0 and not args.quiet:
-            print("note: no checkpoint is written (FSDP-sharded expert stacks with expert parallelism)", flush=True)
         if self.fsdp or lay.pp > 1:
             self.wrapped = self.chunks
         else:
@@ -305,8 +299,11 @@ class Trainer:
             return None
         from torch.distributed.tensor import Replicate, Shard
 
-        mesh = self.groups.mesh["edp", "ep"]  # this stage's data-parallel ranks; experts split over "ep"
-        placements = [Replicate(), Shard(0)]
+        if self.expert_mesh is not None:  # FSDP-sharded slices: split over "ep", each slice over its FSDP "shard"s
+            mesh, placements = self.expert_mesh, [Replicate(), Shard(0), Shard(0)]
+        else:
+            mesh = self.groups.mesh["edp", "ep"]  # this stage's data-parallel ranks; experts split over "ep"
+            placements = [Replicate(), Shard(0)]
         return lambda fqn: (mesh, placements) if is_expert_param(fqn) else None
 
     def _checkpoint_info(self) -> dict:
@@ -435,7 +432,7 @@ class Trainer:
                 print(f"step {step + 1:>5}/{args.steps}  loss {row['loss']:.4f}{ev}  "
                       f"tok/s {row['tokens_per_s']:,.0f}  mfu {100 * row['mfu']:.2f}%  "
                       f"step {row['step_time_s']:.3f}s", flush=True)
-            if self.can_checkpoint and (last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+            if (last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
                 self.save(step + 1)
         if profiler is not None:
             profiler.stop()

@@ -1,6 +1,6 @@
 """FSDP2 layouts train what one process trains (5 steps; losses to 1e-5 relative, parameters to 1e-5 absolute), with
 MuonH and with Adam on every group: sharded experts whose reduce-scatter divides by dp (not by the expert-data
-group), FSDP with expert parallelism (losses only: that layout writes no checkpoint yet), and FSDP across pipeline
+group), FSDP with expert parallelism (its checkpoint holds both splits of the expert stacks), and FSDP across pipeline
 stages, also under the split-backward schedules zb_h1 and dualpipev.
 
     .venv/bin/pytest -q tests/test_trainer_fsdp.py        (several minutes on 2 cores)
@@ -46,10 +46,19 @@ def test_fsdp_layout_trains_what_one_process_trains(name, reference, tmp_path):
     plan = write_plan(tmp_path / f"{name}.yaml", parallel, optimizer=optimizer, **(extra[0] if extra else {}))
     _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
     assert losses(tmp_path / "run") == pytest.approx(ref_losses, rel=1e-5)
-    if parallel.get("expert", 1) > 1:  # FSDP-sharded expert stacks under expert parallelism: no checkpoint yet
-        assert latest_complete(tmp_path / "run") is None
-        return
     params = full_model_state(latest_complete(tmp_path / "run"))
     assert params.keys() == ref_params.keys()
     for key, value in ref_params.items():
         torch.testing.assert_close(params[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+def test_fsdp_sharded_experts_under_expert_parallelism_resume_a_one_process_checkpoint(tmp_path):
+    """One process trains 3 steps and stops; FSDP4 x EP2 resumes from its checkpoint (experts split twice on load)
+    and its steps 4-6 are the uninterrupted run's, with Adam (a wrongly placed moment would show)."""
+    whole = write_plan(tmp_path / "whole.yaml", {}, optimizer="adamw")
+    _ok(run_worker(whole, tmp_path / "uninterrupted", 6))
+    stopped = run_worker(whole, tmp_path / "run", 6, "--checkpoint-every", "3", env={"RACKCAST_FAIL": "0:4:step"})
+    assert stopped.returncode != 0 and latest_complete(tmp_path / "run").name == "step-00000003"
+    sharded = write_plan(tmp_path / "f4e2.yaml", {"fsdp": 4, "expert": 2}, optimizer="adamw")
+    _ok(run_worker(sharded, tmp_path / "run", 6, "--resume", world=4, timeout=600))
+    assert losses(tmp_path / "run") == pytest.approx(losses(tmp_path / "uninterrupted"), rel=1e-5)
