@@ -212,6 +212,8 @@ def summary_lines(result: Result, n: int = 10) -> list[str]:
              f"{c['no_fit']} over memory, {c['ranked']} ranked by the closed-form estimate, "
              f"{c['simulated']} simulated",
              result.batch_note, result.sim_note, result.days_note, *table_notes(result, n)]
+    if result.memory_note:
+        lines.append(result.memory_note)
     if not math.isnan(result.available_days):
         lines.append(f"deadline: {result.request.deadline} is {result.available_days:.0f} days after "
                      f"{result.request.start}")

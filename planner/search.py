@@ -60,6 +60,7 @@ class Request:
     max_simulate: int = MAX_SIMULATED
     command: str = ""
     forecast_rows: int = 10  # rows whose days get the failure allowance (the table's rows; 0 with top 0: none)
+    memory_per_gpu: float = 0.0  # bytes a candidate may use per GPU (headroom, or a smaller part); 0: the HBM
 
 
 @dataclass
@@ -112,6 +113,7 @@ class Result:
     sim_note: str = ""
     days_note: str = ""
     batch_note: str = ""  # which global batch the search used and why (planner.batch)
+    memory_note: str = ""  # the memory per GPU candidates were fitted into, when the request held it below HBM
     forecast_days: dict[int, float] = field(default_factory=dict)  # id(row) -> P50 days with failures
     deadline_prob: dict[int, float] = field(default_factory=dict)  # id(row) -> P(finish by the deadline)
 
@@ -255,6 +257,11 @@ def _memory_choices(layouts: list[Layout], spec: ModelSpec, topos, r: Request):
 
 
 # ---------------------------------------------------------------- search
+def capped(topo: Topology, r: Request) -> Topology:
+    """The topology whose memory per GPU the search fits candidates into: its HBM, or the request's smaller cap."""
+    return topo.with_memory_cap(r.memory_per_gpu) if r.memory_per_gpu else topo
+
+
 def batch_note(r: Request, spec: ModelSpec, default_usable: int) -> str:
     """One line: the global batch the search used and the rule or option that set it."""
     from rackcast.planner.batch import default_batch
@@ -292,7 +299,11 @@ def search(r: Request, progress=None) -> Result:
         progress(0, 0, "ranking layouts by the closed-form estimate")
     avail = available_days(r.start, r.deadline)
     spec = resolve_spec(r.model)
-    base = load_topology(r.topology, r.racks)
+    if not (math.isfinite(r.memory_per_gpu) and r.memory_per_gpu >= 0):
+        raise RackcastError(f"memory per GPU must be a positive number of bytes, got {r.memory_per_gpu:g}",
+                            option="memory_per_gpu")
+    full = load_topology(r.topology, r.racks)
+    base = capped(full, r)
     su = base.scale_up
     for u in r.options.usable:
         if not 0 < u <= su.domain_size:
@@ -306,7 +317,7 @@ def search(r: Request, progress=None) -> Result:
 
     t0 = time.perf_counter()
     usables = sorted({lay.usable for lay in found.layouts} | set(r.options.usable or ()))
-    topos = {u: load_topology(r.topology, r.racks, u) for u in usables}
+    topos = {u: capped(load_topology(r.topology, r.racks, u), r) for u in usables}
     if base.efficiency.host_op_s.measured:  # count the model's ops once
         from rackcast.simulator.op_counts import op_counts
 
@@ -321,6 +332,9 @@ def search(r: Request, progress=None) -> Result:
     result = Result(request=r, spec=spec, topo=base, rows=rows, ranked=ranked, hbm_bytes=base.accelerator.hbm_bytes,
                     host_bytes=base.host.memory_bytes, available_days=avail, counts={}, timings=timings,
                     batch_note=batch_note(r, spec, su.usable_gpus))
+    if base.accelerator.hbm_bytes < full.accelerator.hbm_bytes:
+        result.memory_note = (f"memory per GPU held to {base.accelerator.hbm_bytes / GIB:.3g} GiB "
+                              f"(memory_per_gpu) of the topology's {full.accelerator.hbm_bytes / GIB:.3g} GiB HBM")
     if not ranked:
         raise RackcastError(tightest_constraint(result))
     t0 = time.perf_counter()

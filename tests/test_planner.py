@@ -120,7 +120,9 @@ def test_infeasible_request_exits_2_with_the_tightest_constraint(cli):
     ["--tokens", "1e12", "--deadline", "2026-11-20"],
     ["--tokens", "1e12", "--objective", "speed"],
     ["--tokens", "1e12", "--usable-gpus", "80"],
-], ids=["tokens", "range", "deadline-without-start", "objective", "usable"])
+    ["--tokens", "1e12", "--memory-per-gpu", "nan"],
+    ["--tokens", "1e12", "--memory-per-gpu", "-1"],
+], ids=["tokens", "range", "deadline-without-start", "objective", "usable", "memory-nan", "memory-negative"])
 def test_bad_argument_exits_2_with_one_line(args, cli):
     proc = cli("plan", "--model", "marin-535b-a23b", "--topology", "gb200-nvl72", "--racks", "11", *args)
     assert proc.returncode == 2
@@ -285,3 +287,19 @@ def test_executor_any_searches_layouts_beyond_the_trainer_and_trainer_does_not(c
     tensor = {name: [r for r in got if r["tensor"] > 1] for name, got in rows.items()}
     assert rows["trainer"] and not tensor["trainer"]
     assert tensor["any"]
+
+
+def test_memory_per_gpu_fits_every_candidate_into_the_cap_and_says_so(cli):
+    import json
+
+    args = ("plan", "--model", "marin-cpu-d512", "--topology", "local-cpu", "--usable-gpus", "4", "--tokens", "1e7",
+            "--global-batch", "8", "--top", "0", "--rows", "50")
+    whole = json.loads(cli(*args, "--json").stdout)["ranked"]
+    cap_gib = 0.15
+    capped = json.loads(cli(*args, "--json", "--memory-per-gpu", str(cap_gib)).stdout)["ranked"]
+    assert max(r["memory_per_gpu_bytes"] for r in whole) > cap_gib * 2**30  # the cap bites
+    assert capped and all(r["memory_per_gpu_bytes"] <= cap_gib * 2**30 for r in capped)
+    assert all(r["hbm_bytes"] == cap_gib * 2**30 for r in capped)
+    assert capped[0]["layout"] != whole[0]["layout"]
+    text = cli(*args, "--memory-per-gpu", str(cap_gib)).stdout
+    assert "memory per GPU held to 0.15 GiB (memory_per_gpu)" in text

@@ -271,6 +271,11 @@ class Topology:
     def with_usable_gpus(self, usable: int) -> "Topology":
         return replace(self, scale_up=replace(self.scale_up, usable_gpus=usable))
 
+    def with_memory_cap(self, cap_bytes: float) -> "Topology":
+        """The topology with each accelerator's usable memory held to cap_bytes (no change above its HBM)."""
+        return replace(self, accelerator=replace(self.accelerator, hbm_bytes=min(self.accelerator.hbm_bytes,
+                                                                                 cap_bytes)))
+
     def with_efficiency(self, efficiency: EfficiencyProfile) -> "Topology":
         return replace(self, efficiency=efficiency)
 

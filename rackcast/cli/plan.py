@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from rackcast.capabilities import EXECUTORS
 from rackcast.cli.common import bounded
 from rackcast.errors import RackcastError
+from rackcast.units import GIB
 from rackcast.plan import BatchSpec, Plan, TopologyRef
 
 BATCH_HELP = ("global batch in sequences (default: the model preset's recipe where it has one, e.g. 11,264 x 4,096 "
@@ -61,6 +62,9 @@ def register(sub) -> None:
     parser.add_argument("--usable-gpus", type=bounded(TopologyRef, "usable_gpus", int), default=None, metavar="N",
                         help="GPUs used per domain (e.g. 64 or 72 on NVL72; default: search both the preset's "
                              "default and the whole domain)")
+    parser.add_argument("--memory-per-gpu", type=float, default=0.0, metavar="GIB",
+                        help="fit candidates into this many GiB per GPU instead of the whole HBM (headroom for the "
+                             "framework, or a stand-in for a smaller part; default: the topology's HBM)")
     parser.add_argument("--rows", type=int, default=10, metavar="N", help="rows of the ranked table (default 10)")
     parser.add_argument("--executor", choices=tuple(EXECUTORS), default="trainer",
                         help="layouts to search: those rackcast's trainer runs (default), or any layout the "
@@ -173,7 +177,8 @@ def _run(args) -> int:
              if v is not None}
     request = Request(model=args.model, topology=args.topology, racks=resolve_racks(args.topology, args.racks),
                       tokens=args.tokens, start=args.start, deadline=args.deadline, objective=args.objective,
-                      top=args.top, options=options, command=command_line("plan"), forecast_rows=args.rows, **extra)
+                      top=args.top, options=options, command=command_line("plan"), forecast_rows=args.rows,
+                      memory_per_gpu=args.memory_per_gpu * GIB, **extra)
     with stage_progress(quiet=args.json) as progress:
         result = search(request, progress=progress)
     plan = write_best_plan(result, args.out, request.command) if args.out else None
