@@ -371,14 +371,28 @@ def _evaluate(layouts: list[Layout], rows: list[Row], spec: ModelSpec, base: Top
             kept.append((cand, mem, hph))
         else:
             rows.append(Row(cand, "no_fit", _no_fit_reason(mem, hph, topos[cand.usable]), mem, hph))
-    return _closed_form(kept, rows, spec, base, r)
+    return _closed_form_by_usable(kept, rows, spec, base, topos, r)
 
 
-def _closed_form(kept: list[tuple[Layout, dict, float]], rows: list[Row], spec: ModelSpec, topo: Topology,
-                 r: Request) -> list[Row]:
-    """simulator.estimate.plan_features and step_time once over every candidate (simulator.plan_arrays). step_time
-    reads only per-GPU hardware figures (peaks, link bandwidths, efficiency curves), which do not change with the
-    GPUs used per domain; placement takes each candidate's own."""
+def _closed_form_by_usable(kept: list[tuple[Layout, dict, float]], rows: list[Row], spec: ModelSpec, base: Topology,
+                           topos, r: Request) -> list[Row]:
+    """_closed_form once per count of GPUs used per domain, on that count's topology: per-GPU figures can depend on
+    it (processes that time-share a CPU host's cores, topologies.spec.Topology.time_shared); placement takes each
+    candidate's own. The rows keep `kept`'s order and are added to `rows`."""
+    by_usable: dict[int, list[int]] = {}
+    for i, (cand, _, _) in enumerate(kept):
+        by_usable.setdefault(cand.usable, []).append(i)
+    out: list[Row | None] = [None] * len(kept)
+    for usable, idx in sorted(by_usable.items()):
+        for i, row in zip(idx, _closed_form([kept[i] for i in idx], spec, topos.get(usable, base), r)):
+            out[i] = row
+    rows.extend(out)
+    return out
+
+
+def _closed_form(kept: list[tuple[Layout, dict, float]], spec: ModelSpec, topo: Topology, r: Request) -> list[Row]:
+    """simulator.estimate.plan_features and step_time once over every candidate (simulator.plan_arrays), all using
+    `topo`'s per-GPU figures."""
     if not kept:
         return []
     layouts = [k[0] for k in kept]
@@ -395,7 +409,6 @@ def _closed_form(kept: list[tuple[Layout, dict, float]], rows: list[Row], spec: 
                   kept, times["step_time_s"].tolist(), np.broadcast_to(rate.tokens_per_s, len(kept)).tolist(),
                   np.broadcast_to(rate.mfu, len(kept)).tolist(),
                   np.broadcast_to(rate.days_to_budget, len(kept)).tolist(), phases, feats["drop_fraction"].tolist())]
-    rows.extend(ranked)
     return ranked
 
 
@@ -405,8 +418,8 @@ def _refine_capacity(ranked: list[Row], rows: list[Row], spec: ModelSpec, base: 
     is tried on the best dropless layouts with experts split over several GPUs rather than on all of them."""
     _sort(ranked, r.objective, simulated=False)
     best = [x for x in ranked if x.layout.parallel.expert > 1][:REFINE]
-    return _closed_form([(replace(x.layout, transport="capacity"), x.memory, x.host_per_host) for x in best], rows,
-                        spec, base, r)
+    return _closed_form_by_usable([(replace(x.layout, transport="capacity"), x.memory, x.host_per_host) for x in best],
+                                  rows, spec, base, topos, r)
 
 
 def _no_fit_reason(mem: dict, host_per_host: float, topo: Topology) -> str:

@@ -195,3 +195,21 @@ def test_cli_unknown_preset_exits_2_with_one_line():
     assert result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1
     assert "no-such-rack" in result.stderr
+
+
+def test_processes_beyond_the_hosts_cores_time_share_them_and_gpus_do_not():
+    from dataclasses import replace
+
+    from rackcast.topologies import load_topology
+
+    two, four = load_topology("local-cpu", 1, 2), load_topology("local-cpu", 1, 4)
+    assert two.host.cores == 2 and two.time_share() == 1.0 and four.time_share() == 0.5
+    assert four.peak_flops("fp32") == two.peak_flops("fp32") / 2
+    assert four.accelerator.hbm_bandwidth_Bps == two.accelerator.hbm_bandwidth_Bps / 2
+    ops = replace(two.efficiency.host_op_s, forward=1e-5, backward=2e-5, optimizer=3e-6)
+    shared = replace(two.with_efficiency(replace(two.efficiency, host_op_s=ops)), scale_up=four.scale_up).time_shared()
+    assert (shared.efficiency.host_op_s.forward, shared.efficiency.host_op_s.backward,
+            shared.efficiency.host_op_s.optimizer) == pytest.approx((2e-5, 4e-5, 6e-6))
+    assert four.scale_up.bandwidth_Bps == two.scale_up.bandwidth_Bps  # links stay as measured
+    gpus = load_topology("gb200-nvl72", 1, 72)
+    assert gpus.host.cores == 0 and gpus.time_share() == 1.0 and gpus == gpus.time_shared()

@@ -26,7 +26,8 @@ def list_topologies() -> list[str]:
 def load_topology(name_or_path: str, domains: int | None = None, usable_gpus: int | None = None,
                   profile: str = DEFAULT_STACK_PROFILE) -> Topology:
     """A Topology from a preset name or YAML path, optionally resized (domains) or with fewer GPUs per domain used,
-    with a stack profile applied (topologies.profiles; the default one unless named)."""
+    with a stack profile applied (topologies.profiles; the default one unless named), as each process sees it when
+    more processes than cores share a CPU host (Topology.time_shared)."""
     topo = apply_profile(load_preset(Topology, PRESET_DIR, name_or_path, "topology preset"), load_profile(profile))
     if domains is not None:
         if domains <= 0:
@@ -41,4 +42,4 @@ def load_topology(name_or_path: str, domains: int | None = None, usable_gpus: in
                 f"GPUs used per {topo.domain_label} must lie in 1..{topo.scale_up.domain_size}, got {usable_gpus}"
             )
         topo = topo.with_usable_gpus(usable_gpus)
-    return topo
+    return topo.time_shared()

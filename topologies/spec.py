@@ -183,6 +183,9 @@ class HostSpec:
     gpus_per_host: Annotated[int, Range(1, 4096)]
     link_bandwidth_Bps: Annotated[float, Range(0, 1e15, above=True)]  # per GPU, per direction
     link_latency_s: Annotated[float, Range(0, 1)]
+    # CPU cores that run the accelerators' work where the "accelerators" are CPU processes (local-cpu); 0 where the
+    # accelerators compute for themselves. More processes than cores on one host time-share them (Topology.time_shared)
+    cores: Annotated[int, Range(0, 2**20)] = 0
 
     def __post_init__(self):
         if min(self.memory_bytes, self.memory_bandwidth_Bps, self.link_bandwidth_Bps) <= 0 or self.gpus_per_host <= 0:
@@ -270,6 +273,27 @@ class Topology:
 
     def with_usable_gpus(self, usable: int) -> "Topology":
         return replace(self, scale_up=replace(self.scale_up, usable_gpus=usable))
+
+    def time_share(self) -> float:
+        """The share of a core each process gets: cores / processes per host where the processes (usable GPUs per
+        domain, at most a host's) outnumber host.cores, else 1."""
+        processes = min(self.scale_up.usable_gpus, self.host.gpus_per_host)
+        return self.host.cores / processes if 0 < self.host.cores < processes else 1.0
+
+    def time_shared(self) -> "Topology":
+        """The topology as each process sees it when processes time-share the host's cores (time_share < 1): every
+        rate a process reaches on its own core (peak FLOP/s, memory bandwidth) scaled by its share, and its host time
+        per framework op divided by it. Links are left as measured. Unchanged where no cores are shared."""
+        share = self.time_share()
+        if share == 1.0:
+            return self
+        a, e = self.accelerator, self.efficiency
+        ops = e.host_op_s
+        return replace(self, accelerator=replace(a, peak_flops={k: v * share for k, v in a.peak_flops.items()},
+                                                 hbm_bandwidth_Bps=a.hbm_bandwidth_Bps * share),
+                       efficiency=replace(e, host_op_s=replace(ops, forward=ops.forward / share,
+                                                               backward=ops.backward / share,
+                                                               optimizer=ops.optimizer / share)))
 
     def with_memory_cap(self, cap_bytes: float) -> "Topology":
         """The topology with each accelerator's usable memory held to cap_bytes (no change above its HBM)."""
