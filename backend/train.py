@@ -53,7 +53,7 @@ from rackcast.backend.fsdp import set_gradient_sync, shard_model
 from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.backend.recompute import apply_recompute
-from rackcast.backend.zero import ZeroOne
+from rackcast.backend.zero import Zero
 from rackcast.backend.cpu_runtime import configure_cpu_process
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
@@ -150,7 +150,8 @@ class Trainer:
             raise RackcastError("resume: ZeRO-sharded optimizer state (parallel.zero) is not resumed yet", option="resume")
         if not self.can_checkpoint and self.rank == 0 and not args.quiet:
             print("note: no checkpoint is written (FSDP-sharded expert stacks with expert parallelism)", flush=True)
-        if self.fsdp or lay.pp > 1:
+        self.zero2 = self.plan.parallel.zero == 2 and self.groups is not None  # gradients reduced to owners only
+        if self.fsdp or lay.pp > 1 or self.zero2:  # DDP would all-reduce every gradient (backend.zero)
             self.wrapped = self.chunks
         else:
             self.wrapped = [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
@@ -162,8 +163,8 @@ class Trainer:
             self.optimizer = HostOptimizer(self.optimizer)
         for g in self.optimizer.param_groups:
             g["initial_lr"] = g["lr"]
-        self.zero = ZeroOne(self.local.named_parameters(), self.groups.dp, self.groups.edp, is_expert_param) \
-            if self.plan.parallel.zero and self.groups else None  # ZeRO-1 (backend.zero)
+        self.zero = Zero(self.local.named_parameters(), self.groups.dp, self.groups.edp, is_expert_param,
+                         stage=self.plan.parallel.zero) if self.plan.parallel.zero and self.groups else None
         self.lr_factor = marin_lr_lambda(args.steps, o.warmup_fraction, o.lr_floor)
         dp_group = self.groups.dp if self.groups else None
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
@@ -255,7 +256,9 @@ class Trainer:
                     z_sum + parts["z_loss"].item()
                 count += 1
             self.timer.add("fwd_bwd", self.timer.now() - t0)
-        if self.groups is not None:
+        if self.zero2:
+            self.zero.reduce_to_owners(lay.dp, self.timer)  # backend.zero: each gradient to its owner only
+        elif self.groups is not None:
             reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None and not self.fsdp,
                          experts=not self.experts_sharded)
         t1 = self.timer.now()
@@ -460,7 +463,8 @@ class Trainer:
                 "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
                            "virtual": p.virtual, "schedule": self.plan.schedule,
                            "expert_transport": self.plan.expert_transport.mode,
-                           "data_parallel": "fsdp2" if p.fsdp > 1 else "ddp" if p.pipeline == 1 else "flat all-reduce"},
+                           "data_parallel": "fsdp2" if p.fsdp > 1 else "zero2 reduce to owners" if self.zero2
+                           else "ddp" if p.pipeline == 1 else "flat all-reduce"},
                 "torch": torch.__version__, "threads": self.threads, "tokens_per_step": self.tokens_per_step,
                 "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,

@@ -1,7 +1,8 @@
-"""ZeRO-1 in the trainer: optimizer state sharded over the data-parallel replicas (the plan's `parallel.zero: 1`).
+"""ZeRO-1 and ZeRO-2 in the trainer: optimizer state (and under ZeRO-2 the reduced gradients) sharded over the
+data-parallel replicas (the plan's `parallel.zero: 1` or `2`).
 
-Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (arXiv:1910.02054),
-stage 1 (P_os): each of the N_d data-parallel ranks keeps the optimizer state (and fp32 master) of 1/N_d of the
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (arXiv:1910.02054).
+Stage 1 (P_os): each of the N_d data-parallel ranks keeps the optimizer state (and fp32 master) of 1/N_d of the
 parameters, updates only those, and the updated parameters reach the other ranks. As
 torch.distributed.optim.ZeroRedundancyOptimizer does it, whole parameters are assigned to ranks (the largest first,
 each to the least-loaded rank, ties to the lowest: deterministic, the same on every rank); the gradients are reduced
@@ -9,12 +10,29 @@ as without ZeRO (backend.parallel); before the step a rank drops the gradients o
 the plan's optimizer (MuonH, AdamW, or either offloaded by backend.offload) creates and updates state for its own
 parameters only (both skip a parameter without a gradient); after the step each parameter is broadcast from its
 owner. Dense parameters shard over the stage's data-parallel group, the expert slices over their
-expert-data-parallel group (the ranks holding the same slice). The simulator prices ZeRO-1 as Megatron-LM's
-distributed optimizer runs it (a reduce-scatter, then an all-gather; simulator.costs.gradient_reductions); this
-trainer's all-reduce and broadcasts move more bytes on its gloo reference runs, and train the same model.
+expert-data-parallel group (the ranks holding the same slice).
 
-    zero = ZeroOne(named_parameters, dp_group, edp_group, is_expert)
-    zero.step(optimizer)        # drop_foreign_grads(), optimizer.step(), broadcast()
+Stage 2 (P_os+g): the gradients are sharded too. The trainer does not wrap the model in DDP (DDP all-reduces every
+gradient to every rank); after the backward of the step's last micro-batch, `reduce_to_owners` concatenates, per
+owner rank, the local gradients of the parameters that rank owns into one flat bucket and reduces it to that rank
+(dist.reduce: one reduce per owner, together a reduce-scatter over the whole-parameter partition); the owner
+divides by dp (the average the replicas' losses need, as backend.parallel does: expert gradients summed over their
+expert-data replicas, divided by dp) and keeps the result, every other rank drops its local gradient of that
+parameter (p.grad = None) as soon as its bucket is sent. The reduction is timed as the data-parallel phase
+("exposed_dp_comm"). Under pipeline parallelism the same call replaces the flat all-reduce after the schedule step.
+
+What the simulator prices (simulator.costs.gradient_reductions / parameter_gathers, for zero 1 and 2 alike): a
+reduce-scatter of the gradients, then an all-gather of the updated weights, as Megatron-LM's distributed optimizer
+runs them. Where this trainer differs, on its gloo reference runs: ZeRO-1 all-reduces (twice the reduce-scatter's
+bytes) and broadcasts; ZeRO-2 moves the reduce-scatter's bytes as one reduce per owner and shares the weights by
+broadcasts (the all-gather's bytes, one collective per parameter). Memory: the reduced gradients live on their owner
+only (1/N_d of them per rank, what simulator.memory counts), but the local gradients are whole on every rank from
+the first micro-batch's backward until the reduction (they accumulate the micro-batches), so the trainer's
+measured peak keeps one full gradient buffer; DeepSpeed's stage 2 reduces buckets during the backward instead.
+
+    zero = Zero(named_parameters, dp_group, edp_group, is_expert, stage=2)
+    zero.reduce_to_owners(dp, timer)  # ZeRO-2 only: after the backward, instead of backend.parallel's reductions
+    zero.step(optimizer)              # drop_foreign_grads(), optimizer.step(), broadcast()
 """
 
 from __future__ import annotations
@@ -37,17 +55,23 @@ def assign_owners(sizes: list[int], ranks: int) -> list[int]:
     return owners
 
 
-class ZeroOne:
-    """Which rank updates each trained parameter, and the broadcast that shares the updates (see the module)."""
+class Zero:
+    """Which rank updates each trained parameter, the reduction of gradients to their owners (stage 2) and the
+    broadcast that shares the updates (see the module)."""
 
     def __init__(self, named: Iterable[tuple[str, nn.Parameter]], dp_group, edp_group,
-                 is_expert: Callable[[str], bool]):
+                 is_expert: Callable[[str], bool], stage: int = 1):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO stage {stage}: backend.zero runs stages 1 and 2")
+        self.stage = stage
         trained = [(n, p) for n, p in named if p.requires_grad]
         self.assigned: list[tuple[nn.Parameter, object, int, bool]] = []  # (param, group, owner's global rank, mine)
+        self.unreplicated: list[nn.Parameter] = []  # one replica (e.g. expert slices with edp 1): owned, not reduced
         for expert, group in ((False, dp_group), (True, edp_group)):
             params = [p for n, p in trained if is_expert(n) == expert]
             if group is None or not params:
-                continue  # one replica: this rank owns them all
+                self.unreplicated += params  # one replica: this rank owns them all
+                continue
             me = dist.get_rank(group)
             owners = assign_owners([p.numel() for p in params], dist.get_world_size(group))
             self.assigned += [(p, group, dist.get_global_rank(group, o), o == me) for p, o in zip(params, owners)]
@@ -61,6 +85,40 @@ class ZeroOne:
         for p, _, _, mine in self.assigned:
             if not mine:
                 p.grad = None
+
+    @torch.no_grad()
+    def reduce_to_owners(self, divide: int, timer=None) -> None:
+        """ZeRO-2, after the backward: each owner's bucket of local gradients reduced to it and divided by `divide`
+        (the data-parallel size); the other ranks keep no gradient of those parameters. Parameters without a local
+        gradient contribute zeros (every rank must join each reduce). Timed as "exposed_dp_comm" when a
+        backend.parallel.PhaseTimer is given."""
+        t0 = timer.now() if timer is not None else 0.0
+        buckets: dict[tuple[int, int], list[nn.Parameter]] = {}  # (group index, owner's global rank) -> params
+        groups: list = []
+        for p, group, owner, _ in self.assigned:
+            if all(g is not group for g in groups):
+                groups.append(group)
+            index = next(i for i, g in enumerate(groups) if g is group)
+            buckets.setdefault((index, owner), []).append(p)
+        for p in self.unreplicated:  # expert slices whose expert group is the whole dp group: averaged only
+            if p.grad is not None:
+                p.grad.div_(divide)
+        me = dist.get_rank()
+        for (index, owner), params in buckets.items():  # insertion order: the same on every rank
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            dist.reduce(flat, dst=owner, group=groups[index])
+            if owner == me:
+                flat.div_(divide)
+                offset = 0
+                for p in params:
+                    p.grad = flat[offset:offset + p.numel()].view_as(p)  # views: the owned bucket only
+                    offset += p.numel()
+            else:
+                for p in params:
+                    p.grad = None
+            del flat
+        if timer is not None:
+            timer.add("exposed_dp_comm", timer.now() - t0)
 
     def step(self, optimizer) -> None:
         """The optimizer step on this rank's parameters, then everyone's updates shared."""
