@@ -2,9 +2,10 @@
 
 Per rank: build the full model from the plan's ModelSpec with the plan's seed, keep this rank's pipeline chunks and
 expert slice (backend.pipeline, backend.expert_parallel), wrap the dense parameters in DDP over the data-parallel
-group (backend.parallel), build the plan's optimizer (backend.optim) and quantile balancer (statistics reduced over
-the data-parallel group), then per optimizer step: this rank's share of the global batch (backend.data) in
-micro-batches -> forward/backward (or the pipeline schedule) -> expert gradient reduction -> optimizer -> balancer.
+group (backend.parallel; not under ZeRO-2, whose backend.zero reduces each gradient to its owner only), build the
+plan's optimizer (backend.optim) and quantile balancer (statistics reduced over the data-parallel group), then per
+optimizer step: this rank's share of the global batch (backend.data) in micro-batches -> forward/backward (or the
+pipeline schedule) -> expert gradient reduction -> optimizer -> balancer.
 Measures each step (backend.record), saves checkpoints (backend.checkpoint) and resumes from the latest complete one.
 
 Peak memory: on CUDA torch.cuda.max_memory_allocated. On CPU every rank measures the peak bytes of live tensors
@@ -252,13 +253,15 @@ class Trainer:
                 with (contextlib.nullcontext() if sync else module.no_sync()), self._autocast():
                     loss, parts = self._loss(module(x), x, y)
                 (loss / self.microbatches).backward()
+                if self.zero2:  # backend.zero: this micro-batch's gradients to their owners only
+                    self.zero.reduce_to_owners(lay.dp, self.timer, last=i == self.microbatches - 1)
                 loss_sum, ce_sum, z_sum = loss_sum + loss.item(), ce_sum + parts["ce"].item(), \
                     z_sum + parts["z_loss"].item()
                 count += 1
             self.timer.add("fwd_bwd", self.timer.now() - t0)
-        if self.zero2:
-            self.zero.reduce_to_owners(lay.dp, self.timer)  # backend.zero: each gradient to its owner only
-        elif self.groups is not None:
+        if self.zero2 and self.pipe is not None:  # backend.zero: the schedule ran every micro-batch
+            self.zero.reduce_to_owners(lay.dp, self.timer)
+        elif self.groups is not None and not self.zero2:
             reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None and not self.fsdp,
                          experts=not self.experts_sharded)
         t1 = self.timer.now()
@@ -368,24 +371,8 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(per_rank)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        vec = per_rank.sum(0)
-        slowest = int(per_rank[:, 6].argmax())
-        n = max(vec[3].item(), 1.0)
-        step_time = vec[6].item() / self.world
-        out = {"loss": vec[0].item() / n, "ce": vec[1].item() / n if self.pipe is None else math.nan,
-               "z_loss": vec[2].item() / n if self.pipe is None else math.nan,
-               "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time,
-               "mfu": self.model_flops / (step_time * self.world * self.peak)}
-        for i, name in enumerate(names):
-            out[f"phase_{name}_s"] = vec[7 + i].item() / self.world
-        out["slowest_rank"] = slowest
-        out["step_time_slowest_s"] = per_rank[slowest, 6].item()
-        for i, name in enumerate(names):
-            out[f"phase_{name}_slowest_s"] = per_rank[slowest, 7 + i].item()
-        out["peak_memory_bytes"] = int(mem[0].item()) if mem[0].item() >= 0 else math.nan
-        out["peak_rss_bytes"] = int(mem[1].item())
-        out["drop_fraction"] = vec[4].item() / vec[5].item() if vec[5].item() else 0.0
-        return out
+        return record.step_row(per_rank, mem, names, tokens_per_step=self.tokens_per_step,
+                               model_flops=self.model_flops, peak_flops=self.peak, pipeline=self.pipe is not None)
 
     def run(self) -> None:
         args = self.args

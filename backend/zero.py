@@ -13,25 +13,30 @@ owner. Dense parameters shard over the stage's data-parallel group, the expert s
 expert-data-parallel group (the ranks holding the same slice).
 
 Stage 2 (P_os+g): the gradients are sharded too. The trainer does not wrap the model in DDP (DDP all-reduces every
-gradient to every rank); after the backward of the step's last micro-batch, `reduce_to_owners` concatenates, per
-owner rank, the local gradients of the parameters that rank owns into one flat bucket and reduces it to that rank
-(dist.reduce: one reduce per owner, together a reduce-scatter over the whole-parameter partition); the owner
-divides by dp (the average the replicas' losses need, as backend.parallel does: expert gradients summed over their
-expert-data replicas, divided by dp) and keeps the result, every other rank drops its local gradient of that
-parameter (p.grad = None) as soon as its bucket is sent. The reduction is timed as the data-parallel phase
-("exposed_dp_comm"). Under pipeline parallelism the same call replaces the flat all-reduce after the schedule step.
+gradient to every rank); after each micro-batch's backward, `reduce_to_owners` concatenates, per owner rank, the
+local gradients of the parameters that rank owns into one flat bucket and reduces it to that rank (dist.reduce: one
+reduce per owner, together a reduce-scatter over the whole-parameter partition); the owner adds it to its sum of
+the step so far, and every rank drops those local gradients (p.grad = None), so between micro-batches a rank holds
+reduced gradients of its own parameters only. After the last micro-batch the owner divides by dp (the average the
+replicas' losses need, as backend.parallel does: expert gradients summed over their expert-data replicas, divided
+by dp) and the sums become its parameters' gradients. The reductions are timed as the data-parallel phase
+("exposed_dp_comm"), inside the forward-backward span as DDP's comm hook is. Under pipeline parallelism the
+schedule runs every micro-batch itself, so one reduction after the schedule step replaces the flat all-reduce.
 
-What the simulator prices (simulator.costs.gradient_reductions / parameter_gathers, for zero 1 and 2 alike): a
-reduce-scatter of the gradients, then an all-gather of the updated weights, as Megatron-LM's distributed optimizer
-runs them. Where this trainer differs, on its gloo reference runs: ZeRO-1 all-reduces (twice the reduce-scatter's
-bytes) and broadcasts; ZeRO-2 moves the reduce-scatter's bytes as one reduce per owner and shares the weights by
-broadcasts (the all-gather's bytes, one collective per parameter). Memory: the reduced gradients live on their owner
-only (1/N_d of them per rank, what simulator.memory counts), but the local gradients are whole on every rank from
-the first micro-batch's backward until the reduction (they accumulate the micro-batches), so the trainer's
-measured peak keeps one full gradient buffer; DeepSpeed's stage 2 reduces buckets during the backward instead.
+What the simulator prices (simulator.costs.gradient_reductions / parameter_gathers, for zero 1 and 2 alike; for
+zero 2, simulator.step and the estimate reduce every micro-batch's gradients, as here): a reduce-scatter of the
+gradients, then an all-gather of the updated weights, as Megatron-LM's distributed optimizer runs them. Where this
+trainer differs, on its gloo reference runs: ZeRO-1 all-reduces (twice the reduce-scatter's bytes) and broadcasts;
+ZeRO-2 moves the reduce-scatter's bytes as one blocking reduce per owner after each micro-batch's backward (the
+simulator overlaps all but the last with the following micro-batches' work), shares the weights by broadcasts (the
+all-gather's bytes, one collective per parameter), and under pipeline parallelism reduces once per step. Memory:
+the reduced gradients live on their owner only (1/N_d of them per rank between micro-batches, what
+simulator.memory counts), but during a micro-batch's backward every rank holds that micro-batch's whole local
+gradients until its reduction (DeepSpeed's stage 2 reduces buckets during the backward instead), so the trainer's
+measured peak keeps one full gradient buffer.
 
     zero = Zero(named_parameters, dp_group, edp_group, is_expert, stage=2)
-    zero.reduce_to_owners(dp, timer)  # ZeRO-2 only: after the backward, instead of backend.parallel's reductions
+    zero.reduce_to_owners(dp, timer, last)  # ZeRO-2: after each micro-batch's backward, not backend.parallel's
     zero.step(optimizer)              # drop_foreign_grads(), optimizer.step(), broadcast()
 """
 
@@ -75,10 +80,15 @@ class Zero:
             me = dist.get_rank(group)
             owners = assign_owners([p.numel() for p in params], dist.get_world_size(group))
             self.assigned += [(p, group, dist.get_global_rank(group, o), o == me) for p, o in zip(params, owners)]
+        self._sums: dict[tuple[int, int], torch.Tensor] = {}  # ZeRO-2: this rank's reduced buckets of the step so far
 
     def owned_numel(self) -> int:
         """Elements of the parameters this rank updates among those sharded."""
         return sum(p.numel() for p, _, _, mine in self.assigned if mine)
+
+    def reduced_numel(self) -> int:
+        """ZeRO-2, between micro-batches: elements of the reduced gradients this rank holds (its own parameters')."""
+        return sum(t.numel() for t in self._sums.values())
 
     def drop_foreign_grads(self) -> None:
         """Before the optimizer step: no gradient, hence no state and no update, for the others' parameters."""
@@ -87,38 +97,48 @@ class Zero:
                 p.grad = None
 
     @torch.no_grad()
-    def reduce_to_owners(self, divide: int, timer=None) -> None:
-        """ZeRO-2, after the backward: each owner's bucket of local gradients reduced to it and divided by `divide`
-        (the data-parallel size); the other ranks keep no gradient of those parameters. Parameters without a local
+    def reduce_to_owners(self, divide: int, timer=None, last: bool = True) -> None:
+        """ZeRO-2, after a micro-batch's backward: each owner's bucket of local gradients reduced to it and added to
+        what it holds of the step's earlier micro-batches; every rank then drops those local gradients, so between
+        micro-batches a rank holds reduced gradients of its own parameters only. With `last`, the owner's sums,
+        divided by `divide` (the data-parallel size), become its parameters' gradients. Parameters without a local
         gradient contribute zeros (every rank must join each reduce). Timed as "exposed_dp_comm" when a
         backend.parallel.PhaseTimer is given."""
         t0 = timer.now() if timer is not None else 0.0
-        buckets: dict[tuple[int, int], list[nn.Parameter]] = {}  # (group index, owner's global rank) -> params
+        me = dist.get_rank()
+        for key, (group, params) in self._buckets().items():  # insertion order: the same on every rank
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            for p in params:
+                p.grad = None
+            dist.reduce(flat, dst=key[1], group=group)
+            if key[1] == me:
+                held = self._sums.get(key)
+                self._sums[key] = flat if held is None else held.add_(flat)
+            del flat
+        if last:
+            for p in self.unreplicated:  # e.g. expert slices whose expert group is the whole dp group: averaged only
+                if p.grad is not None:
+                    p.grad.div_(divide)
+            for key, flat in self._sums.items():
+                flat.div_(divide)
+                offset = 0
+                for p in self._buckets()[key][1]:
+                    p.grad = flat[offset:offset + p.numel()].view_as(p)  # views of the owned bucket only
+                    offset += p.numel()
+            self._sums = {}
+        if timer is not None:
+            timer.add("exposed_dp_comm", timer.now() - t0)
+
+    def _buckets(self) -> dict[tuple[int, int], tuple[object, list[nn.Parameter]]]:
+        """(group index, owner's global rank) -> (group, the parameters that owner updates), in `assigned` order."""
+        buckets: dict[tuple[int, int], tuple[object, list[nn.Parameter]]] = {}
         groups: list = []
         for p, group, owner, _ in self.assigned:
             if all(g is not group for g in groups):
                 groups.append(group)
             index = next(i for i, g in enumerate(groups) if g is group)
-            buckets.setdefault((index, owner), []).append(p)
-        for p in self.unreplicated:  # expert slices whose expert group is the whole dp group: averaged only
-            if p.grad is not None:
-                p.grad.div_(divide)
-        me = dist.get_rank()
-        for (index, owner), params in buckets.items():  # insertion order: the same on every rank
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-            dist.reduce(flat, dst=owner, group=groups[index])
-            if owner == me:
-                flat.div_(divide)
-                offset = 0
-                for p in params:
-                    p.grad = flat[offset:offset + p.numel()].view_as(p)  # views: the owned bucket only
-                    offset += p.numel()
-            else:
-                for p in params:
-                    p.grad = None
-            del flat
-        if timer is not None:
-            timer.add("exposed_dp_comm", timer.now() - t0)
+            buckets.setdefault((index, owner), (group, []))[1].append(p)
+        return buckets
 
     def step(self, optimizer) -> None:
         """The optimizer step on this rank's parameters, then everyone's updates shared."""

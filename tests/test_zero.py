@@ -1,7 +1,7 @@
 """ZeRO (parallel.zero): the memory model's formulas against Rajbhandari et al. (arXiv:1910.02054), the cost model's
 reduce-scatter + all-gather in place of the all-reduce (estimate and simulator alike), the planner offering only
-the stages the trainer runs, and the trainer's ZeRO-1 and ZeRO-2 (backend.zero) keeping optimizer state (and, ZeRO-2, reduced gradients) for its own
-parameters only. The ZeRO-1 multi-process equivalence runs are in tests/test_trainer_parallel.py (dp2-zero1,
+the stages the trainer runs, and the trainer's ZeRO-1 and ZeRO-2 (backend.zero) keeping optimizer state (and, under
+ZeRO-2, reduced gradients) for its own parameters only. The ZeRO-1 multi-process equivalence runs are in tests/test_trainer_parallel.py (dp2-zero1,
 ep2xdp2-zero1); ZeRO-2's are here, with Adam on every group and with MuonH, over five steps.
 
     .venv/bin/pytest -q tests/test_zero.py
@@ -116,16 +116,21 @@ def _worker(rank: int, world: int, port: int, out: str):
         optimizer = build_optimizer(model, "adamw", lr=0.1)
         zero = Zero(model.named_parameters(), dist.group.WORLD, None, lambda name: False, stage=stage)
         torch.manual_seed(1 + rank)
-        model(torch.randn(3, 8)).square().sum().backward()
-        local = [p.grad.clone() for p in model.parameters()]
+        x = torch.randn(4, 8)
         if stage == 1:
+            model(x).square().sum().backward()
+            got["local"] = [p.grad.clone() for p in model.parameters()]  # this rank's, before the reduction
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad.div_(world)
-        else:
+        else:  # two micro-batches: between them a rank keeps the reduced gradients of its own parameters only
+            model(x[:2]).square().sum().backward()
+            zero.reduce_to_owners(world, last=False)
+            got["between"] = [p.grad is None for p in model.parameters()]
+            got["reduced"] = (zero.reduced_numel(), zero.owned_numel())
+            model(x[2:]).square().sum().backward()
             zero.reduce_to_owners(world)
             got["grads"] = [p.grad for p in model.parameters()]  # after the reduction, before the step
-            got["local"] = local
             got["mine"] = [mine for _, _, _, mine in zero.assigned]
         zero.drop_foreign_grads()
         optimizer.step()
@@ -151,6 +156,7 @@ def test_zero_one_and_two_keep_state_for_their_own_parameters_and_every_rank_end
         for a, b in zip(got[0][stage]["params"], got[1][stage]["params"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     # ZeRO-2: after the reduction a parameter's gradient is on its owner only, and it is the replicas' average
+    assert all(all(g["between"]) and g["reduced"][0] == g["reduced"][1] for g in got)
     for i in range(4):
         owner = [g for g in got if g["mine"][i]]
         assert len(owner) == 1
