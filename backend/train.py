@@ -47,6 +47,7 @@ from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
 from rackcast.backend.fault_injection import fail_hook
 from rackcast.backend.launch import exit_with_parent
 from rackcast.backend.model import build_model, next_token_loss
+from rackcast.backend.moe import MoE
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
@@ -121,6 +122,8 @@ class Trainer:
                 enable(False)  # these flags pick the SDPA kernel on CPU too (what nn.attention.sdpa_kernel sets)
         model = build_model(spec, seed=self.plan.seed, device=self.device, combine_sum=self.plan.combine_sum)
         et = self.plan.expert_transport
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            moe.balanced_routing = et.routing == "balanced"  # force-balanced choices (backend.moe)
         capacity = et.capacity_factor if et.mode == "capacity" else None
         self.moes = []
         if spec.moe is not None and (lay.ep > 1 or capacity is not None):

@@ -71,7 +71,7 @@ TRAINER = Capabilities(
     master_weights=(True,),  # the fp32 parameters are the master copy
     attention_kernels=("flash", "materialized"),  # fused SDPA, or SDPA's math backend (scores in memory)
     dropout=False,
-    balanced_routing=False,  # backend.moe's router always learns its top-k; no force-balanced assignment yet
+    balanced_routing=True,  # backend.moe.balanced_assignment forces the choices; the router's scores weigh them
     compile_processes=1,  # backend.compiled: torch.compile on one-process plans (not tried with parallel layouts)
 )
 
