@@ -27,7 +27,7 @@ What the simulator prices (simulator.costs.gradient_reductions / parameter_gathe
 zero 2, simulator.step and the estimate reduce every micro-batch's gradients, as here): a reduce-scatter of the
 gradients, then an all-gather of the updated weights, as Megatron-LM's distributed optimizer runs them. Where this
 trainer differs, on its gloo reference runs: ZeRO-1 all-reduces (twice the reduce-scatter's bytes) and broadcasts;
-ZeRO-2 moves the reduce-scatter's bytes as one blocking reduce per owner after each micro-batch's backward (the
+ZeRO-2 moves about the reduce-scatter's bytes as one blocking reduce per owner after each micro-batch's backward (the
 simulator overlaps all but the last with the following micro-batches' work), shares the weights by broadcasts (the
 all-gather's bytes, one collective per parameter), and under pipeline parallelism reduces once per step. Memory:
 the reduced gradients live on their owner only (1/N_d of them per rank between micro-batches, what
@@ -37,7 +37,7 @@ measured peak keeps one full gradient buffer.
 
     zero = Zero(named_parameters, dp_group, edp_group, is_expert, stage=2)
     zero.reduce_to_owners(dp, timer, last)  # ZeRO-2: after each micro-batch's backward, not backend.parallel's
-    zero.step(optimizer)              # drop_foreign_grads(), optimizer.step(), broadcast()
+    zero.step(optimizer)                    # drop_foreign_grads(), optimizer.step(), broadcast()
 """
 
 from __future__ import annotations
