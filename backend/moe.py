@@ -17,6 +17,14 @@ Forward, per token x (full width d_model):
    reuses `sort_by_expert` / `combine`. Expert weights are stacked [E, ...] so a rank can own experts[e0:e1].
 4. shared experts: dense SwiGLU MLPs at full width applied to every token, added to the routed output.
 
+Force-balanced routing (the plan's expert_transport.routing: balanced, set by backend.train as `balanced_routing`):
+the router still scores every token, but the chosen experts are `balanced_assignment`'s, token t's k-th choice
+expert (t K + k) mod E (t: the token's index in the forward's flattened batch), so each forward gives every expert
+T K / E assignments (to within one when E does not divide T K), as throughput benchmarks force it; the combine
+weights are still the sigmoid of the router's logits at those experts, so the router gets a gradient. When E
+divides seq_len K each whole sequence is balanced on its own, and the choice does not depend on how the batch is
+split into micro-batches or ranks. The balancing statistics (margins, counts) are computed as without it.
+
 Each forward records tokens per expert (`last_routing_counts`, and `routing_counts_sum` until reset) for logging.
 
 Frontier routing (backend.frontier_routing), chosen by the ModelSpec: a learned router bias (GPT-OSS: added to the
@@ -39,6 +47,15 @@ from rackcast.backend.frontier_routing import group_limited, switch_aux_loss
 from rackcast.backend.layers import Mlp, Normal, RMSNorm
 from rackcast.modelspec import ModelSpec
 from rackcast.simulator.op_counts import GROUPED_MM_ALIGN_BYTES
+
+
+def balanced_assignment(tokens: int, top_k: int, experts: int, device=None) -> Tensor:
+    """Force-balanced expert ids [tokens, top_k]: token t's k-th choice is expert (t top_k + k) mod experts (distinct
+    per token while top_k <= experts). The ids are a slice of a [tokens, top_k + 1] tensor, as the router's own
+    top-(K+1) slice is, so what consumes them runs the same ops (backend.opcount counts them)."""
+    ids = (torch.arange(tokens * (top_k + 1), device=device).view(tokens, top_k + 1)
+           - torch.arange(tokens, device=device)[:, None]) % experts
+    return ids[:, :top_k]  # row t: t K .. t K + K - 1 (mod E)
 
 
 class Router(nn.Module):
@@ -218,6 +235,7 @@ class MoE(nn.Module):
         self.shared = nn.ModuleList(
             Mlp(d, m.shared_ffn, spec.activation, spec.mlp_bias) for _ in range(m.shared_experts)
         )
+        self.balanced_routing = False  # set by backend.train for expert_transport.routing: balanced
         self.collect_margins = False  # set by QuantileBalancer
         self.margins: list[Tensor] = []  # [T, E] fp32 margins s - a_t per training forward, until the balancer reads
         self.last_routing_counts: Tensor | None = None
@@ -237,6 +255,8 @@ class MoE(nn.Module):
             if self.collect_margins and self.training:
                 self.margins.append(logits.detach() - top_vals[:, self.top_k :])
         ids = top_idx[:, : self.top_k]
+        if self.balanced_routing:  # forced choices, the router's scores at them (see the module)
+            ids = balanced_assignment(x.shape[0], self.top_k, self.num_experts, x.device)
         weights = torch.sigmoid(logits.gather(1, ids))
         weights = weights * (self.combine_sum / weights.sum(-1, keepdim=True))
         self._record_counts(ids)

@@ -33,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rackcast.backend.model import build_model, next_token_loss
-from rackcast.backend.moe import GroupedExperts, MoE
+from rackcast.backend.moe import GroupedExperts, MoE, balanced_assignment
 from rackcast.backend.optim import build_optimizer
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import load_model
@@ -72,11 +72,9 @@ def _tag(module, counter: _Counter, name: str) -> None:
 
 def _route_to_every_expert(moe: MoE, tokens: int) -> None:
     """Make `moe` route `tokens` tokens in balance over all of its experts: its own routing still runs (its ops are
-    counted), then token t's k-th expert becomes (t K + k) mod E. The ids are a slice of a [tokens, K + 1] tensor,
-    as the routing's own top-(K+1) slice is, so the dispatch that reshapes them makes the same ops."""
-    k, e = moe.top_k, moe.num_experts
-    ids = (torch.arange(tokens * (k + 1)).view(tokens, k + 1) - torch.arange(tokens)[:, None]) % e
-    ids = ids[:, :k]  # row t: t K .. t K + K - 1 (mod E), distinct experts since K < E
+    counted), then token t's k-th expert becomes (t K + k) mod E (backend.moe.balanced_assignment, a slice of a
+    [tokens, K + 1] tensor as the routing's own top-(K+1) slice is, so the dispatch makes the same ops)."""
+    ids = balanced_assignment(tokens, moe.top_k, moe.num_experts)
     route = moe.route
 
     def balanced(x):

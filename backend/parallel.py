@@ -8,7 +8,7 @@ The mesh is `init_device_mesh(device, (pipeline, edp, ep), ("pp", "edp", "ep"))`
 "dp"; each axis is one process group.
 
 Data parallelism: the dense parameters are wrapped in DDP over "dp" (with fsdp > 1 FSDP2 shards them instead,
-backend.fsdp);
+backend.fsdp; under ZeRO-2 neither, and backend.zero reduces every gradient to its owner instead of all this);
 the expert stacks are left out of DDP and their gradients are summed over "edp" only and divided by dp, because each
 EP rank already holds the gradient contributions of every rank of its EP group (all_to_all's backward brings them).
 DDP's all-reduce runs through a comm hook that times it, so the data-parallel reduction is a measured phase.

@@ -19,7 +19,8 @@ Files in the run folder:
   simulator.routing replays with `expert_transport: {routing: histogram, histogram: <path>}`).
 Phase meanings: compute = forward + backward work (timed around the real calls) less the communication timed inside
 it; exposed_expert_a2a = the expert all_to_all calls (dispatch and combine, forward and backward);
-exposed_dp_comm = the gradient all-reduces; pipeline_bubble = pipeline wait (schedule time not spent in stage work,
+exposed_dp_comm = the gradient reductions (all-reduces; under ZeRO-2 the reduces to each parameter's owner,
+backend.zero); pipeline_bubble = pipeline wait (schedule time not spent in stage work,
 point-to-point transfers included, so pipeline_p2p stays 0); optimizer = optimizer step + quantile balancing.
 MFU = model FLOPs (ModelSpec.flops_per_token_train, default convention) / (step time x ranks x peak), the peak being
 the topology's for the dtype the model computes in (fp32 on CPU: local-cpu's calibrated fp32 matmul peak).
@@ -118,6 +119,34 @@ def summary(rows: list[dict], **info) -> dict:
     peak_bf16 = info.get("peak_flops_bf16")
     if peak_bf16:
         out["mfu_vs_bf16_peak"] = out["mfu"] * info["peak_flops"] / peak_bf16
+    return out
+
+
+def step_row(per_rank, mem, names: list[str], *, tokens_per_step: float, model_flops: float, peak_flops: float,
+             pipeline: bool) -> dict:
+    """One metrics.parquet row from backend.train's figures, reduced over the ranks: `per_rank` [world, 7 + phases]
+    (loss, ce and z_loss sums, micro-batches, dropped and assigned rows, step seconds, then each of `names`' phase
+    seconds; a rank's row is zero on the others before the sum), `mem` [peak live bytes, peak RSS] (maxima over
+    ranks). Means over ranks, the slowest rank's step and phases (the critical path), loss means per micro-batch
+    (ce and z_loss NaN under pipeline parallelism, whose schedule returns the loss only)."""
+    world = per_rank.shape[0]
+    vec = per_rank.sum(0)
+    slowest = int(per_rank[:, 6].argmax())
+    n = max(vec[3].item(), 1.0)
+    step_time = vec[6].item() / world
+    out = {"loss": vec[0].item() / n, "ce": vec[1].item() / n if not pipeline else math.nan,
+           "z_loss": vec[2].item() / n if not pipeline else math.nan,
+           "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+           "mfu": model_flops / (step_time * world * peak_flops)}
+    for i, name in enumerate(names):
+        out[f"phase_{name}_s"] = vec[7 + i].item() / world
+    out["slowest_rank"] = slowest
+    out["step_time_slowest_s"] = per_rank[slowest, 6].item()
+    for i, name in enumerate(names):
+        out[f"phase_{name}_slowest_s"] = per_rank[slowest, 7 + i].item()
+    out["peak_memory_bytes"] = int(mem[0].item()) if mem[0].item() >= 0 else math.nan
+    out["peak_rss_bytes"] = int(mem[1].item())
+    out["drop_fraction"] = vec[4].item() / vec[5].item() if vec[5].item() else 0.0
     return out
 
 

@@ -2,9 +2,10 @@
 
 Per rank: build the full model from the plan's ModelSpec with the plan's seed, keep this rank's pipeline chunks and
 expert slice (backend.pipeline, backend.expert_parallel), wrap the dense parameters in DDP over the data-parallel
-group (backend.parallel), build the plan's optimizer (backend.optim) and quantile balancer (statistics reduced over
-the data-parallel group), then per optimizer step: this rank's share of the global batch (backend.data) in
-micro-batches -> forward/backward (or the pipeline schedule) -> expert gradient reduction -> optimizer -> balancer.
+group (backend.parallel; not under ZeRO-2, whose backend.zero reduces each gradient to its owner only), build the
+plan's optimizer (backend.optim) and quantile balancer (statistics reduced over the data-parallel group), then per
+optimizer step: this rank's share of the global batch (backend.data) in micro-batches -> forward/backward (or the
+pipeline schedule) -> expert gradient reduction -> optimizer -> balancer.
 Measures each step (backend.record), saves checkpoints (backend.checkpoint) and resumes from the latest complete one.
 
 Peak memory: on CUDA torch.cuda.max_memory_allocated. On CPU every rank measures the peak bytes of live tensors
@@ -46,6 +47,7 @@ from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
 from rackcast.backend.fault_injection import fail_hook
 from rackcast.backend.launch import exit_with_parent
 from rackcast.backend.model import build_model, next_token_loss
+from rackcast.backend.moe import MoE
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
@@ -53,7 +55,7 @@ from rackcast.backend.fsdp import expert_checkpoint_mesh, set_gradient_sync, sha
 from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.backend.recompute import apply_recompute
-from rackcast.backend.zero import ZeroOne
+from rackcast.backend.zero import Zero
 from rackcast.backend.cpu_runtime import configure_cpu_process
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
@@ -121,6 +123,8 @@ class Trainer:
                 enable(False)  # these flags pick the SDPA kernel on CPU too (what nn.attention.sdpa_kernel sets)
         model = build_model(spec, seed=self.plan.seed, device=self.device, combine_sum=self.plan.combine_sum)
         et = self.plan.expert_transport
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            moe.balanced_routing = et.routing == "balanced"  # force-balanced choices (backend.moe)
         capacity = et.capacity_factor if et.mode == "capacity" else None
         self.moes = []
         if spec.moe is not None and (lay.ep > 1 or capacity is not None):
@@ -145,7 +149,8 @@ class Trainer:
         self.expert_mesh = expert_checkpoint_mesh(lay, self.device) if self.experts_sharded and lay.ep > 1 else None
         if self.plan.parallel.zero and args.resume:  # saved: each rank writes the state it holds; loaded: not yet
             raise RackcastError("resume: ZeRO-sharded optimizer state (parallel.zero) is not resumed yet", option="resume")
-        if self.fsdp or lay.pp > 1:
+        self.zero2 = self.plan.parallel.zero == 2 and self.groups is not None  # gradients reduced to owners only
+        if self.fsdp or lay.pp > 1 or self.zero2:  # DDP would all-reduce every gradient (backend.zero)
             self.wrapped = self.chunks
         else:
             self.wrapped = [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
@@ -157,8 +162,8 @@ class Trainer:
             self.optimizer = HostOptimizer(self.optimizer)
         for g in self.optimizer.param_groups:
             g["initial_lr"] = g["lr"]
-        self.zero = ZeroOne(self.local.named_parameters(), self.groups.dp, self.groups.edp, is_expert_param) \
-            if self.plan.parallel.zero and self.groups else None  # ZeRO-1 (backend.zero)
+        self.zero = Zero(self.local.named_parameters(), self.groups.dp, self.groups.edp, is_expert_param,
+                         stage=self.plan.parallel.zero) if self.plan.parallel.zero and self.groups else None
         self.lr_factor = marin_lr_lambda(args.steps, o.warmup_fraction, o.lr_floor)
         dp_group = self.groups.dp if self.groups else None
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
@@ -246,11 +251,15 @@ class Trainer:
                 with (contextlib.nullcontext() if sync else module.no_sync()), self._autocast():
                     loss, parts = self._loss(module(x), x, y)
                 (loss / self.microbatches).backward()
+                if self.zero2:  # backend.zero: this micro-batch's gradients to their owners only
+                    self.zero.reduce_to_owners(lay.dp, self.timer, last=i == self.microbatches - 1)
                 loss_sum, ce_sum, z_sum = loss_sum + loss.item(), ce_sum + parts["ce"].item(), \
                     z_sum + parts["z_loss"].item()
                 count += 1
             self.timer.add("fwd_bwd", self.timer.now() - t0)
-        if self.groups is not None:
+        if self.zero2 and self.pipe is not None:  # backend.zero: the schedule ran every micro-batch
+            self.zero.reduce_to_owners(lay.dp, self.timer)
+        elif self.groups is not None and not self.zero2:
             reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None and not self.fsdp,
                          experts=not self.experts_sharded)
         t1 = self.timer.now()
@@ -363,24 +372,8 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(per_rank)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        vec = per_rank.sum(0)
-        slowest = int(per_rank[:, 6].argmax())
-        n = max(vec[3].item(), 1.0)
-        step_time = vec[6].item() / self.world
-        out = {"loss": vec[0].item() / n, "ce": vec[1].item() / n if self.pipe is None else math.nan,
-               "z_loss": vec[2].item() / n if self.pipe is None else math.nan,
-               "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time,
-               "mfu": self.model_flops / (step_time * self.world * self.peak)}
-        for i, name in enumerate(names):
-            out[f"phase_{name}_s"] = vec[7 + i].item() / self.world
-        out["slowest_rank"] = slowest
-        out["step_time_slowest_s"] = per_rank[slowest, 6].item()
-        for i, name in enumerate(names):
-            out[f"phase_{name}_slowest_s"] = per_rank[slowest, 7 + i].item()
-        out["peak_memory_bytes"] = int(mem[0].item()) if mem[0].item() >= 0 else math.nan
-        out["peak_rss_bytes"] = int(mem[1].item())
-        out["drop_fraction"] = vec[4].item() / vec[5].item() if vec[5].item() else 0.0
-        return out
+        return record.step_row(per_rank, mem, names, tokens_per_step=self.tokens_per_step,
+                               model_flops=self.model_flops, peak_flops=self.peak, pipeline=self.pipe is not None)
 
     def run(self) -> None:
         args = self.args
@@ -458,7 +451,8 @@ class Trainer:
                 "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
                            "virtual": p.virtual, "schedule": self.plan.schedule,
                            "expert_transport": self.plan.expert_transport.mode,
-                           "data_parallel": "fsdp2" if p.fsdp > 1 else "ddp" if p.pipeline == 1 else "flat all-reduce"},
+                           "data_parallel": "fsdp2" if p.fsdp > 1 else "zero2 reduce to owners" if self.zero2
+                           else "ddp" if p.pipeline == 1 else "flat all-reduce"},
                 "torch": torch.__version__, "threads": self.threads, "tokens_per_step": self.tokens_per_step,
                 "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,

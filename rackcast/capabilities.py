@@ -63,7 +63,7 @@ TRAINER = Capabilities(
     zb_h1_single_chunk=False,
     tied_embeddings_pipeline=False,
     uneven_pipeline=True,  # backend.pipeline builds each chunk from ParallelSpec.chunk_layer_range
-    zero=(0, 1),  # backend.zero: ZeRO-1 (optimizer state sharded over the replicas); ZeRO-2 not implemented
+    zero=(0, 1, 2),  # backend.zero: ZeRO-1 (optimizer state sharded over the replicas), ZeRO-2 (and gradients)
     zero_with_fsdp=False,
     mtp_pipeline=False,  # backend.mtp runs after the head of an unsplit model
     precisions=("bf16", "fp32"),  # bf16: autocast on CUDA and CPU (backend.train)
@@ -71,7 +71,7 @@ TRAINER = Capabilities(
     master_weights=(True,),  # the fp32 parameters are the master copy
     attention_kernels=("flash", "materialized"),  # fused SDPA, or SDPA's math backend (scores in memory)
     dropout=False,
-    balanced_routing=False,  # backend.moe's router always learns its top-k; no force-balanced assignment yet
+    balanced_routing=True,  # backend.moe.balanced_assignment forces the choices; the router's scores weigh them
     compile_processes=1,  # backend.compiled: torch.compile on one-process plans (not tried with parallel layouts)
 )
 

@@ -1,8 +1,8 @@
 """ZeRO (parallel.zero): the memory model's formulas against Rajbhandari et al. (arXiv:1910.02054), the cost model's
 reduce-scatter + all-gather in place of the all-reduce (estimate and simulator alike), the planner offering only
-the stages the trainer runs, and the trainer's ZeRO-1 (backend.zero) keeping optimizer state for its own
-parameters only. The multi-process equivalence runs are in tests/test_trainer_parallel.py (dp2-zero1,
-ep2xdp2-zero1).
+the stages the trainer runs, and the trainer's ZeRO-1 and ZeRO-2 (backend.zero) keeping optimizer state (and, under
+ZeRO-2, reduced gradients) for its own parameters only. The ZeRO-1 multi-process equivalence runs are in tests/test_trainer_parallel.py (dp2-zero1,
+ep2xdp2-zero1); ZeRO-2's are here, with Adam on every group and with MuonH, over five steps.
 
     .venv/bin/pytest -q tests/test_zero.py
 """
@@ -69,16 +69,17 @@ def test_zero_swaps_the_all_reduce_for_a_reduce_scatter_and_an_all_gather_in_est
     assert estimate(_zero(plan, 1)).phases_s["exposed_dp_comm"] != estimate(plan).phases_s["exposed_dp_comm"]
 
 
-def test_zero_needs_data_replicas_and_the_trainer_runs_zero_1_only():
+def test_zero_needs_data_replicas_and_the_trainer_runs_zero_1_and_2():
     plan = load_plan(str(PLANS / "tiny-2proc-ep.yaml"))
     spec = plan.model_spec()
     one_replica = replace(plan, parallel=replace(plan.parallel, data=1, fsdp=2, zero=1))
     with pytest.raises(RackcastError, match="parallel.zero: ZeRO-1 shards over the data replicas and needs data > 1"):
         validate(one_replica, spec, 2)
-    assert refusals(_zero(plan, 1), spec) == []
-    assert refusals(_zero(plan, 2), spec) == ["parallel.zero: ZeRO-2 is not implemented by the trainer (it runs "
-                                              "ZeRO 0 or 1)"]
+    assert refusals(_zero(plan, 1), spec) == [] and refusals(_zero(plan, 2), spec) == []
     assert refusals(_zero(plan, 2), spec, EVERYTHING) == []
+    stage_one = replace(TRAINER, zero=(0, 1))  # an executor without ZeRO-2: the line names what it runs
+    assert refusals(_zero(plan, 2), spec, stage_one) == ["parallel.zero: ZeRO-2 is not implemented by the trainer "
+                                                         "(it runs ZeRO 0 or 1)"]
 
 
 def test_the_planner_offers_the_zero_stages_the_executor_runs():
@@ -86,7 +87,7 @@ def test_the_planner_offers_the_zero_stages_the_executor_runs():
     from rackcast.presets import load_model
 
     spec = load_model("tiny-moe")
-    for caps, want in ((TRAINER, {0, 1}), (EVERYTHING, {0, 1, 2})):
+    for caps, want in ((TRAINER, {0, 1, 2}), (EVERYTHING, {0, 1, 2})):
         layouts = enumerate_space(spec, 1, 4, 4, SpaceOptions(global_batch=16, capabilities=caps), 1e9).layouts
         assert {lay.parallel.zero for lay in layouts if lay.parallel.data > 1} == want
         assert {lay.parallel.zero for lay in layouts if lay.parallel.data == 1} == {0}
@@ -104,40 +105,86 @@ def test_owners_are_balanced_by_size_and_deterministic():
 
 def _worker(rank: int, world: int, port: int, out: str):
     from rackcast.backend.optim import build_optimizer
-    from rackcast.backend.zero import ZeroOne
+    from rackcast.backend.zero import Zero
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-    optimizer = build_optimizer(model, "adamw", lr=0.1)
-    zero = ZeroOne(model.named_parameters(), dist.group.WORLD, None, lambda name: False)
-    torch.manual_seed(1 + rank)
-    model(torch.randn(3, 8)).square().sum().backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-    zero.drop_foreign_grads()
-    optimizer.step()
-    zero.broadcast()
-    held = sum(v.numel() for s in optimizer.state.values() for v in s.values() if v.ndim > 0)
-    torch.save({"held": held, "owned": zero.owned_numel(), "params": [p.detach() for p in model.parameters()]},
-               f"{out}/{rank}.pt")
+    got = {}
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        optimizer = build_optimizer(model, "adamw", lr=0.1)
+        zero = Zero(model.named_parameters(), dist.group.WORLD, None, lambda name: False, stage=stage)
+        torch.manual_seed(1 + rank)
+        x = torch.randn(4, 8)
+        if stage == 1:
+            model(x).square().sum().backward()
+            got["local"] = [p.grad.clone() for p in model.parameters()]  # this rank's, before the reduction
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+        else:  # two micro-batches: between them a rank keeps the reduced gradients of its own parameters only
+            model(x[:2]).square().sum().backward()
+            zero.reduce_to_owners(world, last=False)
+            got["between"] = [p.grad is None for p in model.parameters()]
+            got["reduced"] = (zero.reduced_numel(), zero.owned_numel())
+            model(x[2:]).square().sum().backward()
+            zero.reduce_to_owners(world)
+            got["grads"] = [p.grad for p in model.parameters()]  # after the reduction, before the step
+            got["mine"] = [mine for _, _, _, mine in zero.assigned]
+        zero.drop_foreign_grads()
+        optimizer.step()
+        zero.broadcast()
+        held = sum(v.numel() for s in optimizer.state.values() for v in s.values() if v.ndim > 0)
+        got[stage] = {"held": held, "owned": zero.owned_numel(), "params": [p.detach() for p in model.parameters()]}
+    torch.save(got, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_zero_one_keeps_state_for_its_own_parameters_and_every_rank_ends_with_the_same_weights(tmp_path):
+def test_zero_one_and_two_keep_state_for_their_own_parameters_and_every_rank_ends_with_the_same_weights(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_worker, args=(2, port, str(tmp_path)), nprocs=2)
     got = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     total = 8 * 16 + 16 + 16 * 4 + 4
-    assert got[0]["owned"] + got[1]["owned"] == total and min(g["owned"] for g in got) > 0
-    for g in got:
-        assert g["held"] == 2 * g["owned"]  # AdamW's two moments, for the owned parameters only
-    for a, b in zip(got[0]["params"], got[1]["params"]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for stage in (1, 2):
+        assert got[0][stage]["owned"] + got[1][stage]["owned"] == total and min(g[stage]["owned"] for g in got) > 0
+        for g in got:
+            assert g[stage]["held"] == 2 * g[stage]["owned"]  # AdamW's two moments, for the owned parameters only
+        for a, b in zip(got[0][stage]["params"], got[1][stage]["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # ZeRO-2: after the reduction a parameter's gradient is on its owner only, and it is the replicas' average
+    assert all(all(g["between"]) and g["reduced"][0] == g["reduced"][1] for g in got)
+    for i in range(4):
+        owner = [g for g in got if g["mine"][i]]
+        assert len(owner) == 1
+        assert [g["grads"][i] is None for g in got] == [not g["mine"][i] for g in got]
+        torch.testing.assert_close(owner[0]["grads"][i], (got[0]["local"][i] + got[1]["local"][i]) / 2)
+    for a, b in zip(got[0][1]["params"], got[0][2]["params"]):  # the same update as ZeRO-1's
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+ZERO2_STEPS = 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "muonh"])  # MuonH alone would miss a wrong gradient scale
+def test_zero_two_trains_what_one_process_trains(optimizer, tmp_path):
+    from rackcast.backend.checkpoint import full_model_state, latest_complete
+    from trainer_helpers import losses, run_worker, write_plan
+
+    ref = tmp_path / "ref"
+    for out, parallel, world in ((ref, {}, 1), (tmp_path / "z2", {"data": 2, "zero": 2}, 2)):
+        done = run_worker(write_plan(tmp_path / f"{out.name}.yaml", parallel, optimizer=optimizer), out,
+                          ZERO2_STEPS, world=world)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(tmp_path / "z2") == pytest.approx(losses(ref), rel=1e-5)
+    want, have = full_model_state(latest_complete(ref)), full_model_state(latest_complete(tmp_path / "z2"))
+    assert have.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(have[key], value, atol=1e-5, rtol=0, msg=key)
 
 
 def test_a_candidate_too_large_to_simulate_keeps_its_estimate_instead_of_ending_the_search():
