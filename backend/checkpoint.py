@@ -140,9 +140,30 @@ def _localise(values: dict) -> dict:
     return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()}
 
 
-def _state(model: nn.Module, optimizer, shard_of: ShardOf | None) -> dict:
+def _reorder(state: dict, orders: dict, inverse: bool) -> dict:
+    """Tensor-parallel fused parameters (backend.tensor_parallel.order_rows) and their optimizer state in the
+    one-process row order (inverse: back to the stored order). orders: fqn -> (dim, stored order)."""
+    if not orders:
+        return state
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def convert(value, fqn):
+        if fqn not in orders or not isinstance(value, torch.Tensor) or value.ndim == 0:
+            return value
+        dim, stored = orders[fqn]
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        out = full.index_select(dim, stored) if inverse else full.new_empty(full.shape).index_copy_(dim, stored, full)
+        return distribute_tensor(out, value.device_mesh, value.placements, src_data_rank=None) \
+            if isinstance(value, DTensor) else out
+
+    model = {k: convert(v, k) for k, v in state["model"].items()}
+    optim = {k: convert(v, _optim_fqn(k)) if k.startswith("state.") else v for k, v in state["optim"].items()}
+    return dict(state, model=model, optim=optim)
+
+
+def _state(model: nn.Module, optimizer, shard_of: ShardOf | None, orders: dict | None = None) -> dict:
     model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
-    return _globalise({"model": model_state, "optim": optim_state}, shard_of)
+    return _reorder(_globalise({"model": model_state, "optim": optim_state}, shard_of), orders or {}, inverse=False)
 
 
 # ------------------------------------------------------------------------------------------------ save / load
@@ -169,7 +190,7 @@ class Saver:
         self.pending = None  # (future, temporary folder, final folder, marker content)
 
     def save(self, step: int, model: nn.Module, optimizer, extra: dict, info: dict,
-             shard_of: ShardOf | None = None, fail_hook=None) -> Path:
+             shard_of: ShardOf | None = None, fail_hook=None, orders: dict | None = None) -> Path:
         """Write `model`, `optimizer` and `extra` (trainer.* values: step, rows, routing, rng.<rank>, as the trainer
         passes them) into a temporary folder; rank 0 then marks it complete with `info` (plan identity, layout) and
         renames it to step-NNNNNNNN.
@@ -177,7 +198,8 @@ class Saver:
         model: a module whose parameter names are the full model's (`global_view` of the pipeline chunks);
         optimizer: the optimizer over its parameters. Wrapped or sharded models (DDP, FSDP2, DTensor parameters)
         work as torch.distributed.checkpoint.state_dict.get_state_dict handles them; shard_of says where a plain
-        tensor holding only part of a parameter (an expert-parallel slice) sits in the global one."""
+        tensor holding only part of a parameter (an expert-parallel slice) sits in the global one; `orders` names
+        the fused parameters stored in another row order (tensor parallelism), saved in the one-process order."""
         self.wait()
         tmp, final = _temp_dir(self.run_dir, step), step_dir(self.run_dir, step)
         if self.rank == 0:
@@ -185,7 +207,7 @@ class Saver:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        state = _state(model, optimizer, shard_of)
+        state = _state(model, optimizer, shard_of, orders)
         state["trainer"] = extra
         marker = {"step": step, **info}
         with _quiet():

@@ -50,6 +50,7 @@ from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
 from rackcast.backend.fsdp import set_gradient_sync, shard_model
+from rackcast.backend.tensor_parallel import parallelize, partial_grad_params, reduce_partial_grads, stored_orders
 from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.backend.recompute import apply_recompute
@@ -126,6 +127,10 @@ class Trainer:
             self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
                                       self.timer)
         self.chunks = build_chunks(model, lay, self.plan.parallel, self.plan.schedule)
+        self.tp_partial = []
+        if lay.tp > 1:  # before recompute wraps the blocks (backend.tensor_parallel)
+            parallelize(self.chunks, self.groups, lay)
+            self.tp_partial = partial_grad_params(self.chunks, lay)
         apply_recompute(self.chunks, self.plan.recompute)
         if self.plan.compile:  # after recompute's wrapping, before DDP / FSDP wrap the chunks
             compile_blocks(self.chunks)
@@ -146,11 +151,14 @@ class Trainer:
         if not self.can_checkpoint and (args.checkpoint_every or args.resume):
             raise RackcastError("checkpoint_every/resume: checkpoints of FSDP-sharded expert stacks with expert "
                                 "parallelism are not supported yet (fsdp > 1 with expert > 1)", option="checkpoint_every")
+        if lay.tp > 1 and args.resume:  # saved in the one-process order (backend.tensor_parallel); loaded: not yet
+            raise RackcastError("resume: resuming under tensor parallelism (parallel.tensor > 1) is not implemented "
+                                "yet", option="resume")
         if self.plan.parallel.zero and args.resume:  # saved: each rank writes the state it holds; loaded: not yet
             raise RackcastError("resume: ZeRO-sharded optimizer state (parallel.zero) is not resumed yet", option="resume")
         if not self.can_checkpoint and self.rank == 0 and not args.quiet:
             print("note: no checkpoint is written (FSDP-sharded expert stacks with expert parallelism)", flush=True)
-        if self.fsdp or lay.pp > 1:
+        if self.fsdp or lay.pp > 1 or lay.tp > 1:  # tensor-parallel DTensors: no DDP, a flat all-reduce instead
             self.wrapped = self.chunks
         else:
             self.wrapped = [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
@@ -165,7 +173,7 @@ class Trainer:
         self.zero = ZeroOne(self.local.named_parameters(), self.groups.dp, self.groups.edp, is_expert_param) \
             if self.plan.parallel.zero and self.groups else None  # ZeRO-1 (backend.zero)
         self.lr_factor = marin_lr_lambda(args.steps, o.warmup_fraction, o.lr_floor)
-        dp_group = self.groups.dp if self.groups else None
+        dp_group = self.groups.stage if self.groups else None  # dp, or dp x tp under sequence parallelism
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
         reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)) if dp_group else None
         if spec.moe is not None and spec.moe.balance_method == "aux_free_bias":
@@ -255,9 +263,11 @@ class Trainer:
                     z_sum + parts["z_loss"].item()
                 count += 1
             self.timer.add("fwd_bwd", self.timer.now() - t0)
+        if self.tp_partial:
+            reduce_partial_grads(self.tp_partial, self.groups, self.timer)
         if self.groups is not None:
-            reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None and not self.fsdp,
-                         experts=not self.experts_sharded)
+            reduce_grads(self.chunks, self.groups, lay, self.timer,
+                         dense=(self.pipe is not None or lay.tp > 1) and not self.fsdp, experts=not self.experts_sharded)
         t1 = self.timer.now()
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * self.lr_factor(step)
@@ -272,7 +282,8 @@ class Trainer:
             for name, layer in chunk.layers.items():
                 moe = layer.mlp
                 if getattr(moe, "routing_counts_sum", None) is not None:
-                    self.routing[int(name)] += moe.routing_counts_sum.cpu()
+                    if self.layout.tp_rank == 0 or self.layout.sequence_parallel:  # tp ranks route the same tokens
+                        self.routing[int(name)] += moe.routing_counts_sum.cpu()
                     moe.reset_routing_counts()
 
     @torch.no_grad()
@@ -312,6 +323,7 @@ class Trainer:
         p = self.plan.parallel
         return {"identity": checkpoint.identity(self.plan), "plan_hash": self.plan_hash, "world": self.world,
                 "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
+                           "tensor": p.tensor, "sequence_parallel": p.sequence_parallel,
                            "virtual": p.virtual, "schedule": self.plan.schedule}}
 
     def save(self, step: int) -> None:
@@ -322,7 +334,7 @@ class Trainer:
         if self.rank == 0:
             extra["rows"] = json.dumps(self.rows)  # one string: exact floats, NaN kept
         self.saver.save(step, self.view, getattr(self.optimizer, "inner", self.optimizer), extra, self._checkpoint_info(), self._shard_of(),
-                        fail_hook=lambda where: self.fail(where))
+                        fail_hook=lambda where: self.fail(where), orders=stored_orders(self.view))
         if self.rank == 0:
             record.write_metrics(self.out, self.rows)
 
@@ -458,6 +470,7 @@ class Trainer:
         info = {"plan": self.plan.name, "plan_path": self.args.plan, "plan_hash": self.plan_hash,
                 "model": self.spec.name, "world": self.world, "device": str(self.device),
                 "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
+                           "tensor": p.tensor, "sequence_parallel": p.sequence_parallel,
                            "virtual": p.virtual, "schedule": self.plan.schedule,
                            "expert_transport": self.plan.expert_transport.mode,
                            "data_parallel": "fsdp2" if p.fsdp > 1 else "ddp" if p.pipeline == 1 else "flat all-reduce"},
