@@ -411,6 +411,9 @@ def build_optimizer(
             {"params": groups["muonh"] + groups["adamh"], "kind": "decay", "weight_decay": weight_decay},
             {"params": groups["adam"], "kind": "no_decay", "weight_decay": 0.0},
         ]
+        # foreach ops take lists of one tensor kind: tensor-parallel DTensors and plain tensors in groups of their own
+        spec = [dict(g, params=[p for p in g["params"] if _is_sharded(p) == sharded]) for g in spec
+                for sharded in (False, True)]
         return torch.optim.AdamW([g for g in spec if g["params"]], lr=lr, betas=betas, eps=eps, foreach=True)
     raise ValueError(f"unknown optimizer {name!r} (use 'muonh' or 'adamw')")
 
