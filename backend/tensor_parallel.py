@@ -185,9 +185,12 @@ def reduce_partial_grads(params: list[nn.Parameter], groups, timer) -> None:
 def stored_orders(module: nn.Module) -> dict[str, tuple[int, Tensor]]:
     """Parameter name -> (dim, stored order) of every fused parameter `order_rows` reordered (for backend.checkpoint,
     which saves and loads the one-process order)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
     out = {}
     for name, m in module.named_modules():
         stored = getattr(m, "stored_order", None)
+        name = name.replace(_CHECKPOINT_PREFIX, "")  # state-dict names drop recompute's wrapper (backend.recompute)
         if stored is not None:
             out[f"{name}.weight"] = (0, stored)
             if getattr(m, "bias", None) is not None:

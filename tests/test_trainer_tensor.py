@@ -2,7 +2,8 @@
 absolute), with MuonH and with Adam on every group: TP2 (column / row parallel attention, dense MLP and shared
 experts; fused Q/K/V and gate/up rows stored rank-major, backend.tensor_parallel), TP2 with sequence parallelism
 (norms, router and routed experts on half the sequence; their gradients summed over the tp ranks), and TP2 inside
-each of two pipeline stages.
+each of two pipeline stages; with selective and full recomputation (whose wrappers rename the modules that
+checkpoints must still save in the one-process row order).
 
 The model is tiny-moe with every layer attending with its two stored KV heads (kv_heads_global 2; the trainer
 splits KV heads over the tensor ranks) and the short convolution after K only (block-output convolutions need the
@@ -24,10 +25,10 @@ from trainer_helpers import losses, run_worker, write_plan
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-LAYOUTS = {
-    "t2": ({"tensor": 2}, 2),
-    "t2sp": ({"tensor": 2, "sequence_parallel": True}, 2),
-    "t2p2": ({"tensor": 2, "pipeline": 2}, 4),  # tp ranks innermost: stage s holds ranks 2s, 2s + 1
+LAYOUTS = {  # name: (parallel, processes, other plan fields)
+    "t2": ({"tensor": 2}, 2, {}),
+    "t2sp": ({"tensor": 2, "sequence_parallel": True}, 2, {"recompute": "selective"}),
+    "t2p2": ({"tensor": 2, "pipeline": 2}, 4, {"recompute": "full"}),  # tp innermost: stage s holds ranks 2s, 2s + 1
 }
 
 
@@ -54,8 +55,8 @@ def reference(request, tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_tensor_layout_trains_what_one_process_trains(name, reference, tmp_path):
     optimizer, ref_losses, ref_params = reference
-    parallel, world = LAYOUTS[name]
-    plan = write_plan(tmp_path / f"{name}.yaml", parallel, optimizer=optimizer, model=_model())
+    parallel, world, extra = LAYOUTS[name]
+    plan = write_plan(tmp_path / f"{name}.yaml", parallel, optimizer=optimizer, model=_model(), **extra)
     _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
     assert losses(tmp_path / "run") == pytest.approx(ref_losses, rel=1e-5)
     params = full_model_state(latest_complete(tmp_path / "run"))
