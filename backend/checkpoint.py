@@ -140,9 +140,10 @@ def _localise(values: dict) -> dict:
     return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()}
 
 
-def _reorder(state: dict, orders: dict, inverse: bool) -> dict:
+def _reorder(state: dict, orders: dict) -> dict:
     """Tensor-parallel fused parameters (backend.tensor_parallel.order_rows) and their optimizer state in the
-    one-process row order (inverse: back to the stored order). orders: fqn -> (dim, stored order)."""
+    one-process row order. orders: fqn -> (dim, stored order). (Loading them back under tensor parallelism is not
+    implemented: the trainer refuses --resume with tensor > 1.)"""
     if not orders:
         return state
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -152,7 +153,7 @@ def _reorder(state: dict, orders: dict, inverse: bool) -> dict:
             return value
         dim, stored = orders[fqn]
         full = value.full_tensor() if isinstance(value, DTensor) else value
-        out = full.index_select(dim, stored) if inverse else full.new_empty(full.shape).index_copy_(dim, stored, full)
+        out = full.new_empty(full.shape).index_copy_(dim, stored, full)
         return distribute_tensor(out, value.device_mesh, value.placements, src_data_rank=None) \
             if isinstance(value, DTensor) else out
 
@@ -163,7 +164,7 @@ def _reorder(state: dict, orders: dict, inverse: bool) -> dict:
 
 def _state(model: nn.Module, optimizer, shard_of: ShardOf | None, orders: dict | None = None) -> dict:
     model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
-    return _reorder(_globalise({"model": model_state, "optim": optim_state}, shard_of), orders or {}, inverse=False)
+    return _reorder(_globalise({"model": model_state, "optim": optim_state}, shard_of), orders or {})
 
 
 # ------------------------------------------------------------------------------------------------ save / load
