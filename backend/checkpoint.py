@@ -89,6 +89,13 @@ def identity(plan) -> dict:
             "global_batch": plan.batch.global_batch, "seed": plan.seed}
 
 
+def layout_info(plan) -> dict:
+    """The parallel layout a run used, as checkpoints and records list it (informational: any layout resumes)."""
+    p = plan.parallel
+    return {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline, "tensor": p.tensor,
+            "sequence_parallel": p.sequence_parallel, "virtual": p.virtual, "schedule": plan.schedule}
+
+
 def resume_problem(folder: Path, plan) -> str | None:
     """Why `plan` cannot continue the checkpoint in `folder` (one phrase), or None when it can."""
     saved = json.loads((folder / MARKER).read_text()).get("identity", {})

@@ -129,3 +129,18 @@ def pop_drop_counts(moes: list[ExpertParallelMoE]) -> tuple[int, int]:
     for m in moes:
         m.dropped = m.assigned = 0
     return dropped, assigned
+
+
+def expert_shard_of(groups, layout):
+    """Where this rank's plain expert slices sit in the full expert stacks (backend.checkpoint.ShardOf: a
+    Replicate x Shard(0) DTensor over the stage's data-parallel ranks, experts split over "ep"); None without expert
+    parallelism."""
+    if layout.ep == 1:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    from rackcast.backend.parallel import is_expert_param
+
+    mesh = groups.mesh["edp", "ep"]
+    placements = [Replicate(), Shard(0)]
+    return lambda fqn: (mesh, placements) if is_expert_param(fqn) else None

@@ -27,8 +27,8 @@ rank r's heads — so Shard(0) gives each rank its own heads' q, k and v; the pa
 and norms per part; the update is gathered whole as for FSDP shards) and backend.checkpoint saves and loads the
 one-process order, so checkpoints do not depend on the layout.
 
-    parallelize(chunks, groups, layout)        # in place, after build_chunks, before the optimizer
-    reduce_partial_grads(chunks, groups, layout, timer)   # after each step's backward
+    partial = parallelize(chunks, groups, layout)    # in place, after build_chunks, before the optimizer
+    reduce_partial_grads(partial, groups, timer)     # after each step's backward
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ def _parallelize_attention(attn: Attention, mesh, tp: int, sp: bool) -> None:
     attn.heads, attn.kv_stored, attn.kv_heads = attn.heads // tp, attn.kv_stored // tp, attn.kv_heads // tp
 
 
-def parallelize(chunks: list[nn.Module], groups, layout) -> None:
-    """Shard every block of this rank's chunks over the tp mesh in place (see the module docstring)."""
+def parallelize(chunks: list[nn.Module], groups, layout) -> list[nn.Parameter]:
+    """Shard every block of this rank's chunks over the tp mesh in place (see the module docstring); returns the
+    whole parameters whose gradients reduce_partial_grads must sum (partial_grad_params)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     mesh, tp, sp = groups.tp_mesh, layout.tp, layout.sequence_parallel
@@ -145,6 +146,7 @@ def parallelize(chunks: list[nn.Module], groups, layout) -> None:
         if sp and getattr(chunk, "head", None) is not None:
             chunk.head.register_forward_pre_hook(
                 lambda _m, args: (SequenceGather.apply(args[0], groups.tp, layout.tp_rank, tp),) + args[1:])
+    return partial_grad_params(chunks, layout)
 
 
 def partial_grad_params(chunks: list[nn.Module], layout) -> list[nn.Parameter]:

@@ -42,7 +42,7 @@ from rackcast.backend.compiled import compile_blocks
 from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.balancing import AuxFreeBiasBalancer, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
-from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
+from rackcast.backend.expert_parallel import expert_shard_of, pop_drop_counts, shard_experts
 from rackcast.backend.fault_injection import fail_hook
 from rackcast.backend.launch import exit_with_parent
 from rackcast.backend.model import build_model, next_token_loss
@@ -50,7 +50,7 @@ from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
 from rackcast.backend.fsdp import set_gradient_sync, shard_model
-from rackcast.backend.tensor_parallel import parallelize, partial_grad_params, reduce_partial_grads, stored_orders
+from rackcast.backend.tensor_parallel import parallelize, reduce_partial_grads, stored_orders
 from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.backend.recompute import apply_recompute
@@ -127,10 +127,8 @@ class Trainer:
             self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
                                       self.timer)
         self.chunks = build_chunks(model, lay, self.plan.parallel, self.plan.schedule)
-        self.tp_partial = []
-        if lay.tp > 1:  # before recompute wraps the blocks (backend.tensor_parallel)
-            parallelize(self.chunks, self.groups, lay)
-            self.tp_partial = partial_grad_params(self.chunks, lay)
+        # tensor parallelism before recompute wraps the blocks; the whole parameters with partial gradients back
+        self.tp_partial = parallelize(self.chunks, self.groups, lay) if lay.tp > 1 else []
         apply_recompute(self.chunks, self.plan.recompute)
         if self.plan.compile:  # after recompute's wrapping, before DDP / FSDP wrap the chunks
             compile_blocks(self.chunks)
@@ -309,22 +307,9 @@ class Trainer:
         return float(out[0])
 
     # ------------------------------------------------------------------------------------------------ state
-    def _shard_of(self):
-        """Where this rank's plain expert slices sit in the full expert stacks (backend.checkpoint.ShardOf)."""
-        if self.layout.ep == 1:
-            return None
-        from torch.distributed.tensor import Replicate, Shard
-
-        mesh = self.groups.mesh["edp", "ep"]  # this stage's data-parallel ranks; experts split over "ep"
-        placements = [Replicate(), Shard(0)]
-        return lambda fqn: (mesh, placements) if is_expert_param(fqn) else None
-
     def _checkpoint_info(self) -> dict:
-        p = self.plan.parallel
         return {"identity": checkpoint.identity(self.plan), "plan_hash": self.plan_hash, "world": self.world,
-                "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
-                           "tensor": p.tensor, "sequence_parallel": p.sequence_parallel,
-                           "virtual": p.virtual, "schedule": self.plan.schedule}}
+                "layout": checkpoint.layout_info(self.plan)}
 
     def save(self, step: int) -> None:
         routing = self.routing.clone()
@@ -333,7 +318,8 @@ class Trainer:
         extra = {"step": step, "routing": routing, f"rng.{self.rank}": torch.get_rng_state()}
         if self.rank == 0:
             extra["rows"] = json.dumps(self.rows)  # one string: exact floats, NaN kept
-        self.saver.save(step, self.view, getattr(self.optimizer, "inner", self.optimizer), extra, self._checkpoint_info(), self._shard_of(),
+        self.saver.save(step, self.view, getattr(self.optimizer, "inner", self.optimizer), extra,
+                        self._checkpoint_info(), expert_shard_of(self.groups, self.layout),
                         fail_hook=lambda where: self.fail(where), orders=stored_orders(self.view))
         if self.rank == 0:
             record.write_metrics(self.out, self.rows)
@@ -351,7 +337,7 @@ class Trainer:
         if self.rank == 0:
             wanted["rows"] = ""
         got = checkpoint.load(folder, self.view, getattr(self.optimizer, "inner", self.optimizer), wanted,
-                              self._shard_of())
+                              expert_shard_of(self.groups, self.layout))
         if hasattr(self.optimizer, "sync_from_device"):
             self.optimizer.sync_from_device()  # host copies of the loaded weights
         torch.set_rng_state(got.get(own_rng, got["rng.0"]))  # a rank the saving run did not have takes rank 0's
@@ -469,11 +455,9 @@ class Trainer:
         p = self.plan.parallel
         info = {"plan": self.plan.name, "plan_path": self.args.plan, "plan_hash": self.plan_hash,
                 "model": self.spec.name, "world": self.world, "device": str(self.device),
-                "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
-                           "tensor": p.tensor, "sequence_parallel": p.sequence_parallel,
-                           "virtual": p.virtual, "schedule": self.plan.schedule,
-                           "expert_transport": self.plan.expert_transport.mode,
-                           "data_parallel": "fsdp2" if p.fsdp > 1 else "ddp" if p.pipeline == 1 else "flat all-reduce"},
+                "layout": {**checkpoint.layout_info(self.plan), "expert_transport": self.plan.expert_transport.mode,
+                           "data_parallel": "fsdp2" if p.fsdp > 1 else "ddp" if p.pipeline == p.tensor == 1 else
+                           "flat all-reduce"},
                 "torch": torch.__version__, "threads": self.threads, "tokens_per_step": self.tokens_per_step,
                 "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,
