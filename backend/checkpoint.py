@@ -44,6 +44,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 KEEP = 3  # complete checkpoints kept; older ones are removed by rank 0
+# Optimizer param-group entries that describe this process's parameters rather than training state (MuonH's fused
+# parts, with the tensor-parallel row order, and roles, backend.optim): kept when a checkpoint is loaded, since the
+# saving layout's may differ.
+LAYOUT_GROUP_KEYS = ("parts", "roles")
 MARKER = "complete.json"
 STEP_PATTERN = re.compile(r"step-\d{8}")
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # per-parameter keys: reshardable optimizer state
@@ -147,10 +151,9 @@ def _localise(values: dict) -> dict:
     return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()}
 
 
-def _reorder(state: dict, orders: dict) -> dict:
+def _reorder(state: dict, orders: dict, inverse: bool = False) -> dict:
     """Tensor-parallel fused parameters (backend.tensor_parallel.order_rows) and their optimizer state in the
-    one-process row order. orders: fqn -> (dim, stored order). (Loading them back under tensor parallelism is not
-    implemented: the trainer refuses --resume with tensor > 1.)"""
+    one-process row order (inverse: back to the stored order, after a load). orders: fqn -> (dim, stored order)."""
     if not orders:
         return state
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -160,7 +163,7 @@ def _reorder(state: dict, orders: dict) -> dict:
             return value
         dim, stored = orders[fqn]
         full = value.full_tensor() if isinstance(value, DTensor) else value
-        out = full.new_empty(full.shape).index_copy_(dim, stored, full)
+        out = full.index_select(dim, stored) if inverse else full.new_empty(full.shape).index_copy_(dim, stored, full)
         return distribute_tensor(out, value.device_mesh, value.placements, src_data_rank=None) \
             if isinstance(value, DTensor) else out
 
@@ -207,7 +210,8 @@ class Saver:
         optimizer: the optimizer over its parameters. Wrapped or sharded models (DDP, FSDP2, DTensor parameters)
         work as torch.distributed.checkpoint.state_dict.get_state_dict handles them; shard_of says where a plain
         tensor holding only part of a parameter (an expert-parallel slice) sits in the global one; `orders` names
-        the fused parameters stored in another row order (tensor parallelism), saved in the one-process order."""
+        the fused parameters stored in another row order (tensor parallelism), saved in the one-process order and
+        loaded back into theirs (`load`)."""
         self.wait()
         tmp, final = _temp_dir(self.run_dir, step), step_dir(self.run_dir, step)
         if self.rank == 0:
@@ -267,17 +271,24 @@ def _complete(tmp: Path, final: Path, marker: dict, run_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(folder: Path, model: nn.Module, optimizer, extra: dict, shard_of: ShardOf | None = None) -> dict:
+def load(folder: Path, model: nn.Module, optimizer, extra: dict, shard_of: ShardOf | None = None,
+         orders: dict | None = None) -> dict:
     """Collective: fill `model` and `optimizer` from the checkpoint in `folder`, whatever layout wrote it, and
     return the trainer.* values named by `extra` (name -> a template value of the right type and shape; a name the
     checkpoint lacks is left out of the result)."""
     saved = saved_keys(folder)
-    state = _state(model, optimizer, shard_of)
+    state = _state(model, optimizer, shard_of, orders)
     state["trainer"] = {k: v for k, v in extra.items() if f"trainer.{k}" in saved}
     with _quiet():
         dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=_localise(state["model"]),
-                   optim_state_dict=_localise(state["optim"]), options=OPTIONS)
+    state = _reorder(state, orders or {}, inverse=True)
+    # plain local shards for wrapped expert slices and FSDP2; tensor-parallel parameters take their DTensors
+    local = _localise if not orders else (lambda values: values)
+    layout_keys = [{k: g[k] for k in LAYOUT_GROUP_KEYS if k in g} for g in optimizer.param_groups]
+    set_state_dict(model, optimizer, model_state_dict=local(state["model"]),
+                   optim_state_dict=local(state["optim"]), options=OPTIONS)
+    for group, kept in zip(optimizer.param_groups, layout_keys):
+        group.update(kept)
     return state["trainer"]
 
 

@@ -149,9 +149,6 @@ class Trainer:
         if not self.can_checkpoint and (args.checkpoint_every or args.resume):
             raise RackcastError("checkpoint_every/resume: checkpoints of FSDP-sharded expert stacks with expert "
                                 "parallelism are not supported yet (fsdp > 1 with expert > 1)", option="checkpoint_every")
-        if lay.tp > 1 and args.resume:  # saved in the one-process order (backend.tensor_parallel); loaded: not yet
-            raise RackcastError("resume: resuming under tensor parallelism (parallel.tensor > 1) is not implemented "
-                                "yet", option="resume")
         if self.plan.parallel.zero and args.resume:  # saved: each rank writes the state it holds; loaded: not yet
             raise RackcastError("resume: ZeRO-sharded optimizer state (parallel.zero) is not resumed yet", option="resume")
         if not self.can_checkpoint and self.rank == 0 and not args.quiet:
@@ -337,7 +334,7 @@ class Trainer:
         if self.rank == 0:
             wanted["rows"] = ""
         got = checkpoint.load(folder, self.view, getattr(self.optimizer, "inner", self.optimizer), wanted,
-                              expert_shard_of(self.groups, self.layout))
+                              expert_shard_of(self.groups, self.layout), orders=stored_orders(self.view))
         if hasattr(self.optimizer, "sync_from_device"):
             self.optimizer.sync_from_device()  # host copies of the loaded weights
         torch.set_rng_state(got.get(own_rng, got["rng.0"]))  # a rank the saving run did not have takes rank 0's
