@@ -12,7 +12,9 @@ a pipeline, or one process; `resume_problem` only refuses another model, optimiz
 - trainer.step (the data position: batches are a function of the step, backend.data), trainer.rows (the metric
   rows so far, from rank 0), trainer.routing (tokens routed per layer and expert, summed over ranks) and
   trainer.rng.<rank> (each rank's torch RNG state; a rank the saving run did not have takes rank 0's).
-Parameters that are already DTensors (FSDP2, tensor parallelism) are saved as they are: DCP reshards them itself.
+Parameters that are already DTensors (FSDP2, tensor parallelism) are saved as they are: DCP reshards them itself;
+tensor parallelism's fused Q/K/V and gate/up rows, stored rank-major (backend.tensor_parallel.order_rows), are
+saved and loaded in the one-process row order with their optimizer state (`orders`).
 
 Completion: every rank writes its DCP files into checkpoints/.tmp-step-NNNNNNNN/, then (after a barrier, or for an
 asynchronous save once DCP reports the write done) rank 0 writes complete.json there and renames the folder to
