@@ -9,7 +9,7 @@ The model is tiny-moe with every layer attending with its two stored KV heads (k
 splits KV heads over the tensor ranks) and the short convolution after K only (block-output convolutions need the
 whole sequence that sequence parallelism splits): rackcast.capabilities refuses the rest.
 
-    .venv/bin/pytest -q tests/test_trainer_tensor.py        (about two minutes on 2 cores)
+    .venv/bin/pytest -q tests/test_trainer_tensor.py -m slow     (8 tests: 2 min alone on 2 cores, 7 min shared)
 """
 
 from __future__ import annotations
