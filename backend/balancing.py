@@ -116,6 +116,8 @@ class QuantileBalancer:
         Every rank must call this (the reductions are collectives), even one whose layers saw no tokens.
         Returns beta per balanced layer, in model order.
         """
+        if not self.layers:  # a dense model (or a stage without balanced MoE layers): nothing to set
+            return []
         margins = []
         for moe in self.layers:
             if moe.margins:

@@ -13,7 +13,9 @@ a pipeline, or one process; `resume_problem` only refuses another model, optimiz
 - trainer.step (the data position: batches are a function of the step, backend.data), trainer.rows (the metric
   rows so far, from rank 0), trainer.routing (tokens routed per layer and expert, summed over ranks) and
   trainer.rng.<rank> (each rank's torch RNG state; a rank the saving run did not have takes rank 0's).
-Parameters that are already DTensors (FSDP2, tensor parallelism) are saved as they are: DCP reshards them itself.
+Parameters that are already DTensors (FSDP2, tensor parallelism) are saved as they are: DCP reshards them itself;
+tensor parallelism's fused Q/K/V and gate/up rows, stored rank-major (backend.tensor_parallel.order_rows), are
+saved and loaded in the one-process row order with their optimizer state (`orders`).
 
 Completion: every rank writes its DCP files into checkpoints/.tmp-step-NNNNNNNN/, then (after a barrier, or for an
 asynchronous save once DCP reports the write done) rank 0 writes complete.json there and renames the folder to
@@ -45,6 +47,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 KEEP = 3  # complete checkpoints kept; older ones are removed by rank 0
+# Optimizer param-group entries that describe this process's parameters rather than training state (MuonH's fused
+# parts, with the tensor-parallel row order, and roles, backend.optim): kept when a checkpoint is loaded, since the
+# saving layout's may differ.
+LAYOUT_GROUP_KEYS = ("parts", "roles")
 MARKER = "complete.json"
 STEP_PATTERN = re.compile(r"step-\d{8}")
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # per-parameter keys: reshardable optimizer state
@@ -88,6 +94,13 @@ def identity(plan) -> dict:
 
     return {"model": model_hash(plan.model_spec()), "optimizer": to_data(plan.optimizer),
             "global_batch": plan.batch.global_batch, "seed": plan.seed}
+
+
+def layout_info(plan) -> dict:
+    """The parallel layout a run used, as checkpoints and records list it (informational: any layout resumes)."""
+    p = plan.parallel
+    return {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline, "tensor": p.tensor,
+            "sequence_parallel": p.sequence_parallel, "virtual": p.virtual, "schedule": plan.schedule}
 
 
 def resume_problem(folder: Path, plan) -> str | None:
@@ -187,9 +200,32 @@ def _localise(values: dict, kind: str, restore: dict) -> dict:
     return out
 
 
-def _state(model: nn.Module, optimizer, shard_of: ShardOf | None) -> tuple[dict, dict]:
+def _reorder(state: dict, orders: dict, inverse: bool = False) -> dict:
+    """Tensor-parallel fused parameters (backend.tensor_parallel.order_rows) and their optimizer state in the
+    one-process row order (inverse: back to the stored order, after a load). orders: fqn -> (dim, stored order)."""
+    if not orders:
+        return state
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def convert(value, fqn):
+        if fqn not in orders or not isinstance(value, torch.Tensor) or value.ndim == 0:
+            return value
+        dim, stored = orders[fqn]
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        out = full.index_select(dim, stored) if inverse else full.new_empty(full.shape).index_copy_(dim, stored, full)
+        return distribute_tensor(out, value.device_mesh, value.placements, src_data_rank=None) \
+            if isinstance(value, DTensor) else out
+
+    model = {k: convert(v, k) for k, v in state["model"].items()}
+    optim = {k: convert(v, _optim_fqn(k)) if k.startswith("state.") else v for k, v in state["optim"].items()}
+    return dict(state, model=model, optim=optim)
+
+
+def _state(model: nn.Module, optimizer, shard_of: ShardOf | None, orders: dict | None = None) -> tuple[dict, dict]:
+    """The model's and optimizer's state as DCP saves them (_globalise, then _reorder), and what _localise needs."""
     model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
-    return _globalise({"model": model_state, "optim": optim_state}, shard_of)
+    state, restore = _globalise({"model": model_state, "optim": optim_state}, shard_of)
+    return _reorder(state, orders or {}), restore
 
 
 # ------------------------------------------------------------------------------------------------ save / load
@@ -216,7 +252,7 @@ class Saver:
         self.pending = None  # (future, temporary folder, final folder, marker content)
 
     def save(self, step: int, model: nn.Module, optimizer, extra: dict, info: dict,
-             shard_of: ShardOf | None = None, fail_hook=None) -> Path:
+             shard_of: ShardOf | None = None, fail_hook=None, orders: dict | None = None) -> Path:
         """Write `model`, `optimizer` and `extra` (trainer.* values: step, rows, routing, rng.<rank>, as the trainer
         passes them) into a temporary folder; rank 0 then marks it complete with `info` (plan identity, layout) and
         renames it to step-NNNNNNNN.
@@ -224,7 +260,9 @@ class Saver:
         model: a module whose parameter names are the full model's (`global_view` of the pipeline chunks);
         optimizer: the optimizer over its parameters. Wrapped or sharded models (DDP, FSDP2, DTensor parameters)
         work as torch.distributed.checkpoint.state_dict.get_state_dict handles them; shard_of says where a plain
-        tensor holding only part of a parameter (an expert-parallel slice) sits in the global one."""
+        tensor holding only part of a parameter (an expert-parallel slice) sits in the global one; `orders` names
+        the fused parameters stored in another row order (tensor parallelism), saved in the one-process order and
+        loaded back into theirs (`load`)."""
         self.wait()
         tmp, final = _temp_dir(self.run_dir, step), step_dir(self.run_dir, step)
         if self.rank == 0:
@@ -232,7 +270,7 @@ class Saver:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        state, _ = _state(model, optimizer, shard_of)
+        state, _ = _state(model, optimizer, shard_of, orders)
         state["trainer"] = extra
         marker = {"step": step, **info}
         with _quiet():
@@ -284,17 +322,23 @@ def _complete(tmp: Path, final: Path, marker: dict, run_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(folder: Path, model: nn.Module, optimizer, extra: dict, shard_of: ShardOf | None = None) -> dict:
+def load(folder: Path, model: nn.Module, optimizer, extra: dict, shard_of: ShardOf | None = None,
+         orders: dict | None = None) -> dict:
     """Collective: fill `model` and `optimizer` from the checkpoint in `folder`, whatever layout wrote it, and
     return the trainer.* values named by `extra` (name -> a template value of the right type and shape; a name the
     checkpoint lacks is left out of the result)."""
     saved = saved_keys(folder)
-    state, restore = _state(model, optimizer, shard_of)
+    state, restore = _state(model, optimizer, shard_of, orders)
     state["trainer"] = {k: v for k, v in extra.items() if f"trainer.{k}" in saved}
     with _quiet():
         dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+    state = _reorder(state, orders or {}, inverse=True)
+    # what _globalise wrapped goes back as it was; the model's own DTensors (FSDP2, tensor parallelism) stay DTensors
+    layout_keys = [{k: g[k] for k in LAYOUT_GROUP_KEYS if k in g} for g in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=_localise(state["model"], "model", restore),
                    optim_state_dict=_localise(state["optim"], "optim", restore), options=OPTIONS)
+    for group, kept in zip(optimizer.param_groups, layout_keys):
+        group.update(kept)
     return state["trainer"]
 
 

@@ -129,3 +129,21 @@ def pop_drop_counts(moes: list[ExpertParallelMoE]) -> tuple[int, int]:
     for m in moes:
         m.dropped = m.assigned = 0
     return dropped, assigned
+
+
+def expert_shard_of(groups, layout, fsdp_mesh=None):
+    """Where this rank's expert slices sit in the full expert stacks (backend.checkpoint.ShardOf: a
+    Replicate x Shard(0) DTensor over the stage's data-parallel ranks, experts split over "ep"; with the slices
+    FSDP-sharded again, Replicate x Shard(0) x Shard(0) over `fsdp_mesh`, backend.fsdp.expert_checkpoint_mesh);
+    None without expert parallelism."""
+    if layout.ep == 1:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    from rackcast.backend.parallel import is_expert_param
+
+    if fsdp_mesh is not None:
+        mesh, placements = fsdp_mesh, [Replicate(), Shard(0), Shard(0)]
+    else:
+        mesh, placements = groups.mesh["edp", "ep"], [Replicate(), Shard(0)]
+    return lambda fqn: (mesh, placements) if is_expert_param(fqn) else None

@@ -98,7 +98,8 @@ class ShortConv(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # x: [B, S, C]
         # A shifted copy per tap: measured faster on CPU, forward + backward, than one depthwise conv1d or an
         # unfold with a sum at tiny-moe's and marin-cpu-d512's shapes (README, trainer section).
-        w = self.weight.to(x.dtype)
+        w = self.weight
+        w = (w.to_local() if hasattr(w, "to_local") else w).to(x.dtype)  # a tensor-parallel channel shard: its own
         out = x * w[0]
         seq = x.shape[1]
         for lag in range(1, min(self.kernel, seq)):
@@ -120,6 +121,7 @@ class FusedLinear(nn.Linear):
     def __init__(self, in_features: int, parts: tuple[int, ...], bias: bool):
         super().__init__(in_features, sum(parts), bias=bias)
         self.parts = tuple(parts)
+        self.split_sizes = self.parts  # this rank's share of each part (backend.tensor_parallel divides them)
         self.matrix_parts = {"weight": (-2, self.parts)}  # parameter -> (dim along which it splits, part sizes)
 
     def init_weights(self, normal: Normal) -> None:
@@ -130,7 +132,7 @@ class FusedLinear(nn.Linear):
                 nn.init.zeros_(self.bias)
 
     def split(self, y: Tensor) -> tuple[Tensor, ...]:
-        return y.split(self.parts, -1)
+        return y.split(self.split_sizes, -1)
 
     def reference_forward(self, x: Tensor) -> tuple[Tensor, ...]:
         biases = self.bias.split(self.parts) if self.bias is not None else [None] * len(self.parts)

@@ -121,20 +121,40 @@ def newton_schulz(g: Tensor, steps: int = NEWTON_SCHULZ_STEPS, eps: float = 1e-7
     return (x if wide else x.mT).reshape(shape)
 
 
-def newton_schulz_parts(g: Tensor, steps: int, parts: tuple[int, tuple[int, ...]] | None) -> Tensor:
-    """newton_schulz of each part of each matrix of g (parts: (dim, sizes)), or of whole matrices when None."""
+def natural_order(t: Tensor, parts) -> Tensor:
+    """A fused parameter (or its update) in its parts' order: a tensor-parallel fused weight stores each rank's
+    rows of every part together (backend.tensor_parallel), parts (dim, sizes, stored) with stored[i] the part-order
+    index of stored row i; other parts specs ((dim, sizes)) are already in order."""
+    if parts is None or len(parts) < 3:
+        return t
+    dim, _, stored = parts
+    return t.new_empty(t.shape).index_copy_(dim % t.ndim, stored.to(t.device), t)
+
+
+def stored_order(t: Tensor, parts) -> Tensor:
+    """The inverse of natural_order."""
+    if parts is None or len(parts) < 3:
+        return t
+    dim, _, stored = parts
+    return t.index_select(dim % t.ndim, stored.to(t.device))
+
+
+def newton_schulz_parts(g: Tensor, steps: int, parts: tuple | None) -> Tensor:
+    """newton_schulz of each part of each matrix of g (parts: (dim, sizes[, stored order])), or of whole matrices
+    when None."""
     if parts is None:
         return newton_schulz(g, steps)
-    dim, sizes = parts
-    return torch.cat([newton_schulz(piece, steps) for piece in g.split(sizes, dim)], dim)
+    dim, sizes = parts[:2]
+    g = natural_order(g, parts)
+    return stored_order(torch.cat([newton_schulz(piece, steps) for piece in g.split(sizes, dim)], dim), parts)
 
 
-def orthogonalise(u: Tensor, steps: int = 5, parts: tuple[int, tuple[int, ...]] | None = None) -> Tensor:
+def orthogonalise(u: Tensor, steps: int = 5, parts: tuple | None = None) -> Tensor:
     """newton_schulz on whole matrices (or on each part of a fused one, `parts`), also for FSDP2 shards (DTensors
-    sharded along dim 0).
+    sharded along dim 0) and tensor-parallel shards (DTensors sharded along either matrix dim, backend.tensor_parallel).
 
     A 3-D expert stack [E, m, n] sharded along E holds whole matrices on each rank: orthogonalised locally, no
-    communication. A 2-D matrix sharded along its rows needs the whole matrix: its update is all-gathered
+    communication. A 2-D matrix sharded along its rows or columns needs the whole matrix: its update is all-gathered
     (full_tensor: (shards - 1) / shards of the matrix's fp32 bytes received per rank), orthogonalised on every rank
     (the same result everywhere), and each rank keeps its own rows (no communication). The hyperball step that
     follows needs the Frobenius norms of W, U and W' over the whole matrix: DTensor reduces them (three scalar
@@ -165,13 +185,13 @@ def _part_fro(t: Tensor, parts: tuple[int, tuple[int, ...]]) -> Tensor:
     squared sums per row or column are gathered (one float each), summed per part, and sharded again like t."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    dim, sizes = parts
+    dim, sizes = parts[:2]
     other = -1 if dim % t.ndim == t.ndim - 2 else -2
     sq = (t * t).sum(other, keepdim=True)
     sharded = isinstance(sq, DTensor)
-    full = sq.full_tensor() if sharded else sq
-    norms = torch.cat([piece.sum(dim, keepdim=True).sqrt().expand_as(piece) for piece in full.split(sizes, dim)],
-                      dim)
+    full = natural_order(sq.full_tensor() if sharded else sq, parts)
+    norms = stored_order(torch.cat([piece.sum(dim, keepdim=True).sqrt().expand_as(piece)
+                                    for piece in full.split(sizes, dim)], dim), parts)
     return distribute_tensor(norms, t.device_mesh, t.placements, src_data_rank=None) if sharded else norms
 
 
@@ -391,6 +411,9 @@ def build_optimizer(
             {"params": groups["muonh"] + groups["adamh"], "kind": "decay", "weight_decay": weight_decay},
             {"params": groups["adam"], "kind": "no_decay", "weight_decay": 0.0},
         ]
+        # foreach ops take lists of one tensor kind: tensor-parallel DTensors and plain tensors in groups of their own
+        spec = [dict(g, params=[p for p in g["params"] if _is_sharded(p) == sharded]) for g in spec
+                for sharded in (False, True)]
         return torch.optim.AdamW([g for g in spec if g["params"]], lr=lr, betas=betas, eps=eps, foreach=True)
     raise ValueError(f"unknown optimizer {name!r} (use 'muonh' or 'adamw')")
 

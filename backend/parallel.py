@@ -1,11 +1,12 @@
 """The plan's parallel layout on real processes: which layouts the trainer runs, the DeviceMesh, and data parallelism.
 
-Ranks follow rackcast.plan / simulator.placement: data (x fsdp) fastest, pipeline outermost, so global rank
-    rank = stage * dp + dp_rank,   dp = data x fsdp
-and the expert-parallel groups are runs of `expert` consecutive dp ranks of one stage:
+Ranks follow rackcast.layout (innermost first: tensor, context, fsdp, data, pipeline outermost), so global rank
+    rank = stage * (dp * tp) + dp_rank * tp + tp_rank,   dp = data x fsdp,  tp = tensor
+and the expert-parallel groups are runs of `expert` consecutive dp ranks of one stage (at one tp_rank):
     ep_rank = dp_rank % expert,    edp_rank = dp_rank // expert   (edp = dp / expert expert-data replicas).
-The mesh is `init_device_mesh(device, (pipeline, edp, ep), ("pp", "edp", "ep"))` with ("edp", "ep") flattened to
-"dp"; each axis is one process group.
+The mesh is `init_device_mesh(device, (pipeline, edp, ep, tp), ("pp", "edp", "ep", "tp"))` with ("edp", "ep")
+flattened to "dp"; each axis is one process group. Tensor-parallel ranks read the same samples (data by dp_rank),
+and the data-parallel reductions run over the dp ranks of one (stage, tp_rank) (backend.tensor_parallel).
 
 Data parallelism: the dense parameters are wrapped in DDP over "dp" (with fsdp > 1 FSDP2 shards them instead,
 backend.fsdp; under ZeRO-2 neither, and backend.zero reduces every gradient to its owner instead of all this);
@@ -65,6 +66,9 @@ class Layout:
     data: int = 1
     fsdp: int = 1
     expert_fsdp: int = 1  # ways FSDP shards the expert stacks (rackcast.layout.ParallelSpec.expert_fsdp; data replicates them)
+    tp: int = 1  # tensor-parallel ranks (plan.parallel.tensor), innermost
+    tp_rank: int = 0
+    sequence_parallel: bool = False
 
     @property
     def edp(self) -> int:
@@ -73,11 +77,13 @@ class Layout:
     @classmethod
     def of(cls, plan: Plan, rank: int) -> "Layout":
         p = plan.parallel  # rackcast.layout.ParallelSpec: every size comes from it
-        dp = p.batch_shards
-        stage, dp_rank = divmod(rank, dp)
+        dp, tp = p.batch_shards, p.tensor
+        stage, r = divmod(rank, p.stage_ranks)  # stage_ranks = dp x context x tp (context 1 here)
+        tp_rank, dp_rank = r % tp, r // tp
         return cls(rank=rank, world=p.gpus, pp=p.pipeline, dp=dp, ep=p.expert, stage=stage, dp_rank=dp_rank,
                    ep_rank=dp_rank % p.expert, edp_rank=dp_rank // p.expert, virtual=p.chunks_per_rank, data=p.data,
-                   fsdp=p.fsdp, expert_fsdp=p.expert_fsdp)
+                   fsdp=p.fsdp, expert_fsdp=p.expert_fsdp, tp=tp, tp_rank=tp_rank,
+                   sequence_parallel=p.sequence_parallel)
 
 
 class Groups:
@@ -86,14 +92,20 @@ class Groups:
     def __init__(self, layout: Layout, device: torch.device):
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.mesh = init_device_mesh(device.type, (layout.pp, layout.edp, layout.ep),
-                                     mesh_dim_names=("pp", "edp", "ep"))
+        self.mesh = init_device_mesh(device.type, (layout.pp, layout.edp, layout.ep, layout.tp),
+                                     mesh_dim_names=("pp", "edp", "ep", "tp"))
         self.dp_mesh = self.mesh["edp", "ep"]._flatten("dp")
+        self.tp_mesh = self.mesh["tp"]  # the tensor-parallel DeviceMesh (backend.tensor_parallel)
+        self.tp = self.tp_mesh.get_group() if layout.tp > 1 else None
         self.pp = self.mesh.get_group("pp") if layout.pp > 1 else None
         self.dp = self.dp_mesh.get_group() if layout.dp > 1 else None
         self.ep = self.mesh.get_group("ep") if layout.ep > 1 else None
         self.edp = self.mesh.get_group("edp") if layout.edp > 1 else None
         self.edp_mesh = self.mesh["edp"] if layout.edp > 1 else None
+        # every rank of the stage (dp x tp): sequence-parallel ranks route different tokens, so the balancer pools
+        # its statistics over them all
+        self.stage = self.mesh["edp", "ep", "tp"]._flatten("stage").get_group() \
+            if layout.tp > 1 and layout.sequence_parallel else self.dp
         self.fsdp_mesh = None  # FSDP2's mesh for the dense parameters (backend.fsdp): (data, fsdp) or (fsdp,)
         self.expert_fsdp_mesh = None  # and for the expert stacks: (data, fsdp / expert) or (fsdp / expert,)
         if layout.fsdp > 1:
@@ -183,6 +195,7 @@ def wrap_data_parallel(module: nn.Module, groups: Groups, layout: Layout, timer:
 
 
 def _allreduce_flat(grads: list[torch.Tensor], group, divide: int) -> None:
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # tensor-parallel shards: their own part
     flat = torch.cat([g.reshape(-1) for g in grads])
     if group is not None:
         dist.all_reduce(flat, group=group)
@@ -196,8 +209,8 @@ def _allreduce_flat(grads: list[torch.Tensor], group, divide: int) -> None:
 def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer: PhaseTimer,
                  dense: bool = False, experts: bool = True) -> None:
     """Expert gradients (unless experts=False: FSDP2 reduces them): sum over the expert-data replicas, divide by dp.
-    With dense=True (pipeline stages, which are not DDP-wrapped) also average the dense gradients over dp. One flat
-    all-reduce per kind, timed."""
+    With dense=True (pipeline stages and tensor-parallel chunks, which are not DDP-wrapped) also average the dense
+    gradients over dp (the dp ranks of this rank's tp_rank). One flat all-reduce per kind, timed."""
     if layout.dp == 1:
         return
     t0 = timer.now()

@@ -43,7 +43,7 @@ from rackcast.backend.compiled import compile_blocks
 from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.balancing import AuxFreeBiasBalancer, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
-from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
+from rackcast.backend.expert_parallel import expert_shard_of, pop_drop_counts, shard_experts
 from rackcast.backend.fault_injection import fail_hook
 from rackcast.backend.launch import exit_with_parent
 from rackcast.backend.model import build_model, next_token_loss
@@ -52,6 +52,7 @@ from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
 from rackcast.backend.fsdp import expert_checkpoint_mesh, set_gradient_sync, shard_model
+from rackcast.backend.tensor_parallel import parallelize, reduce_partial_grads, stored_orders
 from rackcast.backend.offload import HostOptimizer
 from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.backend.recompute import apply_recompute
@@ -131,6 +132,8 @@ class Trainer:
             self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
                                       self.timer)
         self.chunks = build_chunks(model, lay, self.plan.parallel, self.plan.schedule)
+        # tensor parallelism before recompute wraps the blocks; the whole parameters with partial gradients back
+        self.tp_partial = parallelize(self.chunks, self.groups, lay) if lay.tp > 1 else []
         apply_recompute(self.chunks, self.plan.recompute)
         if self.plan.compile:  # after recompute's wrapping, before DDP / FSDP wrap the chunks
             compile_blocks(self.chunks)
@@ -150,7 +153,8 @@ class Trainer:
         if self.plan.parallel.zero and args.resume:  # saved: each rank writes the state it holds; loaded: not yet
             raise RackcastError("resume: ZeRO-sharded optimizer state (parallel.zero) is not resumed yet", option="resume")
         self.zero2 = self.plan.parallel.zero == 2 and self.groups is not None  # gradients reduced to owners only
-        if self.fsdp or lay.pp > 1 or self.zero2:  # DDP would all-reduce every gradient (backend.zero)
+        # tensor-parallel DTensors: no DDP, a flat all-reduce instead; ZeRO-2: DDP would all-reduce every gradient
+        if self.fsdp or lay.pp > 1 or lay.tp > 1 or self.zero2:
             self.wrapped = self.chunks
         else:
             self.wrapped = [wrap_data_parallel(self.chunks[0], self.groups, lay, self.timer)]
@@ -165,7 +169,7 @@ class Trainer:
         self.zero = Zero(self.local.named_parameters(), self.groups.dp, self.groups.edp, is_expert_param,
                          stage=self.plan.parallel.zero) if self.plan.parallel.zero and self.groups else None
         self.lr_factor = marin_lr_lambda(args.steps, o.warmup_fraction, o.lr_floor)
-        dp_group = self.groups.dp if self.groups else None
+        dp_group = self.groups.stage if self.groups else None  # dp, or dp x tp under sequence parallelism
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
         reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)) if dp_group else None
         if spec.moe is not None and spec.moe.balance_method == "aux_free_bias":
@@ -257,11 +261,13 @@ class Trainer:
                     z_sum + parts["z_loss"].item()
                 count += 1
             self.timer.add("fwd_bwd", self.timer.now() - t0)
+        if self.tp_partial:
+            reduce_partial_grads(self.tp_partial, self.groups, self.timer)
         if self.zero2 and self.pipe is not None:  # backend.zero: the schedule ran every micro-batch
             self.zero.reduce_to_owners(lay.dp, self.timer)
         elif self.groups is not None and not self.zero2:
-            reduce_grads(self.chunks, self.groups, lay, self.timer, dense=self.pipe is not None and not self.fsdp,
-                         experts=not self.experts_sharded)
+            reduce_grads(self.chunks, self.groups, lay, self.timer,
+                         dense=(self.pipe is not None or lay.tp > 1) and not self.fsdp, experts=not self.experts_sharded)
         t1 = self.timer.now()
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * self.lr_factor(step)
@@ -276,7 +282,8 @@ class Trainer:
             for name, layer in chunk.layers.items():
                 moe = layer.mlp
                 if getattr(moe, "routing_counts_sum", None) is not None:
-                    self.routing[int(name)] += moe.routing_counts_sum.cpu()
+                    if self.layout.tp_rank == 0 or self.layout.sequence_parallel:  # tp ranks route the same tokens
+                        self.routing[int(name)] += moe.routing_counts_sum.cpu()
                     moe.reset_routing_counts()
 
     @torch.no_grad()
@@ -302,24 +309,9 @@ class Trainer:
         return float(out[0])
 
     # ------------------------------------------------------------------------------------------------ state
-    def _shard_of(self):
-        """Where this rank's plain expert slices sit in the full expert stacks (backend.checkpoint.ShardOf)."""
-        if self.layout.ep == 1:
-            return None
-        from torch.distributed.tensor import Replicate, Shard
-
-        if self.expert_mesh is not None:  # FSDP-sharded slices: split over "ep", each slice over its FSDP "shard"s
-            mesh, placements = self.expert_mesh, [Replicate(), Shard(0), Shard(0)]
-        else:
-            mesh = self.groups.mesh["edp", "ep"]  # this stage's data-parallel ranks; experts split over "ep"
-            placements = [Replicate(), Shard(0)]
-        return lambda fqn: (mesh, placements) if is_expert_param(fqn) else None
-
     def _checkpoint_info(self) -> dict:
-        p = self.plan.parallel
         return {"identity": checkpoint.identity(self.plan), "plan_hash": self.plan_hash, "world": self.world,
-                "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
-                           "virtual": p.virtual, "schedule": self.plan.schedule}}
+                "layout": checkpoint.layout_info(self.plan)}
 
     def save(self, step: int) -> None:
         routing = self.routing.clone()
@@ -328,8 +320,9 @@ class Trainer:
         extra = {"step": step, "routing": routing, f"rng.{self.rank}": torch.get_rng_state()}
         if self.rank == 0:
             extra["rows"] = json.dumps(self.rows)  # one string: exact floats, NaN kept
-        self.saver.save(step, self.view, getattr(self.optimizer, "inner", self.optimizer), extra, self._checkpoint_info(), self._shard_of(),
-                        fail_hook=lambda where: self.fail(where))
+        self.saver.save(step, self.view, getattr(self.optimizer, "inner", self.optimizer), extra,
+                        self._checkpoint_info(), expert_shard_of(self.groups, self.layout, self.expert_mesh),
+                        fail_hook=lambda where: self.fail(where), orders=stored_orders(self.view))
         if self.rank == 0:
             record.write_metrics(self.out, self.rows)
 
@@ -346,7 +339,7 @@ class Trainer:
         if self.rank == 0:
             wanted["rows"] = ""
         got = checkpoint.load(folder, self.view, getattr(self.optimizer, "inner", self.optimizer), wanted,
-                              self._shard_of())
+                              expert_shard_of(self.groups, self.layout, self.expert_mesh), orders=stored_orders(self.view))
         if hasattr(self.optimizer, "sync_from_device"):
             self.optimizer.sync_from_device()  # host copies of the loaded weights
         torch.set_rng_state(got.get(own_rng, got["rng.0"]))  # a rank the saving run did not have takes rank 0's
@@ -448,11 +441,9 @@ class Trainer:
         p = self.plan.parallel
         info = {"plan": self.plan.name, "plan_path": self.args.plan, "plan_hash": self.plan_hash,
                 "model": self.spec.name, "world": self.world, "device": str(self.device),
-                "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
-                           "virtual": p.virtual, "schedule": self.plan.schedule,
-                           "expert_transport": self.plan.expert_transport.mode,
+                "layout": {**checkpoint.layout_info(self.plan), "expert_transport": self.plan.expert_transport.mode,
                            "data_parallel": "fsdp2" if p.fsdp > 1 else "zero2 reduce to owners" if self.zero2
-                           else "ddp" if p.pipeline == 1 else "flat all-reduce"},
+                           else "ddp" if p.pipeline == p.tensor == 1 else "flat all-reduce"},
                 "torch": torch.__version__, "threads": self.threads, "tokens_per_step": self.tokens_per_step,
                 "model_flops_per_step": self.model_flops, "flops_convention": FlopsConvention().label,
                 "peak_flops": self.peak, "peak_dtype": self.peak_dtype, "peak_flops_bf16": self.peak_bf16,

@@ -46,13 +46,19 @@ class Capabilities:
     dropout: bool
     balanced_routing: bool  # expert_transport.routing: balanced forces the router's choices (rackcast.vocab)
     compile_processes: int  # largest process count a plan with compile: true may use (0: compile not implemented)
+    tensor_with_experts: bool = True  # tensor > 1 together with expert > 1
+    tensor_with_context: bool = True  # tensor > 1 together with context > 1
+    tensor_with_sharding: bool = True  # tensor > 1 together with fsdp > 1 or ZeRO
+    tensor_with_offload: bool = True  # tensor > 1 with optimizer state in host memory
+    tensor_model_variants: bool = True  # latent attention, sinks, MTP, per-layer KV heads, widths tensor does not split
+    sequence_parallel_with_block_conv: bool = True  # conv.sites attn / mlp (causal over the sequence SP splits)
 
 
 # What rackcast.backend implements today (each flag is the backend module that does it).
 TRAINER = Capabilities(
     fsdp=True,  # backend.fsdp (FSDP2)
-    tensor=False,
-    sequence_parallel=False,
+    tensor=True,  # backend.tensor_parallel (DTensor column / row parallel attention and MLPs)
+    sequence_parallel=True,  # backend.tensor_parallel (norms, router and routed experts on 1/tp of the sequence)
     context=False,
     expert_tensor=False,
     recompute=("none", "selective", "full"),  # backend.recompute
@@ -73,6 +79,12 @@ TRAINER = Capabilities(
     dropout=False,
     balanced_routing=True,  # backend.moe.balanced_assignment forces the choices; the router's scores weigh them
     compile_processes=1,  # backend.compiled: torch.compile on one-process plans (not tried with parallel layouts)
+    tensor_with_experts=False,  # the expert all-to-all's groups are not folded over the tp ranks yet
+    tensor_with_context=False,  # context parallelism is built separately
+    tensor_with_sharding=False,  # FSDP2 / ZeRO-1 over DTensor-sharded parameters not tried
+    tensor_with_offload=False,  # backend.offload's host copies are plain tensors
+    tensor_model_variants=False,
+    sequence_parallel_with_block_conv=False,
 )
 
 # Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.
@@ -102,6 +114,8 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
     for name, asked, implemented, what in axes:
         if asked and not implemented:
             out.append(f"parallel.{name}: {what} is not implemented by the trainer")
+    if p.tensor > 1:
+        out += _tensor_refusals(plan, spec, caps)
     if p.pipeline > 1 and spec.tied_embeddings and not caps.tied_embeddings_pipeline:
         out.append("parallel.pipeline: tied embeddings across pipeline stages are not supported by the trainer")
     if p.pipeline > 1 and spec.mtp is not None and not caps.mtp_pipeline:
@@ -153,4 +167,37 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
     if plan.compile and p.gpus > caps.compile_processes:
         out.append(f"compile: the trainer compiles one-process plans only ({p.gpus} processes here; torch.compile "
                    "with data, expert, fsdp or pipeline parallelism is not implemented); set compile: false")
+    return out
+
+
+def _tensor_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
+    """What tensor > 1 cannot run with in this executor (see Capabilities' tensor_* flags)."""
+    p, out = plan.parallel, []
+    if p.expert > 1 and not caps.tensor_with_experts:
+        out.append("parallel.tensor: tensor parallelism together with expert > 1 is not implemented by the trainer")
+    if p.context > 1 and not caps.tensor_with_context:
+        out.append("parallel.tensor: tensor parallelism together with context > 1 is not implemented by the trainer")
+    if (p.fsdp > 1 or p.zero > 0) and not caps.tensor_with_sharding:
+        out.append("parallel.tensor: tensor parallelism together with fsdp > 1 or ZeRO is not implemented by the "
+                   "trainer")
+    if plan.optimizer.state_location == "host" and not caps.tensor_with_offload:
+        out.append("parallel.tensor: tensor parallelism with optimizer state in host memory is not implemented by "
+                   "the trainer")
+    if p.sequence_parallel and spec.conv is not None and {"attn", "mlp"} & set(spec.conv.sites) \
+            and not caps.sequence_parallel_with_block_conv:
+        out.append("parallel.sequence_parallel: short convolutions on the block outputs (conv.sites attn, mlp) "
+                   "need the whole sequence, which sequence parallelism splits, in the trainer")
+    if not caps.tensor_model_variants:
+        a, t = spec.attention, p.tensor
+        layers = range(spec.layers)
+        if a.mla is not None or a.sinks or spec.mtp is not None:
+            out.append("parallel.tensor: tensor parallelism of latent attention, attention sinks or multi-token "
+                       "prediction is not implemented by the trainer")
+        elif any(spec.kv_heads(i) != spec.kv_heads_stored(i) or spec.kv_heads(i) % t for i in layers):
+            out.append(f"parallel.tensor: the trainer splits KV heads over the tensor ranks: every layer must attend "
+                       f"with all its stored KV heads, a multiple of tensor={t}")
+        widths = ([spec.ffn] if any(not spec.is_moe(i) for i in layers) else []) + \
+            ([spec.moe.shared_ffn] if spec.moe is not None and spec.moe.shared_experts else [])
+        if any(w % t for w in widths):
+            out.append(f"parallel.tensor: MLP widths {widths} are not all divisible by tensor={t}")
     return out

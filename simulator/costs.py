@@ -271,10 +271,16 @@ def balancing_time(f: dict, topo: Topology):
 
 
 def muon_gather_time(f: dict, topo: Topology):
-    """MuonH on fsdp-sharded matrices (simulator.optimizer_cost.muon_gather: f["muon_gather_bytes"],
-    f["muon_norm_count"]): the all-gather of the fp32 updates and the scalar norm all-reduces over the fsdp group
-    (f["fsdp_n"], f["fsdp_out"], in the hierarchy of f["fsdp_pd"] as every fsdp collective), blocking."""
+    """MuonH on fsdp- and tensor-sharded matrices (simulator.optimizer_cost.muon_gather: f["muon_gather_bytes"],
+    f["muon_norm_count"] over the fsdp group, f["muon_tp_gather_bytes"], f["muon_tp_norm_count"] over the tensor
+    group): the all-gather of the fp32 updates and the scalar norm all-reduces over each group (f["fsdp_n"],
+    f["fsdp_out"], in the hierarchy of f["fsdp_pd"] as every fsdp collective; f["tp_n"], f["tp_out"], f["tp_pd"]),
+    blocking."""
     gather = collective_time(topo, "all_gather", f["fsdp_n"], f["muon_gather_bytes"], f["fsdp_out"], f["fsdp_pd"])
     norms = f["muon_norm_count"] * collective_time(topo, "all_reduce", f["fsdp_n"], BYTES["fp32"], f["fsdp_out"],
                                                    f["fsdp_pd"])
-    return np.where(np.asarray(f["muon_gather_bytes"]) > 0, gather + norms, 0.0)
+    tp_gather = collective_time(topo, "all_gather", f["tp_n"], f["muon_tp_gather_bytes"], f["tp_out"], f["tp_pd"])
+    tp_norms = f["muon_tp_norm_count"] * collective_time(topo, "all_reduce", f["tp_n"], BYTES["fp32"], f["tp_out"],
+                                                         f["tp_pd"])
+    return (np.where(np.asarray(f["muon_gather_bytes"]) > 0, gather + norms, 0.0) +
+            np.where(np.asarray(f["muon_tp_gather_bytes"]) > 0, tp_gather + tp_norms, 0.0))

@@ -182,9 +182,9 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
                                  plan)
     opt_bytes, host_bytes = optimizer_traffic_bytes(rp, plan)
     bal_count, bal_hist, bal_max = per_key(plan, LAYER_SET, lambda p: balancing_reductions(spec, p.rank_layers(spec, 0)))
-    muon_bytes = muon_norms = 0.0
+    muon_bytes = muon_norms = muon_tp_bytes = muon_tp_norms = 0.0
     if plan.optimizer.name == "muonh":
-        muon_bytes, muon_norms = muon_gather_split(
+        muon_bytes, muon_norms, muon_tp_bytes, muon_tp_norms = muon_gather_split(
             per_key(plan, LAYER_SET, lambda p: muon_gather_parts(spec, p.rank_layers(spec, 0))), plan)
     bub_f, bub_b, bub_w = per_key(plan, ("schedule", "pipeline", "virtual", m), lambda p: bubble_coefficients(
         p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.chunks_per_rank))
@@ -221,6 +221,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "opt_bytes": opt_bytes, "ns_flops": ns, "ns_dim": spec.d_model,
         "bal_count": bal_count, "bal_hist_bytes": bal_hist, "bal_max_bytes": bal_max,
         "muon_gather_bytes": muon_bytes, "muon_norm_count": muon_norms,
+        "muon_tp_gather_bytes": muon_tp_bytes, "muon_tp_norm_count": muon_tp_norms,
         "host_bytes": host_bytes,
         "drop_fraction": drop,
         **dict(zip(HOST_OP_FEATURES, host_ops_)),

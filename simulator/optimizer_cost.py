@@ -4,10 +4,11 @@ Shared by the closed-form estimate and the discrete-event workload so both price
 also runs quantile balancing's reductions (`balancing_reductions`; priced by simulator.estimate.balancing_time).
 MuonH orthogonalises every matrix with NEWTON_SCHULZ_STEPS quintic iterations (Jordan et al. 2024, "Muon");
 one iteration on an m x n matrix (m <= n) computes A = X X^T, B = bA + cA^2, X' = aX + BX: 4 m^2 n + 2 m^3 FLOPs.
-Dense matrices are split `tensor` ways; with fsdp > 1 every rank of the fsdp group orthogonalises each whole matrix
-(backend.optim.orthogonalise: the update is all-gathered in fp32 over the fsdp group, Newton-Schulz runs on every
-rank, each keeps its rows; `muon_gather`), and the hyperball step all-reduces three Frobenius norms (one fp32 scalar
-each) per dense matrix over that group. Expert stacks are sharded along the expert dimension, so each rank
+Dense matrices are orthogonalised whole on every rank that holds a shard of them: with fsdp > 1 or tensor > 1
+(backend.optim.orthogonalise: the update is all-gathered in fp32 over the fsdp group and over the tensor group
+(backend.tensor_parallel shards the attention and MLP matrices), Newton-Schulz runs on every rank, each keeps its
+rows or columns; `muon_gather`), and the hyperball step all-reduces three Frobenius norms (one fp32 scalar each) per
+dense matrix over each of those groups. Expert stacks are sharded along the expert dimension, so each rank
 orthogonalises only its own experts (split over the expert ranks and the experts' own FSDP shards) without
 communication.
 """
@@ -80,14 +81,14 @@ def newton_schulz_parts(spec: ModelSpec, layers) -> tuple[float, float]:
 
 
 def newton_schulz_split(parts: tuple, plan) -> float:
-    """One rank's share of newton_schulz_parts (arrays for PlanArrays): dense matrices split `tensor` ways and
-    orthogonalised whole on every rank of the fsdp group (backend.optim.orthogonalise; see muon_gather), expert
+    """One rank's share of newton_schulz_parts (arrays for PlanArrays): dense matrices orthogonalised whole on every
+    rank of the fsdp and tensor groups (backend.optim.orthogonalise; see muon_gather), expert
     matrices over the expert ranks and the experts' own FSDP shards (whole experts per shard); under ZeRO-1/2 the
     data replicas (the expert replicas for experts) split the matrices between them."""
     par = plan.parallel
     dense, expert = parts
     # ZeRO-1/2: each data replica orthogonalises the whole matrices whose state it holds (a 1 / data share).
-    return dense / (par.tensor * (par.state_shards // par.fsdp)) + expert / (par.expert * par.expert_state_shards)
+    return dense / (par.state_shards // par.fsdp) + expert / (par.expert * par.expert_state_shards)
 
 
 def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float:
@@ -98,28 +99,30 @@ def newton_schulz_flops(spec: ModelSpec, plan: Plan, layers: list[int]) -> float
 
 
 def muon_gather_parts(spec: ModelSpec, layers) -> tuple[float, float]:
-    """The dense matrices of `layers` that MuonH gathers under FSDP: (their fp32 bytes, whole matrices; how many)."""
+    """The dense matrices of `layers` that MuonH gathers under FSDP or tensor parallelism: (their fp32 bytes, whole
+    matrices; how many)."""
     mats = [m for i in layers for m in _dense_matrices(spec, i)]
     return float(sum(m * n for m, n in mats) * BYTES["fp32"]), float(len(mats))
 
 
 def muon_gather_split(parts: tuple, plan):
-    """One rank's muon_gather from muon_gather_parts (arrays for PlanArrays): nothing without fsdp."""
+    """One rank's muon_gather from muon_gather_parts (arrays for PlanArrays): (fsdp bytes, fsdp norms, tensor bytes,
+    tensor norms); nothing over a group of one."""
     par = plan.parallel
     nbytes, count = parts
-    sharded = np.asarray(par.fsdp) > 1
-    return np.where(sharded, nbytes / par.tensor, 0.0), np.where(sharded, 3 * count, 0.0)
+    sharded, split = np.asarray(par.fsdp) > 1, np.asarray(par.tensor) > 1
+    return (np.where(sharded, nbytes / par.tensor, 0.0), np.where(sharded, 3 * count, 0.0),
+            np.where(split, nbytes, 0.0), np.where(split, 3 * count, 0.0))
 
 
-def muon_gather(spec: ModelSpec, plan: Plan, layers: list[int]) -> tuple[float, float]:
-    """MuonH on fsdp-sharded dense matrices, per step on one rank holding `layers`: (bytes of the fp32 updates
-    all-gathered over the fsdp group, whole-matrix sizes, i.e. the all_gather's full output; number of fp32 scalar
-    norm all-reduces over that group, three per matrix for the hyperball's norms). (0, 0) without fsdp or for other
-    optimizers."""
+def muon_gather(spec: ModelSpec, plan: Plan, layers: list[int]) -> tuple[float, float, float, float]:
+    """MuonH on fsdp- and tensor-sharded dense matrices, per step on one rank holding `layers`: (bytes of the fp32
+    updates all-gathered over the fsdp group, the all_gather's full output: a tensor shard of each matrix; number of
+    fp32 scalar norm all-reduces over that group, three per matrix for the hyperball's norms; the same two over the
+    tensor group, whose all-gather outputs whole matrices). Zeros over a group of one or for other optimizers."""
     if plan.optimizer.name != "muonh":
-        return 0.0, 0.0
-    nbytes, count = muon_gather_split(muon_gather_parts(spec, layers), plan)
-    return float(nbytes), float(count)
+        return 0.0, 0.0, 0.0, 0.0
+    return tuple(float(v) for v in muon_gather_split(muon_gather_parts(spec, layers), plan))
 
 
 def optimizer_traffic_bytes(rp: RankParams, plan: Plan) -> tuple[float, float]:

@@ -175,15 +175,17 @@ class Workload:
         return float(costs.balancing_time(f, self.topo))
 
     def _muon_gather_s(self, layers: list[int]) -> float:
-        """MuonH's gathers of fsdp-sharded matrices for these layers (costs.muon_gather_time)."""
+        """MuonH's gathers of fsdp- and tensor-sharded matrices for these layers (costs.muon_gather_time)."""
         from rackcast.simulator.placement import place
 
-        gathered, norms = muon_gather(self.spec, self.plan, layers)
-        if not gathered:
+        gathered, norms, tp_gathered, tp_norms = muon_gather(self.spec, self.plan, layers)
+        if not gathered and not tp_gathered:
             return 0.0
         pl = place(self.plan, self.topo.scale_up.usable_gpus)
         f = {"muon_gather_bytes": gathered, "muon_norm_count": norms, "fsdp_n": self.plan.parallel.fsdp,
-             "fsdp_out": pl.fsdp.span == "scale_out", "fsdp_pd": costs.group_per_domain(pl.fsdp)}
+             "fsdp_out": pl.fsdp.span == "scale_out", "fsdp_pd": costs.group_per_domain(pl.fsdp),
+             "muon_tp_gather_bytes": tp_gathered, "muon_tp_norm_count": tp_norms, "tp_n": self.plan.parallel.tensor,
+             "tp_out": pl.tensor.span == "scale_out", "tp_pd": costs.group_per_domain(pl.tensor)}
         return float(costs.muon_gather_time(f, self.topo))
 
     def host_forward_s(self, forward_ops: float) -> float:

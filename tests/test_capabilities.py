@@ -12,7 +12,7 @@ from conftest import PLANS
 from rackcast.plan import load_plan, save_plan
 
 PROBLEMS = [(model, topology) for model in ("tiny-moe", "marin-ladder-d768")
-            for topology in ("local-cpu", "h200-hgx", "gb200-nvl72")]
+            for topology in ("local-cpu", "h200-hgx", "gb200-nvl72")] + [("tiny-llama-3.1", "local-cpu")]
 
 
 @pytest.mark.parametrize("model,topology", PROBLEMS)
@@ -83,3 +83,19 @@ def test_the_planner_offers_uneven_splits_only_where_the_layers_do_not_divide_an
         "parallel.stage_layers: uneven pipeline splits are not implemented by the trainer"]
     fewer = enumerate_space(spec, 32, 8, 8, replace(options, capabilities=no_uneven), 1e12).layouts
     assert not [lay for lay in fewer if lay.parallel.pipeline > 1]
+
+
+def test_tensor_parallel_layouts_are_offered_and_their_limits_refused(tmp_path):
+    from rackcast.planner.search import Request, search
+
+    result = search(Request(model="tiny-llama-3.1", topology="local-cpu", racks=1, tokens=1e9, top=0, simulate=False,
+                            workers=1))
+    assert any(row.layout.parallel.tensor > 1 for row in result.ranked)  # backend.tensor_parallel runs them
+    plan = load_plan(str(_plan(tmp_path, parallel={"tensor": 2, "expert": 2, "sequence_parallel": True})))
+    reasons = refusals(plan, plan.model_spec())
+    assert [r.split(": ")[1][:40] for r in reasons] == [
+        "tensor parallelism together with expert ",
+        "short convolutions on the block outputs ",  # tiny-moe's conv.sites attn and mlp
+        "the trainer splits KV heads over the ten",  # tiny-moe's global layers attend with 1 of 2 stored heads
+    ]
+    assert refusals(plan, plan.model_spec(), EVERYTHING) == []

@@ -276,17 +276,19 @@ def test_plan_from_a_measurement_fits_then_plans_in_one_command(tmp_path, cli):
 
 
 def test_executor_any_searches_layouts_beyond_the_trainer_and_trainer_does_not(cli):
-    # The trainer runs no tensor parallelism (rackcast.capabilities.TRAINER), so the default search never offers it;
-    # --executor any searches every layout the simulator prices, tensor parallelism included.
+    # The trainer runs no tensor parallelism with fsdp or ZeRO
+    # (rackcast.capabilities.TRAINER), so the default search never offers them, though it offers tensor parallelism;
+    # --executor any searches every layout the simulator prices, those included.
     import json
 
     args = ("plan", "--model", "gpt-1.7b", "--topology", "h100-hgx", "--racks", "1", "--tokens", "1e9", "--top", "0",
             "--rows", "200", "--json")
     rows = {name: json.loads(cli(*args, *extra).stdout)["ranked"] for name, extra in
             (("trainer", ()), ("any", ("--executor", "any")))}
-    tensor = {name: [r for r in got if r["tensor"] > 1] for name, got in rows.items()}
-    assert rows["trainer"] and not tensor["trainer"]
-    assert tensor["any"]
+    beyond = {name: [r for r in got if r["tensor"] > 1 and (r["fsdp"] > 1 or r["zero"] > 0)]
+              for name, got in rows.items()}
+    assert rows["trainer"] and not beyond["trainer"] and any(r["tensor"] > 1 for r in rows["trainer"])
+    assert beyond["any"]
 
 
 def test_memory_per_gpu_fits_every_candidate_into_the_cap_and_says_so(cli):
