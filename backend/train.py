@@ -39,6 +39,7 @@ from torch import nn
 from rackcast.atomic import write_json_atomic
 from rackcast.backend import checkpoint, memprof, record
 from rackcast.backend.compiled import compile_blocks
+from rackcast.backend.context_parallel import ContextShard, sequence_chunk, shard_context, token_scale
 from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.balancing import AuxFreeBiasBalancer, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
@@ -125,6 +126,10 @@ class Trainer:
         if spec.moe is not None and (lay.ep > 1 or capacity is not None):
             self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
                                       self.timer)
+        self.cp = None  # context parallelism: this rank holds chunk cp_rank of every sequence
+        if lay.cp > 1:
+            self.cp = ContextShard(self.groups.cp, lay.cp_rank, lay.cp, self.timer)
+            shard_context(model, self.cp)
         self.chunks = build_chunks(model, lay, self.plan.parallel, self.plan.schedule)
         apply_recompute(self.chunks, self.plan.recompute)
         if self.plan.compile:  # after recompute's wrapping, before DDP / FSDP wrap the chunks
@@ -209,6 +214,16 @@ class Trainer:
     def _loss(self, logits, tokens, targets):
         return next_token_loss(logits, tokens, targets=targets, z_loss_weight=self.plan.z_loss_weight)
 
+    def _chunk_loss(self, module, x, y):
+        """Loss of micro-batch x (targets y, whole sequences): with context parallelism, of this rank's chunk,
+        scaled so that the average over the context ranks is the whole sequences' mean (context_parallel.token_scale)."""
+        scale = token_scale(y, self.cp)
+        xc, yc = sequence_chunk(x, self.cp), sequence_chunk(y, self.cp)
+        loss, parts = self._loss(module(xc), xc, yc)
+        if scale != 1.0:
+            loss, parts = loss * scale, {k: v * scale for k, v in parts.items()}
+        return loss, parts
+
     def _autocast(self):
         """The plan's precision: bf16 autocast on CUDA or CPU, none for fp32."""
         if self.plan.precision == "bf16":
@@ -249,7 +264,7 @@ class Trainer:
                 if self.fsdp:
                     set_gradient_sync(self.chunks, i == self.microbatches - 1)
                 with (contextlib.nullcontext() if sync else module.no_sync()), self._autocast():
-                    loss, parts = self._loss(module(x), x, y)
+                    loss, parts = self._chunk_loss(module, x, y)
                 (loss / self.microbatches).backward()
                 loss_sum, ce_sum, z_sum = loss_sum + loss.item(), ce_sum + parts["ce"].item(), \
                     z_sum + parts["z_loss"].item()
@@ -284,7 +299,7 @@ class Trainer:
         tokens = self._to_device(torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)))
         self.local.eval()
         with self._autocast():
-            loss, _ = self._loss(self.chunks[0](tokens), tokens, _targets(tokens))
+            loss, _ = self._chunk_loss(self.chunks[0], tokens, _targets(tokens))
         self.local.train()
         for chunk in self.chunks:
             for layer in chunk.layers.values():
@@ -293,8 +308,8 @@ class Trainer:
         pop_drop_counts(self.moes)
         out = torch.tensor([loss.item()], dtype=torch.float64)
         if self.groups is not None and self.groups.dp is not None:
-            dist.all_reduce(out, group=self.groups.dp)
-            out /= lay.dp
+            dist.all_reduce(out, group=self.groups.dp)  # the token ranks: data x fsdp x context
+            out /= lay.tokens
         return float(out[0])
 
     # ------------------------------------------------------------------------------------------------ state
@@ -416,7 +431,8 @@ class Trainer:
             t = self.timer.pop()
             fwd_bwd = t.pop("fwd_bwd", 0.0)
             phases = {k: v for k, v in t.items()}
-            phases["compute"] = max(0.0, fwd_bwd - t.get("exposed_expert_a2a", 0.0) - t.get("exposed_dp_comm", 0.0))
+            phases["compute"] = max(0.0, fwd_bwd - t.get("exposed_expert_a2a", 0.0) - t.get("exposed_dp_comm", 0.0)
+                                    - t.get("exposed_tensor_comm", 0.0))
             phases["other"] = max(0.0, step_time - sum(phases.values()))
             self._collect_routing()
             row = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"],
@@ -457,8 +473,8 @@ class Trainer:
         p = self.plan.parallel
         info = {"plan": self.plan.name, "plan_path": self.args.plan, "plan_hash": self.plan_hash,
                 "model": self.spec.name, "world": self.world, "device": str(self.device),
-                "layout": {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline,
-                           "virtual": p.virtual, "schedule": self.plan.schedule,
+                "layout": {"data": p.data, "fsdp": p.fsdp, "context": p.context, "expert": p.expert,
+                           "pipeline": p.pipeline, "virtual": p.virtual, "schedule": self.plan.schedule,
                            "expert_transport": self.plan.expert_transport.mode,
                            "data_parallel": "fsdp2" if p.fsdp > 1 else "ddp" if p.pipeline == 1 else "flat all-reduce"},
                 "torch": torch.__version__, "threads": self.threads, "tokens_per_step": self.tokens_per_step,

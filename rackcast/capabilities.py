@@ -46,6 +46,11 @@ class Capabilities:
     dropout: bool
     balanced_routing: bool  # expert_transport.routing: balanced forces the router's choices (rackcast.vocab)
     compile_processes: int  # largest process count a plan with compile: true may use (0: compile not implemented)
+    context_with_tensor: bool = True  # context > 1 together with tensor > 1
+    context_with_fsdp: bool = True  # context > 1 together with fsdp > 1 (sharding over data x fsdp x context)
+    context_with_pipeline: bool = True  # context > 1 together with pipeline > 1
+    context_with_zero: bool = True  # context > 1 together with parallel.zero >= 1
+    context_model_features: bool = True  # context > 1 with latent attention, multi-token prediction or an aux loss
 
 
 # What rackcast.backend implements today (each flag is the backend module that does it).
@@ -53,7 +58,7 @@ TRAINER = Capabilities(
     fsdp=True,  # backend.fsdp (FSDP2)
     tensor=False,
     sequence_parallel=False,
-    context=False,
+    context=True,  # backend.context_parallel (K/V all-gather, window halo, conv halo)
     expert_tensor=False,
     recompute=("none", "selective", "full"),  # backend.recompute
     optimizer_state=("hbm", "host"),  # backend.offload
@@ -73,6 +78,11 @@ TRAINER = Capabilities(
     dropout=False,
     balanced_routing=False,  # backend.moe's router always learns its top-k; no force-balanced assignment yet
     compile_processes=1,  # backend.compiled: torch.compile on one-process plans (not tried with parallel layouts)
+    context_with_tensor=False,
+    context_with_fsdp=False,
+    context_with_pipeline=False,
+    context_with_zero=False,
+    context_model_features=False,
 )
 
 # Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.
@@ -102,6 +112,8 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
     for name, asked, implemented, what in axes:
         if asked and not implemented:
             out.append(f"parallel.{name}: {what} is not implemented by the trainer")
+    if p.context > 1:
+        out.extend(_context_refusals(plan, spec, caps))
     if p.pipeline > 1 and spec.tied_embeddings and not caps.tied_embeddings_pipeline:
         out.append("parallel.pipeline: tied embeddings across pipeline stages are not supported by the trainer")
     if p.pipeline > 1 and spec.mtp is not None and not caps.mtp_pipeline:
@@ -153,4 +165,31 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
     if plan.compile and p.gpus > caps.compile_processes:
         out.append(f"compile: the trainer compiles one-process plans only ({p.gpus} processes here; torch.compile "
                    "with data, expert, fsdp or pipeline parallelism is not implemented); set compile: false")
+    return out
+
+
+def _context_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
+    """What context parallelism (context > 1) may not be combined with in this executor."""
+    p = plan.parallel
+    out: list[str] = []
+    pairs = (("tensor", p.tensor > 1, caps.context_with_tensor, "tensor parallelism"),
+             ("fsdp", p.fsdp > 1, caps.context_with_fsdp, "fully sharded data parallelism"),
+             ("pipeline", p.pipeline > 1, caps.context_with_pipeline, "pipeline parallelism"),
+             ("zero", p.zero > 0, caps.context_with_zero, "ZeRO-sharded optimizer state"))
+    for name, asked, implemented, what in pairs:
+        if asked and not implemented:
+            out.append(f"parallel.context: context parallelism together with {what} (parallel.{name} > "
+                       f"{0 if name == 'zero' else 1}) is not implemented by the trainer")
+    if not caps.context_model_features:
+        features = [what for what, present in (
+            ("latent attention (attention.mla)", spec.attention.mla is not None),
+            ("multi-token prediction (mtp)", spec.mtp is not None),
+            ("an auxiliary balancing loss (moe.balance_method: aux_loss)",
+             spec.moe is not None and spec.moe.balance_method == "aux_loss")) if present]
+        if features:
+            out.append(f"parallel.context: context parallelism with {', '.join(features)} is not implemented by "
+                       "the trainer")
+    if spec.conv is not None and spec.seq_len // p.context < spec.conv.kernel - 1:
+        out.append(f"parallel.context: chunks of {spec.seq_len // p.context} tokens are shorter than the short "
+                   f"convolution's halo of {spec.conv.kernel - 1}")
     return out
