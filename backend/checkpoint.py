@@ -126,7 +126,9 @@ def _globalise(state: dict, shard_of: ShardOf | None) -> dict:
     from torch.distributed.tensor import DTensor
 
     def wrap(value, fqn):
-        where = shard_of(fqn) if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) else None
+        # A 0-d state (Adam's step count) is the same on every rank: it stays a plain (replicated) tensor.
+        where = shard_of(fqn) if isinstance(value, torch.Tensor) and value.dim() and not isinstance(value, DTensor) \
+            else None
         return DTensor.from_local(value, where[0], where[1], run_check=False) if where else value
 
     model = {k: wrap(v, k) for k, v in state["model"].items()}

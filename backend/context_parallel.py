@@ -153,9 +153,11 @@ def context_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: int
     return mask & (i - j < window) if window else mask
 
 
-def shard_context(model: nn.Module, ctx: ContextShard) -> None:
+def shard_context(model: nn.Module, ctx: ContextShard | None) -> None:
     """Give every module that reads along the sequence (attention, short convolutions, learned positions) its
-    ContextShard."""
+    ContextShard (None: nothing to do)."""
+    if ctx is None:
+        return
     for module in model.modules():
         if hasattr(module, "cp"):
             module.cp = ctx
@@ -179,3 +181,15 @@ def sequence_chunk(t: Tensor, ctx: ContextShard | None) -> Tensor:
         return t
     chunk = t.shape[1] // ctx.size
     return t[:, ctx.start(chunk): ctx.start(chunk) + chunk]
+
+
+def chunk_loss(loss_fn, module: nn.Module, x: Tensor, y: Tensor, ctx: ContextShard | None):
+    """loss_fn(logits, tokens, targets) -> (loss, parts) of `module` on micro-batch x with targets y (whole sequences
+    [B, S]): under context parallelism on this rank's chunk, scaled by token_scale so that the average over the
+    context ranks is the whole sequences' mean."""
+    scale = token_scale(y, ctx)
+    xc, yc = sequence_chunk(x, ctx), sequence_chunk(y, ctx)
+    loss, parts = loss_fn(module(xc), xc, yc)
+    if scale != 1.0:
+        loss, parts = loss * scale, {k: v * scale for k, v in parts.items()}
+    return loss, parts

@@ -181,6 +181,13 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def shifted_targets(tokens: Tensor) -> Tensor:
+    """Next-token targets of tokens [B, S]: tokens[:, 1:], and -100 (ignored) at the last position."""
+    t = torch.full_like(tokens, -100)
+    t[:, :-1] = tokens[:, 1:]
+    return t
+
+
 def next_token_loss(
     logits: Tensor, tokens: Tensor, *, z_loss_weight: float = MARIN_Z_LOSS_WEIGHT, targets: Tensor | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:

@@ -39,14 +39,14 @@ from torch import nn
 from rackcast.atomic import write_json_atomic
 from rackcast.backend import checkpoint, memprof, record
 from rackcast.backend.compiled import compile_blocks
-from rackcast.backend.context_parallel import ContextShard, sequence_chunk, shard_context, token_scale
+from rackcast.backend.context_parallel import ContextShard, chunk_loss, shard_context
 from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.balancing import AuxFreeBiasBalancer, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import pop_drop_counts, shard_experts
 from rackcast.backend.fault_injection import fail_hook
 from rackcast.backend.launch import exit_with_parent
-from rackcast.backend.model import build_model, next_token_loss
+from rackcast.backend.model import build_model, next_token_loss, shifted_targets
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
                                       validate_trainable, wrap_data_parallel)
@@ -87,12 +87,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _targets(tokens: torch.Tensor) -> torch.Tensor:
-    t = torch.full_like(tokens, -100)
-    t[:, :-1] = tokens[:, 1:]
-    return t
-
-
 class Trainer:
     def __init__(self, args):
         self.args = args
@@ -126,10 +120,8 @@ class Trainer:
         if spec.moe is not None and (lay.ep > 1 or capacity is not None):
             self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
                                       self.timer)
-        self.cp = None  # context parallelism: this rank holds chunk cp_rank of every sequence
-        if lay.cp > 1:
-            self.cp = ContextShard(self.groups.cp, lay.cp_rank, lay.cp, self.timer)
-            shard_context(model, self.cp)
+        self.cp = ContextShard(self.groups.cp, lay.cp_rank, lay.cp, self.timer) if lay.cp > 1 else None
+        shard_context(model, self.cp)  # context parallelism: this rank holds chunk cp_rank of every sequence
         self.chunks = build_chunks(model, lay, self.plan.parallel, self.plan.schedule)
         apply_recompute(self.chunks, self.plan.recompute)
         if self.plan.compile:  # after recompute's wrapping, before DDP / FSDP wrap the chunks
@@ -214,16 +206,6 @@ class Trainer:
     def _loss(self, logits, tokens, targets):
         return next_token_loss(logits, tokens, targets=targets, z_loss_weight=self.plan.z_loss_weight)
 
-    def _chunk_loss(self, module, x, y):
-        """Loss of micro-batch x (targets y, whole sequences): with context parallelism, of this rank's chunk,
-        scaled so that the average over the context ranks is the whole sequences' mean (context_parallel.token_scale)."""
-        scale = token_scale(y, self.cp)
-        xc, yc = sequence_chunk(x, self.cp), sequence_chunk(y, self.cp)
-        loss, parts = self._loss(module(xc), xc, yc)
-        if scale != 1.0:
-            loss, parts = loss * scale, {k: v * scale for k, v in parts.items()}
-        return loss, parts
-
     def _autocast(self):
         """The plan's precision: bf16 autocast on CUDA or CPU, none for fp32."""
         if self.plan.precision == "bf16":
@@ -244,7 +226,7 @@ class Trainer:
             getattr(w, "gradient_buckets", {}).clear()  # refilled by this step's backward
         tokens = self._to_device(
             torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp)))
-        targets = _targets(tokens)
+        targets = shifted_targets(tokens)
         loss_sum = ce_sum = z_sum = 0.0
         count = 0
         t0 = self.timer.now()
@@ -264,7 +246,7 @@ class Trainer:
                 if self.fsdp:
                     set_gradient_sync(self.chunks, i == self.microbatches - 1)
                 with (contextlib.nullcontext() if sync else module.no_sync()), self._autocast():
-                    loss, parts = self._chunk_loss(module, x, y)
+                    loss, parts = chunk_loss(self._loss, module, x, y, self.cp)
                 (loss / self.microbatches).backward()
                 loss_sum, ce_sum, z_sum = loss_sum + loss.item(), ce_sum + parts["ce"].item(), \
                     z_sum + parts["z_loss"].item()
@@ -299,7 +281,7 @@ class Trainer:
         tokens = self._to_device(torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)))
         self.local.eval()
         with self._autocast():
-            loss, _ = self._chunk_loss(self.chunks[0], tokens, _targets(tokens))
+            loss, _ = chunk_loss(self._loss, self.chunks[0], tokens, shifted_targets(tokens), self.cp)
         self.local.train()
         for chunk in self.chunks:
             for layer in chunk.layers.values():
@@ -431,8 +413,8 @@ class Trainer:
             t = self.timer.pop()
             fwd_bwd = t.pop("fwd_bwd", 0.0)
             phases = {k: v for k, v in t.items()}
-            phases["compute"] = max(0.0, fwd_bwd - t.get("exposed_expert_a2a", 0.0) - t.get("exposed_dp_comm", 0.0)
-                                    - t.get("exposed_tensor_comm", 0.0))
+            comm = ("exposed_expert_a2a", "exposed_dp_comm", "exposed_tensor_comm")  # inside fwd_bwd's span
+            phases["compute"] = max(0.0, fwd_bwd - sum(t.get(name, 0.0) for name in comm))
             phases["other"] = max(0.0, step_time - sum(phases.values()))
             self._collect_routing()
             row = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"],
