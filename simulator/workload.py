@@ -205,7 +205,7 @@ class Workload:
         if lw.host_ops > 0.0 and not recompute:  # the trainer does not recompute: no host ops counted for it
             ops.append(Host("host ops", self.host_forward_s(lw.host_ops)))
         if par.context > 1:
-            ops.append(Start(key + "cp", self._cp_comm()))
+            ops.append(Start(key + "cp", self._cp_comm(lw)))
         ops.append(Compute(pre + "attention", attn_s))
         if par.context > 1:
             ops.append(Wait(key + "cp", "exposed_tensor_comm"))
@@ -232,7 +232,7 @@ class Workload:
             ops.append(Compute("mlp backward", f * lw.router_s))
         ops += self._tp(key + "tpa")
         if self.plan.parallel.context > 1:
-            ops.append(Start(key + "cp", self._cp_comm(f)))
+            ops.append(Start(key + "cp", self._cp_comm(lw)))  # the K/V gradients: as many bytes as forward
         ops.append(Compute("attention backward", f * lw.attn_s + lw.elem_s / 2))
         if self.plan.parallel.context > 1:
             ops.append(Wait(key + "cp", "exposed_tensor_comm"))
@@ -275,10 +275,10 @@ class Workload:
         return [Start(key, Comm("all_reduce", "tensor", nbytes, "tp", "tp all-reduce")),
                 Wait(key, "exposed_tensor_comm")]
 
-    def _cp_comm(self, factor: float = 1.0) -> Comm:
+    def _cp_comm(self, lw: LayerWork) -> Comm:
         par = self.plan.parallel
-        nbytes = costs.context_bytes(self.tokens_mb, self.spec, par.tensor)
-        return Comm("shift", "context", factor * (par.context - 1) * nbytes, "cp", "cp kv exchange")
+        nbytes = float(costs.context_bytes(self.tokens_mb, self.spec, par.tensor, par.context, lw.index))
+        return Comm("shift", "context", nbytes, "cp", "cp kv exchange")
 
     def gather_comms(self, lw: LayerWork) -> list[tuple[Comm, float]]:
         """FSDP all-gathers of one layer's parameters and the bytes of their unsharded buffers."""

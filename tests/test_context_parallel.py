@@ -18,10 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dataclasses import replace
+
+from rackcast.backend import context_parallel
 from rackcast.backend.context_parallel import ContextShard, context_mask, sequence_chunk, shard_context
 from rackcast.backend.layers import ShortConv
 from rackcast.backend.model import build_model
 from rackcast.presets import load_model
+from rackcast.simulator.costs import W_BYTES, context_bytes, conv_halo_bytes
 
 CP = 2
 CASES = {  # name: (preset, layer or None for ShortConv alone, sequence length)
@@ -58,8 +62,18 @@ def _check(rank: int, store: str, case: str) -> None:
         ctx = ContextShard(dist.group.WORLD, rank, CP)
         shard_context(part, ctx)
         xc = sequence_chunk(x, ctx).clone().requires_grad_()
+        received = _count_received()
         yc = part(xc)
+        forward_elements = received[0]
         (yc * sequence_chunk(upstream, ctx)).sum().backward()
+        if layer is not None:  # the price (simulator.costs.context_bytes) is what the busiest rank received
+            most = torch.tensor([forward_elements, received[0] - forward_elements], dtype=torch.float64)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            spec = replace(load_model(preset), seq_len=seq)
+            tokens = x.shape[0] * seq / CP  # the attention module alone: without the block's attn/mlp convolutions
+            priced = float(context_bytes(tokens, spec, 1, CP, layer) -
+                           conv_halo_bytes(tokens, spec, 1, CP, ("attn", "mlp"))) / W_BYTES
+            assert most.tolist() == [priced, priced]
         torch.testing.assert_close(yc, sequence_chunk(yf, ctx), atol=1e-5, rtol=0)
         torch.testing.assert_close(xc.grad, sequence_chunk(xf.grad, ctx), atol=1e-5, rtol=0)
         for (name, pf), pc in zip(full.named_parameters(), part.parameters()):
@@ -69,6 +83,28 @@ def _check(rank: int, store: str, case: str) -> None:
             torch.testing.assert_close(grad, pf.grad, atol=1e-5, rtol=1e-5, msg=name)
     finally:
         dist.destroy_process_group()
+
+
+def _count_received() -> list[int]:
+    """Count the elements this rank receives through backend.context_parallel's exchanges from now on."""
+    count = [0]
+    gather, scatter, shift = context_parallel._all_gather, context_parallel._reduce_scatter, context_parallel._shift
+
+    def counted_gather(x, ctx, dim):
+        count[0] += x.numel() * (ctx.size - 1)
+        return gather(x, ctx, dim)
+
+    def counted_scatter(grad, ctx, dim):
+        count[0] += grad.numel() // ctx.size * (ctx.size - 1)
+        return scatter(grad, ctx, dim)
+
+    def counted_shift(x, ctx, forward):
+        count[0] += x.numel() * (0 < ctx.rank if forward else ctx.rank < ctx.size - 1)
+        return shift(x, ctx, forward)
+
+    context_parallel._all_gather, context_parallel._reduce_scatter = counted_gather, counted_scatter
+    context_parallel._shift = counted_shift
+    return count
 
 
 def _worker(rank: int, store: str, case: str, errors: str) -> None:
