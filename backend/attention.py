@@ -170,6 +170,15 @@ class Attention(nn.Module):
         s = q.shape[1]
         ck, cv, k_start = context_keys(k, v, self.window, cp)
         ck, cv = ck.repeat_interleave(group, dim=2), cv.repeat_interleave(group, dim=2)
+        if self.sinks is None and self.window:
+            # Banded attention (window-sized work) over the up to window - 1 keys before this chunk and the chunk's
+            # own, with zero queries standing for those earlier positions (their outputs are dropped).
+            first = max(k_start, 0, start - self.window + 1)  # the earliest key position any query here sees
+            h, lo = start - first, first - k_start
+            kh, vh = ck[:, lo: lo + h + s], cv[:, lo: lo + h + s]
+            qh = torch.cat([q.new_zeros(q.shape[0], h, *q.shape[2:]), q], dim=1) if h else q
+            y = banded_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), self.window)
+            return y.transpose(1, 2)[:, h:]
         mask = context_mask(start, s, k_start, ck.shape[1], self.window, q.device)
         qt, kt, vt = q.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2)
         if self.sinks is not None:
