@@ -1,11 +1,11 @@
 """The training worker: one process of a torchrun job executing a plan (started by `rackcast train PLAN`).
 
-Per rank: build the full model from the plan's ModelSpec with the plan's seed, keep this rank's pipeline chunks and
-expert slice (backend.pipeline, backend.expert_parallel), wrap the dense parameters in DDP over the data-parallel
-group (backend.parallel), build the plan's optimizer (backend.optim) and quantile balancer (statistics reduced over
-the data-parallel group), then per optimizer step: this rank's share of the global batch (backend.data) in
-micro-batches -> forward/backward (or the pipeline schedule) -> expert gradient reduction -> optimizer -> balancer.
-Measures each step (backend.record), saves checkpoints (backend.checkpoint) and resumes from the latest complete one.
+Per rank: build the model from the plan's ModelSpec and seed, keep this rank's pipeline chunks, expert slice and
+sequence chunk (backend.pipeline, expert_parallel, context_parallel), wrap the dense parameters in DDP over the token
+ranks (data x fsdp x context, backend.parallel), build the plan's optimizer (backend.optim) and quantile balancer (its
+statistics pooled over them), then per optimizer step: this rank's share of the global batch (backend.data) in micro-
+batches -> forward/backward (or the pipeline schedule) -> expert gradient reduction -> optimizer -> balancer. Measures
+each step (backend.record), saves checkpoints (backend.checkpoint) and resumes from the latest complete one.
 
 Peak memory: on CUDA torch.cuda.max_memory_allocated. On CPU every rank measures the peak bytes of live tensors
 during one training step with the profiler (backend.memprof): the third step this process runs (MEMORY_STEP; the
