@@ -11,7 +11,8 @@ convolutions (backend.layers.ShortConv) take the previous rank's last `kernel - 
 exchange); rotary and learned positions start at the chunk's offset.
 
 Modules opt in through one attribute, `cp` (None: one whole sequence, no communication), set by `shard_context`.
-What the exchanges cost the step is priced by rackcast.simulator.costs.context_bytes (one home for the formula).
+The exchanges block (no overlap with compute); what they move is priced by rackcast.simulator.costs.context_bytes
+(one home for the formula), exposed, by the estimate and the simulator.
 
     from rackcast.backend.context_parallel import ContextShard, shard_context
     shard_context(model, ContextShard(group, rank=cp_rank, size=cp))
@@ -56,7 +57,7 @@ def _all_gather(x: Tensor, ctx: ContextShard, dim: int) -> Tensor:
     """The chunks of every context rank, concatenated along `dim` in rank order."""
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((ctx.size * moved.shape[0], *moved.shape[1:]))
-    _timed(ctx, lambda: dist.all_gather_into_tensor(out, moved, group=ctx.group))
+    _timed(ctx, lambda: dist.all_gather_single(out, moved, group=ctx.group))
     return out.movedim(0, dim)
 
 
@@ -64,7 +65,7 @@ def _reduce_scatter(grad: Tensor, ctx: ContextShard, dim: int) -> Tensor:
     """Sum of every rank's gradient of the gathered tensor, this rank's chunk of it."""
     moved = grad.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // ctx.size, *moved.shape[1:]))
-    _timed(ctx, lambda: dist.reduce_scatter_tensor(out, moved, group=ctx.group))
+    _timed(ctx, lambda: dist.reduce_scatter_single(out, moved, group=ctx.group))
     return out.movedim(0, dim)
 
 

@@ -246,10 +246,8 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
     tp_t = (4 + 2 * full) * layers * tp_one
-    cp_one = f["cp_layer_s"]
-    attn_layer = costs.attention_time(g("attn_flops"), topo) / np.maximum(layers, 1)
-    cp_exposed = layers * (np.maximum(0.0, cp_one - attn_layer) * (1 + full) + np.maximum(0.0, cp_one -
-                                                                                           2 * attn_layer))
+    # The trainer's K/V exchanges block (backend.context_parallel): forward, its recomputation and backward, exposed.
+    cp_exposed = layers * f["cp_layer_s"] * (2 + full)
     a2a_one = collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
     shared_layer = costs.gemm_time(g("shared_flops"), _shapes(f)[0], topo) / np.maximum(moe, 1)
     # Forward (and its recomputation): two exchanges under half the shared experts each; backward: under all of it.
