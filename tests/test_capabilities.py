@@ -83,3 +83,20 @@ def test_the_planner_offers_uneven_splits_only_where_the_layers_do_not_divide_an
         "parallel.stage_layers: uneven pipeline splits are not implemented by the trainer"]
     fewer = enumerate_space(spec, 32, 8, 8, replace(options, capabilities=no_uneven), 1e12).layouts
     assert not [lay for lay in fewer if lay.parallel.pipeline > 1]
+
+
+def test_context_parallelism_is_refused_with_what_the_trainer_does_not_combine_it_with(tmp_path):
+    """The trainer runs context parallelism (backend.context_parallel) with data and expert parallelism; with
+    tensor, fsdp, pipeline or ZeRO it is refused, one "parallel.context" line each, and the simulator prices them."""
+    from dataclasses import replace
+
+    from rackcast.layout import ParallelSpec
+
+    runnable = load_plan(str(_plan(tmp_path, parallel={"data": 2, "context": 2, "expert": 4},
+                                   topology={"name": "local-cpu", "domains": 1, "usable_gpus": 4})))
+    assert refusals(runnable, runnable.model_spec()) == []
+    plan = replace(runnable, parallel=ParallelSpec(data=2, fsdp=2, tensor=2, context=2, pipeline=2, zero=1))
+    lines = [r for r in refusals(plan, plan.model_spec()) if r.startswith("parallel.context:")]
+    assert [w for w in ("tensor", "fsdp", "pipeline", "zero") if any(f"parallel.{w} " in r for r in lines)] == \
+        ["tensor", "fsdp", "pipeline", "zero"]
+    assert not [r for r in refusals(plan, plan.model_spec(), EVERYTHING) if r.startswith("parallel.context:")]
