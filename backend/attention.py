@@ -179,6 +179,9 @@ class Attention(nn.Module):
             qh = torch.cat([q.new_zeros(q.shape[0], h, *q.shape[2:]), q], dim=1) if h else q
             y = banded_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), self.window)
             return y.transpose(1, 2)[:, h:]
+        # Keys after this chunk are never seen: drop them. (Ranks are not load-balanced: the last rank's queries see
+        # the whole sequence; Llama 3 gives each rank two chunks, i and 2 x cp - 1 - i, to even that out.)
+        ck, cv = ck[:, : start + s - k_start], cv[:, : start + s - k_start]
         mask = context_mask(start, s, k_start, ck.shape[1], self.window, q.device)
         qt, kt, vt = q.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2)
         if self.sinks is not None:
