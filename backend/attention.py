@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rackcast.backend.context_parallel import context_keys, context_mask
 from rackcast.backend.layers import FusedLinear, Normal, RMSNorm, ShortConv, apply_rope, rms_norm, rotary_dims
 from rackcast.backend.sinks import SinkLogits, attention_with_sinks
 from rackcast.modelspec import ModelSpec
@@ -90,6 +91,8 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
 
 
 class Attention(nn.Module):
+    cp = None  # backend.context_parallel.ContextShard: this rank's queries are one chunk of the sequence
+
     def __init__(self, spec: ModelSpec, layer: int, *, qk_norm: bool):
         super().__init__()
         a, d = spec.attention, spec.d_model
@@ -138,24 +141,63 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
+        cp = self.cp if self.cp is not None and self.cp.size > 1 else None
+        start = cp.start(s) if cp is not None else 0
         if self.rot_dim:
-            q, k = apply_rope(q, self.rot_dim, self.rope_theta), apply_rope(k, self.rot_dim, self.rope_theta)
+            q, k = (apply_rope(q, self.rot_dim, self.rope_theta, start),
+                    apply_rope(k, self.rot_dim, self.rope_theta, start))
         if self.qk_multiplier != 1.0:
             q = q * self.qk_multiplier
         group = self.heads // self.kv_heads  # query head h reads KV head h // group
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.sinks is not None:
-            y = attention_with_sinks(qt, kt, vt, self.sinks.logits, window_mask(s, self.window or s, x.device))
-        elif self.window and self.window < s:
-            y = banded_attention(qt, kt, vt, self.window)
+        if cp is not None:  # keys from the neighbouring window or the whole sequence (backend.context_parallel)
+            y = self._context_attention(q, k, v, cp, start, group)
+            v = v.repeat_interleave(group, dim=2)
         else:
-            y = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-        y = y.transpose(1, 2)  # [B, S, H, hd]
+            k = k.repeat_interleave(group, dim=2)
+            v = v.repeat_interleave(group, dim=2)
+            y = self._attention(q, k, v)
         if self.exclusive:
             dot = (y * v).sum(-1, keepdim=True)
             y = y - dot / ((v * v).sum(-1, keepdim=True) + XSA_EPS) * v
         if self.gate is not None:
             y = y * (2.0 * torch.sigmoid(self.gate(x)))[..., None]
         return self.o(y.reshape(b, s, self.heads * self.head_dim))
+
+    def _context_attention(self, q: Tensor, k: Tensor, v: Tensor, cp, start: int, group: int) -> Tensor:
+        """Attention of this chunk's queries [B, S_chunk, H, D] over the keys and values (the layer's KV heads,
+        exchanged before they are repeated for the query groups) that context_keys fetches, masked causally at the
+        chunk's offset (and to the window on local layers) -> [B, S_chunk, H, D]."""
+        s = q.shape[1]
+        ck, cv, k_start = context_keys(k, v, self.window, cp)
+        ck, cv = ck.repeat_interleave(group, dim=2), cv.repeat_interleave(group, dim=2)
+        if self.sinks is None and self.window:
+            # Banded attention (window-sized work) over the up to window - 1 keys before this chunk and the chunk's
+            # own, with zero queries standing for those earlier positions (their outputs are dropped).
+            first = max(k_start, 0, start - self.window + 1)  # the earliest key position any query here sees
+            h, lo = start - first, first - k_start
+            kh, vh = ck[:, lo: lo + h + s], cv[:, lo: lo + h + s]
+            qh = torch.cat([q.new_zeros(q.shape[0], h, *q.shape[2:]), q], dim=1) if h else q
+            y = banded_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), self.window)
+            return y.transpose(1, 2)[:, h:]
+        # Keys after this chunk are never seen: drop them. (Ranks are not load-balanced: the last rank's queries see
+        # the whole sequence; Llama 3 gives each rank two chunks, i and 2 x cp - 1 - i, to even that out.)
+        ck, cv = ck[:, : start + s - k_start], cv[:, : start + s - k_start]
+        mask = context_mask(start, s, k_start, ck.shape[1], self.window, q.device)
+        qt, kt, vt = q.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2)
+        if self.sinks is not None:
+            y = attention_with_sinks(qt, kt, vt, self.sinks.logits, mask)
+        else:
+            y = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+        return y.transpose(1, 2)
+
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal (or sliding-window) attention of a whole sequence, q, k, v [B, S, H, D] -> [B, S, H, D]."""
+        s = q.shape[1]
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.sinks is not None:
+            y = attention_with_sinks(qt, kt, vt, self.sinks.logits, window_mask(s, self.window or s, q.device))
+        elif self.window and self.window < s:
+            y = banded_attention(qt, kt, vt, self.window)
+        else:
+            y = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        return y.transpose(1, 2)  # [B, S, H, hd]

@@ -99,8 +99,9 @@ def identity(plan) -> dict:
 def layout_info(plan) -> dict:
     """The parallel layout a run used, as checkpoints and records list it (informational: any layout resumes)."""
     p = plan.parallel
-    return {"data": p.data, "fsdp": p.fsdp, "expert": p.expert, "pipeline": p.pipeline, "tensor": p.tensor,
-            "sequence_parallel": p.sequence_parallel, "virtual": p.virtual, "schedule": plan.schedule}
+    return {"data": p.data, "fsdp": p.fsdp, "context": p.context, "expert": p.expert, "pipeline": p.pipeline,
+            "tensor": p.tensor, "sequence_parallel": p.sequence_parallel, "virtual": p.virtual,
+            "schedule": plan.schedule}
 
 
 def resume_problem(folder: Path, plan) -> str | None:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rackcast.backend.context_parallel import previous_tail
+
 Normal = Callable[[Tensor], None]  # fills a tensor in place from the model's seeded truncated normal
 
 RMS_EPS = 1e-5  # Marin's layer_norm_eps
@@ -84,6 +86,7 @@ class ShortConv(nn.Module):
     """
 
     OPTIM_GROUP = "adam"
+    cp = None  # backend.context_parallel.ContextShard: this rank holds one chunk of the sequence
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
@@ -102,6 +105,13 @@ class ShortConv(nn.Module):
         w = (w.to_local() if hasattr(w, "to_local") else w).to(x.dtype)  # a tensor-parallel channel shard: its own
         out = x * w[0]
         seq = x.shape[1]
+        if self.cp is not None and self.cp.size > 1 and self.kernel > 1:
+            # Context parallelism: the previous rank's last kernel - 1 inputs stand where the zero padding was.
+            halo = self.kernel - 1
+            ext = torch.cat([previous_tail(x, halo, self.cp), x], dim=1)
+            for lag in range(1, self.kernel):
+                out = out + ext[:, halo - lag: halo - lag + seq] * w[lag]
+            return out
         for lag in range(1, min(self.kernel, seq)):
             shifted = F.pad(x, (0, 0, lag, 0))[:, :seq]
             out = out + shifted * w[lag]
@@ -184,14 +194,16 @@ def rope_tables(seq: int, rot_dim: int, theta: float, device: torch.device) -> t
     return _ROPE_CACHE[key]
 
 
-def apply_rope(x: Tensor, rot_dim: int, theta: float) -> Tensor:
-    """Rotate the first `rot_dim` dims of each head of x [B, S, H, D]; the rest pass through (Marin half-RoPE).
+def apply_rope(x: Tensor, rot_dim: int, theta: float, start: int = 0) -> Tensor:
+    """Rotate the first `rot_dim` dims of each head of x [B, S, H, D], whose first position is `start` (a context-
+    parallel chunk's offset); the rest pass through (Marin half-RoPE).
 
     Pairs split halves (i, i + rot_dim/2) within the rotated part, Marin's non-fused convention.
     """
     if rot_dim == 0:
         return x
-    cos, sin = rope_tables(x.shape[1], rot_dim, theta, x.device)
+    cos, sin = rope_tables(start + x.shape[1], rot_dim, theta, x.device)
+    cos, sin = cos[start:], sin[start:]
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     half = rot_dim // 2
     xf = x.float()

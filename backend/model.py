@@ -67,6 +67,8 @@ class Block(nn.Module):
 
 
 class Embedder(nn.Module):
+    cp = None  # backend.context_parallel.ContextShard: the tokens are one chunk of the sequence
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.tok = nn.Embedding(spec.vocab, spec.d_model)
@@ -76,7 +78,8 @@ class Embedder(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.tok(tokens)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            start = self.cp.start(tokens.shape[1]) if self.cp is not None else 0
+            x = x + self.pos(torch.arange(start, start + tokens.shape[1], device=tokens.device))
         return self.norm(x) if self.norm is not None else x
 
 
@@ -176,6 +179,13 @@ def build_model(
 def count_parameters(model: nn.Module) -> int:
     """Every stored parameter once (tied weights once, non-trainable ones included), as ModelSpec counts."""
     return sum(p.numel() for p in model.parameters())
+
+
+def shifted_targets(tokens: Tensor) -> Tensor:
+    """Next-token targets of tokens [B, S]: tokens[:, 1:], and -100 (ignored) at the last position."""
+    t = torch.full_like(tokens, -100)
+    t[:, :-1] = tokens[:, 1:]
+    return t
 
 
 def next_token_loss(

@@ -1,15 +1,20 @@
 """The plan's parallel layout on real processes: which layouts the trainer runs, the DeviceMesh, and data parallelism.
 
-Ranks follow rackcast.layout (innermost first: tensor, context, fsdp, data, pipeline outermost), so global rank
-    rank = stage * (dp * tp) + dp_rank * tp + tp_rank,   dp = data x fsdp,  tp = tensor
-and the expert-parallel groups are runs of `expert` consecutive dp ranks of one stage (at one tp_rank):
-    ep_rank = dp_rank % expert,    edp_rank = dp_rank // expert   (edp = dp / expert expert-data replicas).
+Ranks follow rackcast.layout (innermost first: tensor, context, fsdp, data, pipeline outermost), so with
+dp = data x fsdp, cp = context and tp = tensor
+    stage, r = divmod(rank, dp * cp * tp);  tp_rank = r % tp;  dp_rank, cp_rank = divmod(r // tp, cp)
+Tensor-parallel ranks read the same samples and the same tokens; context ranks read the same sequences (the batch
+splits by dp_rank) and hold different chunks of them (cp_rank, backend.context_parallel), so the ranks that see
+different tokens are the dp x cp "token ranks" of one (stage, tp_rank), u = dp_rank * cp + cp_rank; dense gradients
+average over them, and the expert-parallel groups are runs of `expert` consecutive token ranks
+(rackcast.layout.ParallelSpec.expert_group / expert_data; the trainer refuses experts with tensor parallelism):
+    ep_rank = u % expert,    edp_rank = u // expert   (edp = dp x cp / expert expert-data replicas).
 The mesh is `init_device_mesh(device, (pipeline, edp, ep, tp), ("pp", "edp", "ep", "tp"))` with ("edp", "ep")
-flattened to "dp"; each axis is one process group. Tensor-parallel ranks read the same samples (data by dp_rank),
-and the data-parallel reductions run over the dp ranks of one (stage, tp_rank) (backend.tensor_parallel).
+flattened to "dp" (the token ranks); each axis is one process group, the context ranks of one sequence form group
+"cp", and the tensor-parallel reductions run over "tp" (backend.tensor_parallel).
 
-Data parallelism: the dense parameters are wrapped in DDP over "dp" (with fsdp > 1 FSDP2 shards them instead,
-backend.fsdp; under ZeRO-2 neither, and backend.zero reduces every gradient to its owner instead of all this);
+Data parallelism: the dense parameters are wrapped in DDP over "dp", the token ranks (with fsdp > 1 FSDP2 shards
+them instead, backend.fsdp; under ZeRO-2 neither, and backend.zero reduces every gradient to its owner instead of all this);
 the expert stacks are left out of DDP and their gradients are summed over "edp" only and divided by dp, because each
 EP rank already holds the gradient contributions of every rank of its EP group (all_to_all's backward brings them).
 DDP's all-reduce runs through a comm hook that times it, so the data-parallel reduction is a measured phase.
@@ -69,21 +74,31 @@ class Layout:
     tp: int = 1  # tensor-parallel ranks (plan.parallel.tensor), innermost
     tp_rank: int = 0
     sequence_parallel: bool = False
+    cp: int = 1  # context-parallel ranks (plan.parallel.context): each holds one chunk of every sequence
+    cp_rank: int = 0
 
     @property
     def edp(self) -> int:
-        return self.dp // self.ep
+        """Expert-data replicas of one stage (and tp_rank): token ranks / expert."""
+        return self.tokens // self.ep
+
+    @property
+    def tokens(self) -> int:
+        """Ranks of one stage that see different tokens (dp x cp): dense gradients average over them."""
+        return self.dp * self.cp
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> "Layout":
         p = plan.parallel  # rackcast.layout.ParallelSpec: every size comes from it
-        dp, tp = p.batch_shards, p.tensor
-        stage, r = divmod(rank, p.stage_ranks)  # stage_ranks = dp x context x tp (context 1 here)
-        tp_rank, dp_rank = r % tp, r // tp
+        dp, cp, tp = p.batch_shards, p.context, p.tensor
+        stage, r = divmod(rank, p.stage_ranks)  # stage_ranks = dp x cp x tp
+        tp_rank = r % tp
+        dp_rank, cp_rank = divmod(r // tp, cp)
+        u = dp_rank * cp + cp_rank  # token rank: the expert groups fold over dp x cp
         return cls(rank=rank, world=p.gpus, pp=p.pipeline, dp=dp, ep=p.expert, stage=stage, dp_rank=dp_rank,
-                   ep_rank=dp_rank % p.expert, edp_rank=dp_rank // p.expert, virtual=p.chunks_per_rank, data=p.data,
+                   ep_rank=u % p.expert, edp_rank=u // p.expert, virtual=p.chunks_per_rank, data=p.data,
                    fsdp=p.fsdp, expert_fsdp=p.expert_fsdp, tp=tp, tp_rank=tp_rank,
-                   sequence_parallel=p.sequence_parallel)
+                   sequence_parallel=p.sequence_parallel, cp=cp, cp_rank=cp_rank)
 
 
 class Groups:
@@ -94,11 +109,15 @@ class Groups:
 
         self.mesh = init_device_mesh(device.type, (layout.pp, layout.edp, layout.ep, layout.tp),
                                      mesh_dim_names=("pp", "edp", "ep", "tp"))
-        self.dp_mesh = self.mesh["edp", "ep"]._flatten("dp")
+        self.dp_mesh = self.mesh["edp", "ep"]._flatten("dp")  # the token ranks (data x fsdp x context)
         self.tp_mesh = self.mesh["tp"]  # the tensor-parallel DeviceMesh (backend.tensor_parallel)
         self.tp = self.tp_mesh.get_group() if layout.tp > 1 else None
         self.pp = self.mesh.get_group("pp") if layout.pp > 1 else None
-        self.dp = self.dp_mesh.get_group() if layout.dp > 1 else None
+        self.dp = self.dp_mesh.get_group() if layout.tokens > 1 else None
+        self.cp = None  # the context ranks of this rank's sequences
+        if layout.cp > 1:
+            seq = init_device_mesh(device.type, (layout.pp, layout.dp, layout.cp), mesh_dim_names=("pp", "batch", "cp"))
+            self.cp = seq.get_group("cp")
         self.ep = self.mesh.get_group("ep") if layout.ep > 1 else None
         self.edp = self.mesh.get_group("edp") if layout.edp > 1 else None
         self.edp_mesh = self.mesh["edp"] if layout.edp > 1 else None
@@ -179,8 +198,8 @@ def _timed_allreduce_hook(timer: PhaseTimer, group, buckets: dict[int, tuple[int
 
 
 def wrap_data_parallel(module: nn.Module, groups: Groups, layout: Layout, timer: PhaseTimer) -> nn.Module:
-    """DDP over the dp group for the dense parameters; expert stacks stay out (see the docstring)."""
-    if layout.dp == 1:
+    """DDP over the dp group (the token ranks) for the dense parameters; expert stacks stay out (see the docstring)."""
+    if layout.tokens == 1:
         return module
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -208,18 +227,19 @@ def _allreduce_flat(grads: list[torch.Tensor], group, divide: int) -> None:
 
 def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer: PhaseTimer,
                  dense: bool = False, experts: bool = True) -> None:
-    """Expert gradients (unless experts=False: FSDP2 reduces them): sum over the expert-data replicas, divide by dp.
-    With dense=True (pipeline stages and tensor-parallel chunks, which are not DDP-wrapped) also average the dense
-    gradients over dp (the dp ranks of this rank's tp_rank). One flat all-reduce per kind, timed."""
-    if layout.dp == 1:
+    """Expert gradients (unless experts=False: FSDP2 reduces them): sum over the expert-data replicas, divide by the
+    token ranks (dp x cp). With dense=True (pipeline stages and tensor-parallel chunks, which are not DDP-wrapped)
+    also average the dense gradients over them (the token ranks of this rank's tp_rank). One flat all-reduce per
+    kind, timed."""
+    if layout.tokens == 1:
         return
     t0 = timer.now()
     named = [(n, p) for m in modules for n, p in m.named_parameters() if p.grad is not None]
     experts = [p.grad for n, p in named if is_expert_param(n)] if experts else []
     if experts:
-        _allreduce_flat(experts, groups.edp, layout.dp)
+        _allreduce_flat(experts, groups.edp, layout.tokens)
     if dense:
         dense_grads = [p.grad for n, p in named if not is_expert_param(n)]
         if dense_grads:
-            _allreduce_flat(dense_grads, groups.dp, layout.dp)
+            _allreduce_flat(dense_grads, groups.dp, layout.tokens)
     timer.add("exposed_dp_comm", timer.now() - t0)

@@ -1,12 +1,13 @@
 """The training worker: one process of a torchrun job executing a plan (started by `rackcast train PLAN`).
 
-Per rank: build the full model from the plan's ModelSpec with the plan's seed, keep this rank's pipeline chunks and
-expert slice (backend.pipeline, backend.expert_parallel), wrap the dense parameters in DDP over the data-parallel
-group (backend.parallel; not under ZeRO-2, whose backend.zero reduces each gradient to its owner only), build the
-plan's optimizer (backend.optim) and quantile balancer (statistics reduced over the data-parallel group), then per
-optimizer step: this rank's share of the global batch (backend.data) in micro-batches -> forward/backward (or the
-pipeline schedule) -> expert gradient reduction -> optimizer -> balancer.
-Measures each step (backend.record), saves checkpoints (backend.checkpoint) and resumes from the latest complete one.
+Per rank: build the model from the plan's ModelSpec and seed, keep this rank's pipeline chunks, expert slice and
+sequence chunk (backend.pipeline, expert_parallel, context_parallel), parallelise its matrices over the tensor ranks
+(backend.tensor_parallel), wrap the dense parameters in DDP over the token ranks (data x fsdp x context,
+backend.parallel; not under ZeRO-2, whose backend.zero reduces each gradient to its owner only), build the plan's
+optimizer (backend.optim) and quantile balancer (its statistics pooled over them), then per optimizer step: this
+rank's share of the global batch (backend.data) in micro-batches -> forward/backward (or the pipeline schedule) ->
+expert gradient reduction -> optimizer -> balancer. Measures each step (backend.record), saves checkpoints
+(backend.checkpoint) and resumes from the latest complete one.
 
 Peak memory: on CUDA torch.cuda.max_memory_allocated. On CPU every rank measures the peak bytes of live tensors
 during one training step with the profiler (backend.memprof): the third step this process runs (MEMORY_STEP; the
@@ -40,13 +41,14 @@ from torch import nn
 from rackcast.atomic import write_json_atomic
 from rackcast.backend import checkpoint, memprof, record
 from rackcast.backend.compiled import compile_blocks
+from rackcast.backend.context_parallel import ContextShard, chunk_loss, shard_context
 from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.balancing import AuxFreeBiasBalancer, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import expert_shard_of, pop_drop_counts, shard_experts
 from rackcast.backend.fault_injection import fail_hook
 from rackcast.backend.launch import exit_with_parent
-from rackcast.backend.model import build_model, next_token_loss
+from rackcast.backend.model import build_model, next_token_loss, shifted_targets
 from rackcast.backend.moe import MoE
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
 from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
@@ -89,12 +91,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _targets(tokens: torch.Tensor) -> torch.Tensor:
-    t = torch.full_like(tokens, -100)
-    t[:, :-1] = tokens[:, 1:]
-    return t
-
-
 class Trainer:
     def __init__(self, args):
         self.args = args
@@ -131,6 +127,8 @@ class Trainer:
         if spec.moe is not None and (lay.ep > 1 or capacity is not None):
             self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
                                       self.timer)
+        self.cp = ContextShard(self.groups.cp, lay.cp_rank, lay.cp, self.timer) if lay.cp > 1 else None
+        shard_context(model, self.cp)  # context parallelism: this rank holds chunk cp_rank of every sequence
         self.chunks = build_chunks(model, lay, self.plan.parallel, self.plan.schedule)
         # tensor parallelism before recompute wraps the blocks; the whole parameters with partial gradients back
         self.tp_partial = parallelize(self.chunks, self.groups, lay) if lay.tp > 1 else []
@@ -233,7 +231,7 @@ class Trainer:
             getattr(w, "gradient_buckets", {}).clear()  # refilled by this step's backward
         tokens = self._to_device(
             torch.from_numpy(self.train_data.batch(step, self.plan.batch.global_batch, lay.dp_rank, lay.dp)))
-        targets = _targets(tokens)
+        targets = shifted_targets(tokens)
         loss_sum = ce_sum = z_sum = 0.0
         count = 0
         t0 = self.timer.now()
@@ -253,7 +251,7 @@ class Trainer:
                 if self.fsdp:
                     set_gradient_sync(self.chunks, i == self.microbatches - 1)
                 with (contextlib.nullcontext() if sync else module.no_sync()), self._autocast():
-                    loss, parts = self._loss(module(x), x, y)
+                    loss, parts = chunk_loss(self._loss, module, x, y, self.cp)
                 (loss / self.microbatches).backward()
                 if self.zero2:  # backend.zero: this micro-batch's gradients to their owners only
                     self.zero.reduce_to_owners(lay.dp, self.timer, last=i == self.microbatches - 1)
@@ -295,7 +293,7 @@ class Trainer:
         tokens = self._to_device(torch.from_numpy(self.eval_data.eval_batch(EVAL_SEQUENCES, lay.dp_rank, lay.dp)))
         self.local.eval()
         with self._autocast():
-            loss, _ = self._loss(self.chunks[0](tokens), tokens, _targets(tokens))
+            loss, _ = chunk_loss(self._loss, self.chunks[0], tokens, shifted_targets(tokens), self.cp)
         self.local.train()
         for chunk in self.chunks:
             for layer in chunk.layers.values():
@@ -304,8 +302,8 @@ class Trainer:
         pop_drop_counts(self.moes)
         out = torch.tensor([loss.item()], dtype=torch.float64)
         if self.groups is not None and self.groups.dp is not None:
-            dist.all_reduce(out, group=self.groups.dp)
-            out /= lay.dp
+            dist.all_reduce(out, group=self.groups.dp)  # the token ranks: data x fsdp x context
+            out /= lay.tokens
         return float(out[0])
 
     # ------------------------------------------------------------------------------------------------ state
@@ -400,7 +398,8 @@ class Trainer:
             t = self.timer.pop()
             fwd_bwd = t.pop("fwd_bwd", 0.0)
             phases = {k: v for k, v in t.items()}
-            phases["compute"] = max(0.0, fwd_bwd - t.get("exposed_expert_a2a", 0.0) - t.get("exposed_dp_comm", 0.0))
+            comm = ("exposed_expert_a2a", "exposed_dp_comm", "exposed_tensor_comm")  # inside fwd_bwd's span
+            phases["compute"] = max(0.0, fwd_bwd - sum(t.get(name, 0.0) for name in comm))
             phases["other"] = max(0.0, step_time - sum(phases.values()))
             self._collect_routing()
             row = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"],

@@ -52,6 +52,10 @@ class Capabilities:
     tensor_with_offload: bool = True  # tensor > 1 with optimizer state in host memory
     tensor_model_variants: bool = True  # latent attention, sinks, MTP, per-layer KV heads, widths tensor does not split
     sequence_parallel_with_block_conv: bool = True  # conv.sites attn / mlp (causal over the sequence SP splits)
+    context_with_fsdp: bool = True  # context > 1 together with fsdp > 1 (sharding over data x fsdp x context)
+    context_with_pipeline: bool = True  # context > 1 together with pipeline > 1
+    context_with_zero: bool = True  # context > 1 together with parallel.zero >= 1
+    context_model_features: bool = True  # context > 1 with latent attention, multi-token prediction or an aux loss
 
 
 # What rackcast.backend implements today (each flag is the backend module that does it).
@@ -59,7 +63,7 @@ TRAINER = Capabilities(
     fsdp=True,  # backend.fsdp (FSDP2)
     tensor=True,  # backend.tensor_parallel (DTensor column / row parallel attention and MLPs)
     sequence_parallel=True,  # backend.tensor_parallel (norms, router and routed experts on 1/tp of the sequence)
-    context=False,
+    context=True,  # backend.context_parallel (K/V all-gather, window halo, conv halo)
     expert_tensor=False,
     recompute=("none", "selective", "full"),  # backend.recompute
     optimizer_state=("hbm", "host"),  # backend.offload
@@ -80,11 +84,15 @@ TRAINER = Capabilities(
     balanced_routing=True,  # backend.moe.balanced_assignment forces the choices; the router's scores weigh them
     compile_processes=1,  # backend.compiled: torch.compile on one-process plans (not tried with parallel layouts)
     tensor_with_experts=False,  # the expert all-to-all's groups are not folded over the tp ranks yet
-    tensor_with_context=False,  # context parallelism is built separately
+    tensor_with_context=False,  # not tried: tp and cp meshes are built apart (backend.parallel.Groups)
     tensor_with_sharding=False,  # FSDP2 / ZeRO-1 over DTensor-sharded parameters not tried
     tensor_with_offload=False,  # backend.offload's host copies are plain tensors
     tensor_model_variants=False,
     sequence_parallel_with_block_conv=False,
+    context_with_fsdp=False,
+    context_with_pipeline=False,
+    context_with_zero=False,
+    context_model_features=False,
 )
 
 # Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.
@@ -116,6 +124,8 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
             out.append(f"parallel.{name}: {what} is not implemented by the trainer")
     if p.tensor > 1:
         out += _tensor_refusals(plan, spec, caps)
+    if p.context > 1:
+        out.extend(_context_refusals(plan, spec, caps))
     if p.pipeline > 1 and spec.tied_embeddings and not caps.tied_embeddings_pipeline:
         out.append("parallel.pipeline: tied embeddings across pipeline stages are not supported by the trainer")
     if p.pipeline > 1 and spec.mtp is not None and not caps.mtp_pipeline:
@@ -200,4 +210,30 @@ def _tensor_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
             ([spec.moe.shared_ffn] if spec.moe is not None and spec.moe.shared_experts else [])
         if any(w % t for w in widths):
             out.append(f"parallel.tensor: MLP widths {widths} are not all divisible by tensor={t}")
+    return out
+
+
+def _context_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
+    """What context parallelism (context > 1) may not be combined with in this executor."""
+    p = plan.parallel
+    out: list[str] = []
+    pairs = (("fsdp", p.fsdp > 1, caps.context_with_fsdp, "fully sharded data parallelism"),
+             ("pipeline", p.pipeline > 1, caps.context_with_pipeline, "pipeline parallelism"),
+             ("zero", p.zero > 0, caps.context_with_zero, "ZeRO-sharded optimizer state"))
+    for name, asked, implemented, what in pairs:
+        if asked and not implemented:
+            out.append(f"parallel.context: context parallelism together with {what} (parallel.{name} > "
+                       f"{0 if name == 'zero' else 1}) is not implemented by the trainer")
+    if not caps.context_model_features:
+        features = [what for what, present in (
+            ("latent attention (attention.mla)", spec.attention.mla is not None),
+            ("multi-token prediction (mtp)", spec.mtp is not None),
+            ("an auxiliary balancing loss (moe.balance_method: aux_loss)",
+             spec.moe is not None and spec.moe.balance_method == "aux_loss")) if present]
+        if features:
+            out.append(f"parallel.context: context parallelism with {', '.join(features)} is not implemented by "
+                       "the trainer")
+    if spec.conv is not None and spec.seq_len // p.context < spec.conv.kernel - 1:
+        out.append(f"parallel.context: chunks of {spec.seq_len // p.context} tokens are shorter than the short "
+                   f"convolution's halo of {spec.conv.kernel - 1}")
     return out

@@ -164,10 +164,12 @@ class ParallelSpec:
     @property
     def expert_fsdp(self) -> int:
         """How many of those copies shard the expert parameters ZeRO-3 style: the FSDP part of the expert-data
-        group (fsdp x context x tensor ranks over the expert group, when it divides them), else 1."""
+        group (fsdp x context x tensor ranks over the expert group, when it divides them), else 1; without FSDP
+        (fsdp 1) nothing is sharded: context and tensor ranks alone keep whole copies (DDP over them)."""
         inner = self.fsdp * self.context * self.tensor
         split = self.expert_group
-        shards = (inner % split == 0) & (inner >= split)  # written to hold elementwise for arrays of degrees
+        # written to hold elementwise for arrays of degrees
+        shards = (self.fsdp > 1) & (inner % split == 0) & (inner >= split)
         return inner // split * shards + (1 - shards)
 
     @property

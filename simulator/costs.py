@@ -94,10 +94,36 @@ def tensor_bytes(tokens_mb, spec: ModelSpec):
     return tokens_mb * spec.d_model * W_BYTES
 
 
-def context_bytes(tokens_mb, spec: ModelSpec, tensor):
-    """Context-parallel key/value block one rank passes to the next per ring step (local KV heads, split by tensor)."""
+def context_bytes(tokens_mb, spec: ModelSpec, tensor, context, layer: int):
+    """Key/value (and short-convolution halo) bytes one rank receives for `layer` per micro-batch forward under context parallelism (arrays
+    broadcast), as backend.context_parallel exchanges them; the backward sends as many back (the all-gather's
+    reduce-scatter, the halo's gradient). A global layer, or a window layer whose window - 1 reaches past one chunk
+    of seq_len / context tokens, all-gathers every other rank's chunk: (context - 1) x tokens_mb tokens. A window
+    layer otherwise takes only the previous rank's last window - 1 positions of each sequence:
+    tokens_mb x (window - 1) / chunk tokens. Per token: K and V of the layer's KV heads (split by tensor); plus
+    the short convolutions' halos at every site (conv_halo_bytes)."""
     a = spec.attention
-    return tokens_mb * 2 * a.kv_heads_local * a.head_dim * W_BYTES / tensor
+    context = np.asarray(context, dtype=float)
+    chunk = spec.seq_len / context
+    per_token = 2 * spec.kv_heads(layer) * a.head_dim * W_BYTES / tensor
+    window = 0 if spec.is_global(layer) else spec.context(layer)
+    halo = (window > 0) & (window - 1 <= chunk)
+    tokens = np.where(halo, tokens_mb * max(window - 1, 0) / chunk, (context - 1) * tokens_mb)
+    sites = spec.conv.sites if spec.conv is not None else ()
+    return np.where(context > 1, tokens * per_token, 0.0) + conv_halo_bytes(tokens_mb, spec, tensor, context, sites)
+
+
+def conv_halo_bytes(tokens_mb, spec: ModelSpec, tensor, context, sites):
+    """Bytes of the previous rank's last kernel - 1 positions of each sequence that the causal short convolutions at
+    `sites` (ConvSpec.sites: k and v of the stored KV heads, split by tensor; attn and mlp of d_model) receive per
+    micro-batch forward under context parallelism (and send back in backward)."""
+    if spec.conv is None or not sites:
+        return 0.0
+    context = np.asarray(context, dtype=float)
+    kv = spec.attention.kv_heads_stored or spec.attention.kv_heads_local
+    width = sum(kv * spec.attention.head_dim / tensor if s in ("k", "v") else spec.d_model for s in sites)
+    sequences = tokens_mb * context / spec.seq_len
+    return np.where(context > 1, sequences * (spec.conv.kernel - 1) * width * W_BYTES, 0.0)
 
 
 def pipeline_bytes(tokens_mb, spec: ModelSpec):

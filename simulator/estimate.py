@@ -202,7 +202,9 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "tp_n": t, "tp_out": pl.tensor.span == "scale_out", "tp_pd": group_per_domain(pl.tensor),
         "tp_bytes": costs.tensor_bytes(tokens_mb, spec),
         "cp_n": cp, "cp_out": pl.context.span == "scale_out",
-        "cp_bytes": costs.context_bytes(tokens_mb, spec, t),
+        # one layer's K/V exchange (forward; the backward sends as much back), the mean over the model's layers
+        "cp_layer_s": sum(collective_time(topo, "send_recv", cp, costs.context_bytes(tokens_mb, spec, t, cp, i),
+                                          pl.context.span == "scale_out") for i in range(spec.layers)) / spec.layers,
         "ep_n": par.expert_group, "ep_out": pl.expert.span == "scale_out",
         "a2a_bytes": costs.a2a_bytes(tokens_mb, spec, par.expert_tensor) * m_imbalance,
         # pipeline hops between neighbouring stages, inside a domain and across (stages are placed outermost)
@@ -245,10 +247,8 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
     tp_t = (4 + 2 * full) * layers * tp_one
-    cp_one = collective_time(topo, "send_recv", f["cp_n"], f["cp_bytes"], f["cp_out"]) * np.maximum(f["cp_n"] - 1, 0)
-    attn_layer = costs.attention_time(g("attn_flops"), topo) / np.maximum(layers, 1)
-    cp_exposed = layers * (np.maximum(0.0, cp_one - attn_layer) * (1 + full) + np.maximum(0.0, 2 * cp_one -
-                                                                                           2 * attn_layer))
+    # The trainer's K/V exchanges block (backend.context_parallel): forward, its recomputation and backward, exposed.
+    cp_exposed = layers * f["cp_layer_s"] * (2 + full)
     a2a_one = collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
     shared_layer = costs.gemm_time(g("shared_flops"), _shapes(f)[0], topo) / np.maximum(moe, 1)
     # Forward (and its recomputation): two exchanges under half the shared experts each; backward: under all of it.

@@ -206,11 +206,9 @@ class Workload:
         attn_s = lw.attn_s + (0.0 if recompute else lw.elem_s / 2)
         if lw.host_ops > 0.0 and not recompute:  # the trainer does not recompute: no host ops counted for it
             ops.append(Host("host ops", self.host_forward_s(lw.host_ops)))
-        if par.context > 1:
-            ops.append(Start(key + "cp", self._cp_comm()))
+        if par.context > 1:  # the trainer's K/V exchange blocks before the attention that reads it
+            ops += [Start(key + "cp", self._cp_comm(lw)), Wait(key + "cp", "exposed_tensor_comm")]
         ops.append(Compute(pre + "attention", attn_s))
-        if par.context > 1:
-            ops.append(Wait(key + "cp", "exposed_tensor_comm"))
         ops += self._tp(key + "tpa")
         if lw.moe:
             ops.append(Compute(pre + "router", lw.router_s))
@@ -233,11 +231,9 @@ class Workload:
         else:
             ops.append(Compute("mlp backward", f * lw.router_s))
         ops += self._tp(key + "tpa")
-        if self.plan.parallel.context > 1:
-            ops.append(Start(key + "cp", self._cp_comm(f)))
         ops.append(Compute("attention backward", f * lw.attn_s + lw.elem_s / 2))
-        if self.plan.parallel.context > 1:
-            ops.append(Wait(key + "cp", "exposed_tensor_comm"))
+        if self.plan.parallel.context > 1:  # the K/V gradients, as many bytes as forward, after the attention backward
+            ops += [Start(key + "cp", self._cp_comm(lw)), Wait(key + "cp", "exposed_tensor_comm")]
         return ops
 
     def _moe_exchange(self, lw, mb, key, first, second, expert_name, factor, shared_name) -> list:
@@ -277,10 +273,10 @@ class Workload:
         return [Start(key, Comm("all_reduce", "tensor", nbytes, "tp", "tp all-reduce")),
                 Wait(key, "exposed_tensor_comm")]
 
-    def _cp_comm(self, factor: float = 1.0) -> Comm:
+    def _cp_comm(self, lw: LayerWork) -> Comm:
         par = self.plan.parallel
-        nbytes = costs.context_bytes(self.tokens_mb, self.spec, par.tensor)
-        return Comm("shift", "context", factor * (par.context - 1) * nbytes, "cp", "cp kv exchange")
+        nbytes = float(costs.context_bytes(self.tokens_mb, self.spec, par.tensor, par.context, lw.index))
+        return Comm("shift", "context", nbytes, "cp", "cp kv exchange")
 
     def gather_comms(self, lw: LayerWork) -> list[tuple[Comm, float]]:
         """FSDP all-gathers of one layer's parameters and the bytes of their unsharded buffers."""

@@ -61,7 +61,7 @@ def _batch(spec, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab, (micro_batch, spec.seq_len), generator=g)
     targets = torch.full_like(tokens, -100)
-    targets[:, :-1] = tokens[:, 1:]  # as backend.train._targets
+    targets[:, :-1] = tokens[:, 1:]  # as backend.model.shifted_targets
     return tokens, targets
 
 

@@ -99,3 +99,23 @@ def test_tensor_parallel_layouts_are_offered_and_their_limits_refused(tmp_path):
         "the trainer splits KV heads over the ten",  # tiny-moe's global layers attend with 1 of 2 stored heads
     ]
     assert refusals(plan, plan.model_spec(), EVERYTHING) == []
+
+
+def test_context_parallelism_is_refused_with_what_the_trainer_does_not_combine_it_with(tmp_path):
+    """The trainer runs context parallelism (backend.context_parallel) with data and expert parallelism; with
+    fsdp, pipeline or ZeRO it is refused, one "parallel.context" line each (with tensor, one "parallel.tensor" line),
+    and the simulator prices them."""
+    from dataclasses import replace
+
+    from rackcast.layout import ParallelSpec
+
+    runnable = load_plan(str(_plan(tmp_path, parallel={"data": 2, "context": 2, "expert": 4},
+                                   topology={"name": "local-cpu", "domains": 1, "usable_gpus": 4})))
+    assert refusals(runnable, runnable.model_spec()) == []
+    plan = replace(runnable, parallel=ParallelSpec(data=2, fsdp=2, tensor=2, context=2, pipeline=2, zero=1))
+    reasons = refusals(plan, plan.model_spec())
+    lines = [r for r in reasons if r.startswith("parallel.context:")]
+    assert [w for w in ("fsdp", "pipeline", "zero") if any(f"parallel.{w} " in r for r in lines)] == \
+        ["fsdp", "pipeline", "zero"]
+    assert "parallel.tensor: tensor parallelism together with context > 1 is not implemented by the trainer" in reasons
+    assert not [r for r in refusals(plan, plan.model_spec(), EVERYTHING) if r.startswith("parallel.context:")]

@@ -31,6 +31,8 @@ def test_expert_group_counts_expert_tensor_ranks_and_the_copies_divide_the_rest(
     assert par.expert_fsdp == 1  # fsdp x context x tensor = 8 = the expert group: no room to shard
     wide = ParallelSpec(data=1, fsdp=16, expert=4)
     assert (wide.expert_fsdp, wide.expert_replicas) == (4, 1)
+    # no FSDP: context ranks replicate the experts (the trainer's DDP over the dp x cp token ranks)
+    assert ParallelSpec(context=2).expert_fsdp == 1
 
 
 def test_micro_batches_and_tokens_per_micro_batch():

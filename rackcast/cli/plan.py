@@ -68,8 +68,9 @@ def register(sub) -> None:
     parser.add_argument("--rows", type=int, default=10, metavar="N", help="rows of the ranked table (default 10)")
     parser.add_argument("--executor", choices=tuple(EXECUTORS), default="trainer",
                         help="layouts to search: those rackcast's trainer runs (default), or any layout the "
-                             "simulator prices (tensor, sequence, context and expert-tensor parallelism, ZeRO-2, "
-                             "...: hardware studies beyond today's trainer; rackcast.capabilities.EXECUTORS)")
+                             "simulator prices (tensor, sequence and expert-tensor parallelism, context with fsdp "
+                             "or pipeline, ZeRO-2, ...: hardware studies beyond today's trainer; "
+                             "rackcast.capabilities.EXECUTORS)")
     parser.add_argument("--measured", default="", metavar="FILE",
                         help="fit the topology's efficiency profile to one measured run (a run folder with "
                              "record.json, or a measurement YAML as `rackcast calibrate --from-measurement` reads) "
