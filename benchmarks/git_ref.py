@@ -34,3 +34,29 @@ def load_module_at(ref: str, path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# Top-level folders of the repository and the rackcast package each installs as (pyproject.toml package-dir).
+PACKAGE_DIRS = {"topologies": "topologies", "simulator": "simulator", "planner": "planner", "backend": "backend",
+                "validation": "validation"}
+
+
+def package_at(ref: str) -> Path:
+    """A folder to put on PYTHONPATH so that `import rackcast` gives the package as of git `ref` (the tree is
+    exported once per commit; the rackcast namespace is laid out as pyproject.toml's package-dir maps it)."""
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", ref], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    base = Path(tempfile.gettempdir()) / f"rackcast-tree-{sha[:12]}"
+    pkg = base / "pkg"
+    if not (pkg / "rackcast" / "__init__.py").exists():
+        src = base / "src"
+        src.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", sha], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+        pkg.mkdir(exist_ok=True)
+        (pkg / "rackcast").symlink_to(src / "rackcast")
+        for folder, name in PACKAGE_DIRS.items():
+            link = src / "rackcast" / name
+            if not link.exists():
+                link.symlink_to(src / folder)
+    return pkg

@@ -125,6 +125,20 @@ def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
 
 
 @njit(cache=True)
+def _resolve(active, size, nhops, hops, caps, capacity, remaining, rate, track):
+    """Gather the active flows, solve their max-min fair rates (fairshare.maxmin_rates) and write them to their
+    slots, in one compiled call (one dispatch instead of three; the same steps as `_gather_active`, the solver and
+    `_apply_rates`, so the same rates bit for bit). Returns the active flow count, the earliest time one of them
+    finishes from now (inf when none) and the bytes/s in use per link (zeros when none, or when not tracked)."""
+    act, indptr, indices, flow_caps = _gather_active(active, size, nhops, hops, caps)
+    if act.shape[0] == 0:
+        return 0, np.inf, np.zeros(capacity.shape[0])
+    rates = maxmin_rates(indptr, indices, capacity, flow_caps)
+    t_min, load = _apply_rates(act, indptr, indices, rates, remaining, rate, capacity.shape[0], track)
+    return act.shape[0], t_min, load
+
+
+@njit(cache=True)
 def _batch(wire, nhops, lat, now):
     """Which flows of a batch move bytes over links, how many, when the others are delivered (now + their latency,
     the latest; now when none), and whether any byte count is negative."""
@@ -417,18 +431,23 @@ class Network:
             new = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
             self._pending.clear()
             self._active[new] = True
-        size = self._size
-        act, indptr, indices, caps = _gather_active(self._active, size, self._nhops, self._hops, self._cap)
-        self.stats["max_active"] = max(self.stats["max_active"], act.size)
-        if act.size == 0:
+        if self._solve is maxmin_rates:  # gather, solve and apply in one compiled call
+            n_act, t_min, load = _resolve(self._active, self._size, self._nhops, self._hops, self._cap,
+                                          self.capacity, self._remaining, self._rate, self.track_utilisation)
+        else:
+            act, indptr, indices, caps = _gather_active(self._active, self._size, self._nhops, self._hops, self._cap)
+            n_act, t_min, load = act.size, math.inf, np.zeros(len(self.links))
+            if n_act:
+                rates = self._solve(indptr, indices, self.capacity, caps)
+                t_min, load = _apply_rates(act, indptr, indices, rates, self._remaining, self._rate,
+                                           len(self.links), self.track_utilisation)
+        self.stats["max_active"] = max(self.stats["max_active"], n_act)
+        if n_act == 0:
             self._gen += 1  # no wake-up is needed any more
             self._wake_at = math.inf
-            self._record_load(now, np.zeros(len(self.links)))
+            self._record_load(now, load)
             return
-        rates = self._solve(indptr, indices, self.capacity, caps)
         self.stats["solves"] += 1
-        t_min, load = _apply_rates(act, indptr, indices, rates, self._remaining, self._rate, len(self.links),
-                                   self.track_utilisation)
         self._record_load(now, load)
         t_next = now + t_min
         if t_next == self._wake_at:
