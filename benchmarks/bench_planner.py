@@ -12,7 +12,7 @@ groups stay inside a node). The 16,384-GPU searches forecast failures for --fore
 is 10; at 2,048 nodes one row's Monte Carlo takes tens of seconds, so the benchmark times one and prints it apart).
 
     .venv/bin/python benchmarks/bench_planner.py [--repeats 3] [--workers N] [--scalar-sample 2000]
-                                                 [--skip-size] [--skip-16k] [--skip-step]
+                                                 [--skip-size] [--skip-16k] [--skip-step] [--skip-16k-search]
                                                  [--compare-ref GITREF [--compare-runs 50]]
 
 --compare-ref times the failure forecast's Monte Carlo kernel as of GITREF (e.g. main) beside this tree's on the
@@ -207,6 +207,7 @@ def main() -> int:
     ap.add_argument("--skip-size", action="store_true")
     ap.add_argument("--skip-16k", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--skip-16k-search", action="store_true", help="16,384-GPU rows: time only the failure forecast")
     ap.add_argument("--compare-ref", metavar="GITREF",
                     help="also time the forecast kernel as of GITREF beside this tree's, on the top 16,384-GPU row")
     ap.add_argument("--compare-runs", type=int, default=50, help="Monte Carlo runs per --compare-ref timing")
@@ -223,7 +224,10 @@ def main() -> int:
                            ("16,384 GPUs: deepseek-v3-class on 2,048 x h100-hgx, global batch 16,384",
                             Request(**DEEPSEEK, options=SpaceOptions(global_batch=16384)))):
             req = replace(req, workers=args.workers, forecast_rows=args.forecast_rows)
-            layout_search(title, req, args.repeats)
+            if not args.skip_16k_search:
+                layout_search(title, req, args.repeats)
+            else:
+                print(title)
             forecast_one(req, args.compare_ref, args.repeats, args.compare_runs)
     if not args.skip_step:
         step(args.repeats)

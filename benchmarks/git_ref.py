@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +33,7 @@ def load_module_at(ref: str, path: str) -> ModuleType:
         file.write_text(source)
     spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

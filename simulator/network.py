@@ -208,6 +208,15 @@ def _finish_slots(slots, flow_id, active, rate, lat, group, now):
     return slots, deliver, uniq[: n + 1], counts[: n + 1], latest[: n + 1]
 
 
+@njit(cache=True)
+def _drain(active, size, remaining, rate, dt, eps, flow_id, lat, group, now):
+    """`_advance` then, for the flows it found finished, `_finish_slots`, in one compiled call. Returns how many
+    finished and `_finish_slots`'s arrays (empty when none finished)."""
+    act, finished, done = _advance(active, size, remaining, rate, dt, eps)
+    slots, deliver, uniq, counts, latest = _finish_slots(act[finished], flow_id, active, rate, lat, group, now)
+    return done, slots, deliver, uniq, counts, latest
+
+
 def _default_router(graph, src: str, dst: str):
     from rackcast.topologies.graph import route
 
@@ -423,9 +432,10 @@ class Network:
     def _update(self) -> None:
         now = self.env.now
         eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
-        act, finished, done = _advance(self._active, self._size, self._remaining, self._rate, now - self._last, eps)
+        done, *retired = _drain(self._active, self._size, self._remaining, self._rate, now - self._last, eps,
+                                self._flow_id, self._lat, self._group, now)
         if done:
-            self._finish(act[finished], now)
+            self._finish(now, *retired)
         self._last = now
         if self._pending:
             new = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
@@ -459,9 +469,8 @@ class Network:
         self._wake_at = t_next
         self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda ev, g=gen: self._on_wake(g, ev))
 
-    def _finish(self, slots: np.ndarray, now: float) -> None:
-        slots, deliver, uniq, counts, latest = _finish_slots(slots, self._flow_id, self._active, self._rate,
-                                                             self._lat, self._group, now)
+    def _finish(self, now: float, slots, deliver, uniq, counts, latest) -> None:
+        """Deliver the groups whose last flow finished (the arrays of `_finish_slots`, which retired the slots)."""
         if self.record_flows:
             for g, s, d, w in zip(self._group[slots].tolist(), self._start[slots].tolist(), deliver.tolist(),
                                   self._wire[slots].tolist()):
