@@ -9,7 +9,8 @@ Targets (issue 17): closed form >= 100,000 layouts/s on one core, Marin layout s
 each 16,384-GPU search <= 30 s, the 16-stage step <= 0.3 s. The DeepSeek-V3-class search uses a global batch of
 16,384 sequences (one per GPU; the recipe's 15,360 does not divide any layout of 16,384 GPUs whose tensor x context
 groups stay inside a node). The 16,384-GPU searches forecast failures for --forecast-rows rows (the CLI's default
-is 10; at 2,048 nodes one row's Monte Carlo takes tens of seconds, so the benchmark times one and prints it apart).
+is 10; at 2,048 nodes one row's Monte Carlo can take tens of seconds, so the benchmark times one and prints it
+apart).
 
     .venv/bin/python benchmarks/bench_planner.py [--repeats 3] [--workers N] [--scalar-sample 2000]
                                                  [--skip-size] [--skip-16k] [--skip-step] [--skip-16k-search]
