@@ -9,10 +9,15 @@ Targets (issue 17): closed form >= 100,000 layouts/s on one core, Marin layout s
 each 16,384-GPU search <= 30 s, the 16-stage step <= 0.3 s. The DeepSeek-V3-class search uses a global batch of
 16,384 sequences (one per GPU; the recipe's 15,360 does not divide any layout of 16,384 GPUs whose tensor x context
 groups stay inside a node). The 16,384-GPU searches forecast failures for --forecast-rows rows (the CLI's default
-is 10; at 2,048 nodes one row's Monte Carlo takes tens of seconds, so the benchmark times one and prints it apart).
+is 10; at 2,048 nodes one row's Monte Carlo can take tens of seconds, so the benchmark times one and prints it
+apart).
 
     .venv/bin/python benchmarks/bench_planner.py [--repeats 3] [--workers N] [--scalar-sample 2000]
-                                                 [--skip-size] [--skip-16k] [--skip-step]
+                                                 [--skip-size] [--skip-16k] [--skip-step] [--skip-16k-search]
+                                                 [--compare-ref GITREF [--compare-runs 50]]
+
+--compare-ref times the failure forecast's Monte Carlo kernel as of GITREF (e.g. main) beside this tree's on the
+top 16,384-GPU row, alternating, and says whether the two give the same runs.
 """
 
 from __future__ import annotations
@@ -154,13 +159,44 @@ def step(repeats: int) -> None:
           f"events): wall s min / median / max {spread(w for w, _, _ in runs)}")
 
 
-def forecast_one(request: Request) -> None:
+def forecast_one(request: Request, compare_ref: str | None, repeats: int, compare_runs: int) -> None:
     res = search(replace(request, top=0, simulate=False, forecast_rows=0))
     from rackcast.planner.search import apply_forecast
 
     wall0 = time.perf_counter()
     apply_forecast(res, 1)
     print(f"  one row's failure forecast (planner.forecast, 1,000 runs): {time.perf_counter() - wall0:.1f} s")
+    if compare_ref:
+        forecast_kernels(res, compare_ref, repeats, compare_runs)
+
+
+def forecast_kernels(res, ref: str, repeats: int, runs: int) -> None:
+    """The forecast's Monte Carlo kernel (planner.forecast_sim.simulate) on the top row's inputs, as of `ref` and
+    now, alternating, `runs` runs each: CPU seconds (all threads) and wall seconds, and whether they agree."""
+    from rackcast.planner import forecast_sim
+    from rackcast.planner.forecast import prepare
+    from git_ref import load_module_at
+
+    old = load_module_at(ref, "planner/forecast_sim.py")
+    plan = res.plan_for(res.ranked[0])
+    inputs = prepare(plan, res.request.tokens, exact_shrink=False).inputs
+    for sim in (old.simulate, forecast_sim.simulate):
+        sim(inputs, 0, 2)  # warm-up: numba's cache load or compile
+    timed = {"old": [], "new": []}
+    outs = {}
+    for _ in range(repeats):
+        for label, sim in (("old", old.simulate), ("new", forecast_sim.simulate)):
+            wall0, cpu0 = time.perf_counter(), cpu_s()
+            outs[label] = sim(inputs, 0, runs)
+            timed[label].append((time.perf_counter() - wall0, cpu_s() - cpu0))
+    same = (np.array_equal(outs["old"].times, outs["new"].times) and np.array_equal(outs["old"].fails,
+                                                                                     outs["new"].fails))
+    fails = outs["new"].fails.sum(axis=1).mean()
+    print(f"  forecast kernel, {runs} runs of the top row ({inputs.domains:,} domains, {fails:,.0f} failures per "
+          f"run), min / median / max over {repeats}: identical results {same}")
+    for label in ("old", "new"):
+        print(f"    {label} ({ref if label == 'old' else 'this tree'}): CPU s {spread(c for _, c in timed[label])}"
+              f"   wall s {spread(w for w, _ in timed[label])}")
 
 
 def main() -> int:
@@ -172,6 +208,10 @@ def main() -> int:
     ap.add_argument("--skip-size", action="store_true")
     ap.add_argument("--skip-16k", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--skip-16k-search", action="store_true", help="16,384-GPU rows: time only the failure forecast")
+    ap.add_argument("--compare-ref", metavar="GITREF",
+                    help="also time the forecast kernel as of GITREF beside this tree's, on the top 16,384-GPU row")
+    ap.add_argument("--compare-runs", type=int, default=50, help="Monte Carlo runs per --compare-ref timing")
     args = ap.parse_args()
     print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}, workers {args.workers}, "
           f"repeats {args.repeats}")
@@ -185,8 +225,11 @@ def main() -> int:
                            ("16,384 GPUs: deepseek-v3-class on 2,048 x h100-hgx, global batch 16,384",
                             Request(**DEEPSEEK, options=SpaceOptions(global_batch=16384)))):
             req = replace(req, workers=args.workers, forecast_rows=args.forecast_rows)
-            layout_search(title, req, args.repeats)
-            forecast_one(req)
+            if not args.skip_16k_search:
+                layout_search(title, req, args.repeats)
+            else:
+                print(title)
+            forecast_one(req, args.compare_ref, args.repeats, args.compare_runs)
     if not args.skip_step:
         step(args.repeats)
     return 0

@@ -117,6 +117,40 @@ def _uniform(state):
 
 # ------------------------------------------------------------------------------------------------ numba model
 
+@numba.njit(cache=True, inline="always")
+def _nth_healthy(pick, out_sorted, k_out):
+    """Index of the `pick`-th (0-based) domain in service, in index order, in O(domains out) instead of a scan over
+    all domains: every domain out of service at or below the candidate shifts it up by one (the out list is
+    ascending, so one pass settles it). The same domain the scan over all domains picks, so the same runs."""
+    d = pick
+    for j in range(k_out):
+        if out_sorted[j] <= d:
+            d += 1
+        else:
+            break
+    return d
+
+
+@numba.njit(cache=True, inline="always")
+def _sorted_insert(arr, n, value):
+    """Insert `value` into the ascending first n entries of arr (room for n + 1)."""
+    i = n
+    while i > 0 and arr[i - 1] > value:
+        arr[i] = arr[i - 1]
+        i -= 1
+    arr[i] = value
+
+
+@numba.njit(cache=True, inline="always")
+def _sorted_remove(arr, n, value):
+    """Remove `value` from the ascending first n entries of arr."""
+    i = 0
+    while arr[i] != value:
+        i += 1
+    for j in range(i, n - 1):
+        arr[j] = arr[j + 1]
+
+
 @numba.njit(cache=True)
 def _run_one(seed, run, work, tau, restart, repair, n_dom, spares, rate_dom, cum_probs, units, rf, ck, policy,
              out_times, out_fails):
@@ -126,6 +160,7 @@ def _run_one(seed, run, work, tau, restart, repair, n_dom, spares, rate_dom, cum
     n_cls = cum_probs.shape[0]
     missing = np.zeros(n_dom, dtype=np.int64)
     is_out = np.zeros(n_dom, dtype=np.bool_)
+    out_sorted = np.empty(n_dom, dtype=np.int64)  # the domains out of service, ascending (first k_out entries)
     rep_t = np.empty(REPAIR_CAPACITY)
     rep_d = np.empty(REPAIR_CAPACITY, dtype=np.int64)
     rep_u = np.empty(REPAIR_CAPACITY, dtype=np.int64)
@@ -203,6 +238,7 @@ def _run_one(seed, run, work, tau, restart, repair, n_dom, spares, rate_dom, cum
             rep_t[i_rep], rep_d[i_rep], rep_u[i_rep] = rep_t[n_rep], rep_d[n_rep], rep_u[n_rep]
             if is_out[d] and missing[d] <= spares:
                 is_out[d] = False
+                _sorted_remove(out_sorted, k_out, d)
                 k_out -= 1
                 lam = rate_dom * (n_dom - k_out)
                 if phase == WAITING and ((policy == WAIT_POLICY and k_out == 0) or
@@ -245,14 +281,7 @@ def _run_one(seed, run, work, tau, restart, repair, n_dom, spares, rate_dom, cum
                     c = j
                     break
             healthy = n_dom - k_out
-            pick = min(int(_uniform(state) * healthy), healthy - 1)
-            d = 0
-            for j in range(n_dom):
-                if not is_out[j]:
-                    if pick == 0:
-                        d = j
-                        break
-                    pick -= 1
+            d = _nth_healthy(min(int(_uniform(state) * healthy), healthy - 1), out_sorted, k_out)
             h = -math.log(1.0 - _uniform(state))
             out_fails[c] += 1
             if units[c] > 0 and repair > 0.0:
@@ -263,6 +292,7 @@ def _run_one(seed, run, work, tau, restart, repair, n_dom, spares, rate_dom, cum
                 n_rep += 1
                 if missing[d] > spares:
                     is_out[d] = True
+                    _sorted_insert(out_sorted, k_out, d)
                     k_out += 1
                     lam = rate_dom * (n_dom - k_out)
             if phase == COMPUTE or phase == CHECKPOINT:

@@ -7,6 +7,9 @@ solved once, together; so are flows finishing together). A flow's bytes occupy i
 delivered the route's summed latency after its last byte has been sent, so a flow alone takes
 `latency + bytes / rate`.
 
+The slot bookkeeping around the solve (draining, retiring, gathering, filling) is compiled, in
+simulator.flowslots.
+
 `transfer_many` starts a batch of flows (an all-to-all, the n flows of a ring) with vectorised bookkeeping and one
 event for the whole batch, which succeeds when its last flow is delivered.
 
@@ -34,9 +37,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import simpy
-from numba import njit
 
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
+from rackcast.simulator.flowslots import (_apply_rates, _batch, _changed, _drain, _fill_slots, _gather_active,
+                                            _resolve)
 
 Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 
@@ -44,154 +48,6 @@ Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 # rounding of `now + remaining / rate` must not leave a flow with a few bytes for a separate, spurious event.
 _TIME_EPS_ABS = 1e-12
 _TIME_EPS_REL = 1e-12
-
-
-@njit(cache=True)
-def _advance(active, size, remaining, rate, dt, eps):
-    """The active slots (ascending) after their flows drained `dt` seconds at their rates, which of them have
-    (nearly) nothing left (remaining <= rate x eps), and how many."""
-    n = 0
-    for i in range(size):
-        n += active[i]
-    act = np.empty(n, np.int64)
-    finished = np.empty(n, np.bool_)
-    j = done = 0
-    for i in range(size):
-        if active[i]:
-            if dt > 0:
-                remaining[i] -= rate[i] * dt
-            act[j] = i
-            finished[j] = remaining[i] <= rate[i] * eps
-            done += finished[j]
-            j += 1
-    return act, finished, done
-
-
-@njit(cache=True)
-def _changed(load, previous):
-    """Indices (ascending) where load differs from previous."""
-    n = 0
-    for i in range(load.shape[0]):
-        n += load[i] != previous[i]
-    out = np.empty(n, np.int64)
-    j = 0
-    for i in range(load.shape[0]):
-        if load[i] != previous[i]:
-            out[j] = i
-            j += 1
-    return out
-
-
-@njit(cache=True)
-def _gather_active(active, size, nhops, hops, caps):
-    """The active slots (ascending) and their flows as CSR rows of link indices, with their rate caps."""
-    n = 0
-    for i in range(size):
-        n += active[i]
-    act = np.empty(n, np.int64)
-    indptr = np.zeros(n + 1, np.int64)
-    j = 0
-    for i in range(size):
-        if active[i]:
-            act[j] = i
-            indptr[j + 1] = indptr[j] + nhops[i]
-            j += 1
-    indices = np.empty(indptr[n], np.int64)
-    flow_caps = np.empty(n)
-    for j in range(n):
-        s = act[j]
-        flow_caps[j] = caps[s]
-        for k in range(nhops[s]):
-            indices[indptr[j] + k] = hops[s, k]
-    return act, indptr, indices, flow_caps
-
-
-@njit(cache=True)
-def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
-    """Write the solved rates to their slots; returns the earliest time one of the flows finishes from now and
-    the bytes/s in use per link (summed in the order np.bincount would)."""
-    load = np.zeros(links)
-    t_min = np.inf
-    for j in range(act.shape[0]):
-        s = act[j]
-        rate[s] = rates[j]
-        t = remaining[s] / rates[j]
-        if t < t_min:
-            t_min = t
-        if track:
-            for k in range(indptr[j], indptr[j + 1]):
-                load[indices[k]] += rates[j]
-    return t_min, load
-
-
-@njit(cache=True)
-def _batch(wire, nhops, lat, now):
-    """Which flows of a batch move bytes over links, how many, when the others are delivered (now + their latency,
-    the latest; now when none), and whether any byte count is negative."""
-    moving = np.empty(wire.shape[0], np.bool_)
-    m = 0
-    deliver = now
-    negative = False
-    for i in range(wire.shape[0]):
-        negative |= wire[i] < 0
-        moving[i] = wire[i] > 0 and nhops[i] > 0
-        if moving[i]:
-            m += 1
-        elif now + lat[i] > deliver:
-            deliver = now + lat[i]
-    return moving, m, deliver, negative
-
-
-@njit(cache=True)
-def _fill_slots(slots, moving, hops, nhops, wire, caps, lat, now, gid, first_flow, s_hops, s_nhops, s_remaining,
-                s_wire, s_rate, s_cap, s_lat, s_start, s_group, s_flow_id):
-    """Write the moving flows of a batch (rows of hops where `moving`) into their slots, in row order."""
-    j = 0
-    for i in range(hops.shape[0]):
-        if not moving[i]:
-            continue
-        s = slots[j]
-        s_hops[s, :] = -1
-        for k in range(hops.shape[1]):
-            s_hops[s, k] = hops[i, k]
-        s_nhops[s] = nhops[i]
-        s_remaining[s] = wire[i]
-        s_wire[s] = wire[i]
-        s_rate[s] = 0.0
-        s_cap[s] = caps[i]
-        s_lat[s] = lat[i]
-        s_start[s] = now
-        s_group[s] = gid
-        s_flow_id[s] = first_flow + j
-        j += 1
-
-
-@njit(cache=True)
-def _finish_slots(slots, flow_id, active, rate, lat, group, now):
-    """Retire finished flows: their slots in start order (deactivated, rate 0), their delivery times, and per
-    group they belong to (ascending): how many finished and the latest delivery."""
-    slots = slots[np.argsort(flow_id[slots], kind="mergesort")]
-    deliver = np.empty(slots.shape[0])
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        active[s] = False
-        rate[s] = 0.0
-        deliver[j] = now + lat[s]
-    gids = group[slots]
-    order = np.argsort(gids, kind="mergesort")
-    uniq = np.empty(slots.shape[0], np.int64)
-    counts = np.zeros(slots.shape[0], np.int64)
-    latest = np.full(slots.shape[0], -np.inf)
-    n = -1
-    for j in order:
-        g = gids[j]
-        if n < 0 or uniq[n] != g:
-            n += 1
-            uniq[n] = g
-        counts[n] += 1
-        if deliver[j] > latest[n]:
-            latest[n] = deliver[j]
-    return slots, deliver, uniq[: n + 1], counts[: n + 1], latest[: n + 1]
 
 
 def _default_router(graph, src: str, dst: str):
@@ -409,26 +265,32 @@ class Network:
     def _update(self) -> None:
         now = self.env.now
         eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
-        act, finished, done = _advance(self._active, self._size, self._remaining, self._rate, now - self._last, eps)
+        done, *retired = _drain(self._active, self._size, self._remaining, self._rate, now - self._last, eps,
+                                self._flow_id, self._lat, self._group, now)
         if done:
-            self._finish(act[finished], now)
+            self._finish(now, *retired)
         self._last = now
         if self._pending:
             new = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
             self._pending.clear()
             self._active[new] = True
-        size = self._size
-        act, indptr, indices, caps = _gather_active(self._active, size, self._nhops, self._hops, self._cap)
-        self.stats["max_active"] = max(self.stats["max_active"], act.size)
-        if act.size == 0:
+        if self._solve is maxmin_rates:  # gather, solve and apply in one compiled call
+            n_act, t_min, load = _resolve(self._active, self._size, self._nhops, self._hops, self._cap,
+                                          self.capacity, self._remaining, self._rate, self.track_utilisation)
+        else:
+            act, indptr, indices, caps = _gather_active(self._active, self._size, self._nhops, self._hops, self._cap)
+            n_act, t_min, load = act.size, math.inf, np.zeros(len(self.links))
+            if n_act:
+                rates = self._solve(indptr, indices, self.capacity, caps)
+                t_min, load = _apply_rates(act, indptr, indices, rates, self._remaining, self._rate,
+                                           len(self.links), self.track_utilisation)
+        self.stats["max_active"] = max(self.stats["max_active"], n_act)
+        if n_act == 0:
             self._gen += 1  # no wake-up is needed any more
             self._wake_at = math.inf
-            self._record_load(now, np.zeros(len(self.links)))
+            self._record_load(now, load)
             return
-        rates = self._solve(indptr, indices, self.capacity, caps)
         self.stats["solves"] += 1
-        t_min, load = _apply_rates(act, indptr, indices, rates, self._remaining, self._rate, len(self.links),
-                                   self.track_utilisation)
         self._record_load(now, load)
         t_next = now + t_min
         if t_next == self._wake_at:
@@ -440,9 +302,8 @@ class Network:
         self._wake_at = t_next
         self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda ev, g=gen: self._on_wake(g, ev))
 
-    def _finish(self, slots: np.ndarray, now: float) -> None:
-        slots, deliver, uniq, counts, latest = _finish_slots(slots, self._flow_id, self._active, self._rate,
-                                                             self._lat, self._group, now)
+    def _finish(self, now: float, slots, deliver, uniq, counts, latest) -> None:
+        """Deliver the groups whose last flow finished (the arrays of `_finish_slots`, which retired the slots)."""
         if self.record_flows:
             for g, s, d, w in zip(self._group[slots].tolist(), self._start[slots].tolist(), deliver.tolist(),
                                   self._wire[slots].tolist()):

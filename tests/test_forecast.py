@@ -6,6 +6,7 @@ figures and `rackcast forecast`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import replace
@@ -101,6 +102,34 @@ def test_numba_model_equals_simpy_reference_run_by_run(policy):
     np.testing.assert_allclose(causes.sum(axis=1), fast.times[:, 0], rtol=1e-9)  # the causes add up to wall time
     np.testing.assert_allclose(causes[:, -1], x.work_s, rtol=1e-9)  # useful time is the work
     assert causes[:, 1 if policy == WAIT_POLICY else 4].sum() > 0  # waited for repair / ran degraded
+
+
+def _many_domains(policy: int, domains: int, spares: int, rate_day: float, repair_s: float,
+                  probs=(0.5, 0.2, 0.2, 0.05, 0.05), tray: int = 2, checkpoint_s: float = 6000.0,
+                  restart_s: float = 900.0) -> SimInputs:
+    n = domains
+    return SimInputs(work_s=(20 if domains < 1000 else 2) * DAY, interval_s=3600.0, restart_s=restart_s,
+                     repair_s=repair_s, domains=n, spares=spares, rate_per_domain_s=rate_day / DAY,
+                     class_probs=probs, class_units=(1, tray, 0, 0, 0),
+                     rate_factor=tuple([0.0] * (n // 2) + [k / n for k in range(n // 2, n)] + [1.0]),
+                     checkpoint_s=tuple([0.0] + [checkpoint_s / k for k in range(1, n + 1)]), policy=policy)
+
+
+@pytest.mark.parametrize("inputs, seed, runs, digest", [
+    (_many_domains(SHRINK, 64, 1, 0.5, 2 * DAY), 7, 40,
+     "2023e157e94c9a7779213e6a23a7d96502f6060b4d3ffeb63b5ce1a7e4556583"),
+    (_many_domains(WAIT_POLICY, 64, 1, 0.05, 0.2 * DAY), 7, 40,
+     "909120e9826c63244989a84a1cb10d02a5fa300f2a785fe03c9fe2c9d6fbdd96"),
+    (_many_domains(SHRINK, 2048, 0, 61.0 / 2048, 2 * DAY, probs=(0.081, 0.014, 0.874, 0.013, 0.019), tray=8,
+                   checkpoint_s=120.0 * 2048, restart_s=600.0), 3, 20,
+     "4ec226f2aa41e676bbe4eb426359318107601aa83d8df860c6c16e57d3849d1a"),
+])
+def test_fixed_seed_runs_are_unchanged_bit_for_bit(inputs, seed, runs, digest):
+    # Digests of the numba model's outputs taken before the healthy-domain pick went from a scan over all domains to
+    # the sorted list of domains out (issue 17): many domains, some out of service, both policies.
+    out = simulate(inputs, seed=seed, runs=runs)
+    got = hashlib.sha256(out.times.tobytes() + out.fails.tobytes() + out.unfinished.tobytes()).hexdigest()
+    assert not out.unfinished.any() and got == digest
 
 
 def test_chunked_runs_equal_one_call():
