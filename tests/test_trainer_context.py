@@ -10,10 +10,9 @@ data x context token ranks; the quantile balancer's histogram pools all of them)
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rackcast.backend.checkpoint import full_model_state, latest_complete
-from trainer_helpers import losses, run_worker, write_plan
+from trainer_helpers import assert_trains_like, losses, run_worker, write_plan
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +40,4 @@ def test_context_layout_trains_what_one_process_trains(name, reference, tmp_path
     parallel, world = LAYOUTS[name]
     plan = write_plan(tmp_path / f"{name}.yaml", parallel, optimizer=optimizer)
     _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
-    assert losses(tmp_path / "run") == pytest.approx(ref_losses, rel=1e-5)
-    params = full_model_state(latest_complete(tmp_path / "run"))
-    assert params.keys() == ref_params.keys()
-    for key, value in ref_params.items():
-        torch.testing.assert_close(params[key], value, atol=1e-5, rtol=0, msg=key)
+    assert_trains_like(tmp_path / "run", ref_losses, ref_params)

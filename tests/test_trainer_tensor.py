@@ -17,12 +17,11 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 import yaml
 
 from rackcast.backend.checkpoint import full_model_state, latest_complete, step_dir
 from rackcast.presets import MODEL_PRESET_DIR
-from trainer_helpers import losses, run_worker, write_plan
+from trainer_helpers import assert_trains_like, losses, run_worker, write_plan
 
 pytestmark = pytest.mark.slow
 
@@ -62,11 +61,7 @@ def test_tensor_layout_trains_what_one_process_trains(name, reference, tmp_path)
     parallel, world, extra = LAYOUTS[name]
     plan = write_plan(tmp_path / f"{name}.yaml", parallel, optimizer=optimizer, model=_model(), **extra)
     _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
-    assert losses(tmp_path / "run") == pytest.approx(ref_losses, rel=1e-5)
-    params = full_model_state(latest_complete(tmp_path / "run"))
-    assert params.keys() == ref_params.keys()
-    for key, value in ref_params.items():
-        torch.testing.assert_close(params[key], value, atol=1e-5, rtol=0, msg=key)
+    assert_trains_like(tmp_path / "run", ref_losses, ref_params)
 
 
 def test_tensor_layout_resumes_a_one_process_checkpoint(reference, tmp_path):
@@ -77,7 +72,4 @@ def test_tensor_layout_resumes_a_one_process_checkpoint(reference, tmp_path):
     shutil.copytree(step_dir(ref_run, RESUME_AT), step_dir(tmp_path / "run", RESUME_AT))
     plan = write_plan(tmp_path / "t2.yaml", {"tensor": 2}, optimizer=optimizer, model=_model())
     _ok(run_worker(plan, tmp_path / "run", STEPS, "--resume", world=2, timeout=600))
-    assert losses(tmp_path / "run") == pytest.approx(ref_losses, rel=1e-5)
-    params = full_model_state(latest_complete(tmp_path / "run"))
-    for key, value in ref_params.items():
-        torch.testing.assert_close(params[key], value, atol=1e-5, rtol=0, msg=key)
+    assert_trains_like(tmp_path / "run", ref_losses, ref_params)
