@@ -8,16 +8,13 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from rackcast.units import GIB
 
-if TYPE_CHECKING:
-    from rackcast.planner.search import Result
 
-
-def tightest_constraint(result: Result) -> str:
-    """One line: why nothing fits, with numbers."""
+def tightest_constraint(result) -> str:
+    """One line: why nothing fits, with numbers. `result` is a planner.search.Result (not imported: search
+    imports this module, and a type-only import back would be an import cycle)."""
     rows = result.rows
     mem_rows = [x for x in rows if x.memory]
     if not mem_rows:

@@ -35,6 +35,7 @@ from rackcast.topologies.spec import Topology
 from rackcast.units import GIB
 from rackcast.vocab import PHASES
 
+from rackcast.planner.infeasible import tightest_constraint
 from rackcast.planner.space import (Enumeration, Layout, SpaceOptions, enumerate_space, expert_transport, fast_spec,
                                     make_plan, optimizer_for)
 from rackcast.planner.verify import ESTIMATE_BAND, MAX_SIMULATED, default_workers, verify_ranking
@@ -336,8 +337,6 @@ def search(r: Request, progress=None) -> Result:
         result.memory_note = (f"memory per GPU held to {base.accelerator.hbm_bytes / GIB:.3g} GiB "
                               f"(memory_per_gpu) of the topology's {full.accelerator.hbm_bytes / GIB:.3g} GiB HBM")
     if not ranked:
-        from rackcast.planner.infeasible import tightest_constraint
-
         raise RackcastError(tightest_constraint(result))
     t0 = time.perf_counter()
     if r.simulate and r.top:
