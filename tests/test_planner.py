@@ -122,7 +122,10 @@ def test_infeasible_request_exits_2_with_the_tightest_constraint(cli):
     ["--tokens", "1e12", "--usable-gpus", "80"],
     ["--tokens", "1e12", "--memory-per-gpu", "nan"],
     ["--tokens", "1e12", "--memory-per-gpu", "-1"],
-], ids=["tokens", "range", "deadline-without-start", "objective", "usable", "memory-nan", "memory-negative"])
+    ["--tokens", "1e12", "--max-pipeline", "0"],
+    ["--tokens", "1e12", "--max-tensor", "-2"],
+], ids=["tokens", "range", "deadline-without-start", "objective", "usable", "memory-nan", "memory-negative",
+        "max-pipeline", "max-tensor"])
 def test_bad_argument_exits_2_with_one_line(args, cli):
     proc = cli("plan", "--model", "marin-535b-a23b", "--topology", "gb200-nvl72", "--racks", "11", *args)
     assert proc.returncode == 2
@@ -305,3 +308,12 @@ def test_memory_per_gpu_fits_every_candidate_into_the_cap_and_says_so(cli):
     assert capped[0]["layout"] != whole[0]["layout"]
     text = cli(*args, "--memory-per-gpu", str(cap_gib)).stdout
     assert "memory per GPU held to 0.15 GiB (memory_per_gpu)" in text
+
+
+def test_max_pipeline_and_max_tensor_bound_every_ranked_layout(cli):
+    args = ("plan", "--model", "marin-cpu-d512", "--topology", "local-cpu", "--usable-gpus", "4", "--tokens", "1e7",
+            "--global-batch", "8", "--top", "0", "--rows", "200", "--json")
+    whole = json.loads(cli(*args).stdout)["ranked"]
+    assert max(r["pipeline"] for r in whole) > 1  # the bound bites
+    bounded = json.loads(cli(*args, "--max-pipeline", "1", "--max-tensor", "1").stdout)["ranked"]
+    assert bounded and all(r["pipeline"] == 1 and r["tensor"] == 1 for r in bounded)

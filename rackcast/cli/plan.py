@@ -65,6 +65,11 @@ def register(sub) -> None:
     parser.add_argument("--memory-per-gpu", type=float, default=0.0, metavar="GIB",
                         help="fit candidates into this many GiB per GPU instead of the whole HBM (headroom for the "
                              "framework, or a stand-in for a smaller part; default: the topology's HBM)")
+    parser.add_argument("--max-pipeline", type=int, default=None, metavar="N",
+                        help="largest pipeline degree to search (default planner.space.SpaceOptions, 8); 1 keeps "
+                             "every layer on every rank")
+    parser.add_argument("--max-tensor", type=int, default=None, metavar="N",
+                        help="largest tensor-parallel degree to search (default planner.space.SpaceOptions, 8)")
     parser.add_argument("--rows", type=int, default=10, metavar="N", help="rows of the ranked table (default 10)")
     parser.add_argument("--executor", choices=tuple(EXECUTORS), default="trainer",
                         help="layouts to search: those rackcast's trainer runs (default), or any layout the "
@@ -166,10 +171,17 @@ def _run(args) -> int:
         raise RackcastError(f"--global-batch must be positive, got {args.global_batch}")
     if args.workers is not None and args.workers < 1:
         raise RackcastError(f"--workers must be >= 1, got {args.workers}")
+    for flag, value in (("--max-pipeline", args.max_pipeline), ("--max-tensor", args.max_tensor)):
+        if value is not None and value < 1:
+            raise RackcastError(f"{flag} must be >= 1, got {value}")
     options = SpaceOptions(global_batch=args.global_batch,
                            batch_range=parse_range(args.global_batch_range) if args.global_batch_range else None)
     if args.usable_gpus is not None:
         options = replace(options, usable=(args.usable_gpus,))
+    if args.max_pipeline is not None:
+        options = replace(options, max_pipeline=args.max_pipeline)
+    if args.max_tensor is not None:
+        options = replace(options, max_tensor=args.max_tensor)
     options = replace(options, capabilities=EXECUTORS[args.executor])
     measured = fit_measured(args) if args.measured else None
     if measured is not None:
