@@ -158,8 +158,12 @@ def prepare(plan: Plan, tokens: float | None = None, reliability: ReliabilitySpe
     trays = math.ceil(usable / tray_gpus)
     links = usable * topo.scale_out.nics_per_gpu
     r = rel.rates
+    # A rack-scale NVLink fabric (switch trays cabled to several compute trays, as NVL72) fails as a unit; an HGX
+    # node's NVSwitches sit on its one baseboard, whose faults the GPU and tray rates already count (Llama 3's
+    # "faulty GPU (incl. NVLink)" row), so the fabric rate applies only where a domain spans several trays.
+    fabric_units = 1 if su.domain_size > tray_gpus else 0
     per_domain_day = {"gpu": usable * r.gpu_per_gpu_day, "tray": trays * r.tray_per_tray_day,
-                      "domain": r.rack_per_rack_day, "link": links * r.link_per_link_day,
+                      "domain": fabric_units * r.rack_per_rack_day, "link": links * r.link_per_link_day,
                       "software": usable * r.software_per_gpu_day}
     rate_domain_day = sum(per_domain_day.values())
     storage_Bps = topo.checkpoint_storage_Bps or rel.fallback_storage_Bps_per_gpu * usable

@@ -210,3 +210,14 @@ def test_cli_forecast_bad_values_exit_2_with_one_line(cli):
     for extra in (["--deadline", "2026-08-01"], ["--spares-policy", "pray"], ["--runs", "ten"]):
         proc = cli("forecast", str(HERO), "--tokens", "18e12", "--start", "2026-09-01", *extra)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_rack_fabric_faults_stop_nvl72_racks_but_not_single_baseboard_hgx_nodes(hero):
+    from rackcast.planner.forecast import prepare
+
+    nvl72 = prepare(hero, 18e12, exact_shrink=False)
+    dgx = prepare(load_plan(str(PLANS / "gpt-145b-megatron.yaml")), 1e12, exact_shrink=False)
+    rates = load_reliability().rates
+    assert nvl72.job_failures_per_day["domain"] == pytest.approx(rates.rack_per_rack_day * nvl72.domains)
+    assert dgx.job_failures_per_day["domain"] == 0.0
+    assert dgx.job_failures_per_day["gpu"] == pytest.approx(rates.gpu_per_gpu_day * dgx.gpus)

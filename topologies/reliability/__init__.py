@@ -31,7 +31,8 @@ class FailureRates:
 
     gpu_per_gpu_day: Annotated[float, Range(0, 1)] = 0.0  # the GPU is replaced by a spare of its domain
     tray_per_tray_day: Annotated[float, Range(0, 1)] = 0.0  # the compute tray (all its GPUs) is replaced by spares
-    # the scale-up fabric of one domain (NVLink) stops it; reset, no spare used
+    # the rack-scale fabric of one domain (NVLink switch trays across its compute trays, as NVL72) stops it; reset,
+    # no spare used. Single-baseboard domains (HGX, DGX: domain_size == gpus_per_tray) have no such fabric
     rack_per_rack_day: Annotated[float, Range(0, 1)] = 0.0
     # one scale-out link (NIC, cable, switch port); no spare used
     link_per_link_day: Annotated[float, Range(0, 1)] = 0.0
