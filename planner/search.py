@@ -273,7 +273,7 @@ def batch_note(r: Request, spec: ModelSpec, default_usable: int) -> str:
                 f"{o.batch_range[0]:,}..{o.batch_range[1]:,} sequences (--global-batch-range)")
     if o.global_batch:
         return (f"global batch {o.global_batch:,} x {spec.seq_len:,} tokens "
-                f"({o.global_batch * spec.seq_len / 1e6:.2f} M tokens per step): --global-batch")
+                f"({o.global_batch * spec.seq_len:,} tokens per step): --global-batch")
     return default_batch(spec, default_usable * r.racks, r.tokens).rule
 
 
