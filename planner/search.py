@@ -301,7 +301,8 @@ def search(r: Request, progress=None) -> Result:
     avail = available_days(r.start, r.deadline)
     spec = resolve_spec(r.model)
     if not (math.isfinite(r.memory_per_gpu) and r.memory_per_gpu >= 0):
-        raise RackcastError(f"memory per GPU must be a positive number of bytes, got {r.memory_per_gpu:g}",
+        raise RackcastError(f"memory per GPU must be a positive number of GiB (0: the whole HBM), got "
+                            f"{r.memory_per_gpu / GIB:g} GiB",
                             option="memory_per_gpu")
     full = load_topology(r.topology, r.racks)
     base = capped(full, r)
