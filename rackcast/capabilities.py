@@ -61,7 +61,6 @@ class Capabilities:
     expert_tensor_with_fsdp: bool = True  # expert_tensor > 1 together with fsdp > 1
     expert_tensor_with_pipeline: bool = True  # expert_tensor > 1 together with pipeline > 1
     expert_tensor_with_zero: bool = True  # expert_tensor > 1 together with parallel.zero >= 1
-    expert_tensor_with_offload: bool = True  # expert_tensor > 1 with optimizer state in host memory
 
 
 # What rackcast.backend implements today (each flag is the backend module that does it).
@@ -104,7 +103,6 @@ TRAINER = Capabilities(
     expert_tensor_with_fsdp=False,  # FSDP2 over the ETP DTensor slices not tried
     expert_tensor_with_pipeline=False,  # not tried
     expert_tensor_with_zero=False,  # backend.zero's owner shards of ETP DTensors not tried
-    expert_tensor_with_offload=False,  # backend.offload's host copies are plain tensors
 )
 
 # Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.
@@ -117,7 +115,7 @@ EVERYTHING = Capabilities(
     grad_dtypes=("bf16", "fp32"), master_weights=(True, False), attention_kernels=("flash", "materialized"),
     dropout=True, balanced_routing=True, compile_processes=2**31 - 1,
     expert_tensor_with_tensor=True, expert_tensor_with_context=True, expert_tensor_with_fsdp=True,
-    expert_tensor_with_pipeline=True, expert_tensor_with_zero=True, expert_tensor_with_offload=True,
+    expert_tensor_with_pipeline=True, expert_tensor_with_zero=True,
 )
 
 
@@ -237,9 +235,7 @@ def _expert_tensor_refusals(plan, caps: Capabilities) -> list[str]:
              ("fsdp", p.fsdp > 1, caps.expert_tensor_with_fsdp, "fully sharded data parallelism (parallel.fsdp > 1)"),
              ("pipeline", p.pipeline > 1, caps.expert_tensor_with_pipeline,
               "pipeline parallelism (parallel.pipeline > 1)"),
-             ("zero", p.zero > 0, caps.expert_tensor_with_zero, "ZeRO-sharded optimizer state (parallel.zero > 0)"),
-             ("offload", plan.optimizer.state_location == "host", caps.expert_tensor_with_offload,
-              "optimizer state in host memory (optimizer.state_location: host)"))
+             ("zero", p.zero > 0, caps.expert_tensor_with_zero, "ZeRO-sharded optimizer state (parallel.zero > 0)"))
     return [f"parallel.expert_tensor: expert tensor parallelism together with {what} is not implemented by the "
             "trainer" for _, asked, implemented, what in pairs if asked and not implemented]
 
