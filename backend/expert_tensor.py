@@ -19,7 +19,7 @@ block's rows"), implemented by backend.expert_parallel.ExpertParallelMoE over th
 3. combine: the reverse all-to-all sends the partial outputs back, and the source rank sums the et partials of
    each row (an index_add) before the combine weights.
 Megatron-Core instead dispatches over the expert ranks only, all-gathers the received tokens over the ETP group and
-reduce-scatters the partial outputs; that moves the same rows per rank in three collectives instead of one. This
+reduce-scatters the partial outputs: the same rows reach each rank, in three collectives instead of one. This
 trainer follows the simulator's single all-to-all so the two agree on what is sent and how often.
 
 Parameters are DTensors on the expert-tensor DeviceMesh (Groups.etp_mesh): w_gate_up and w_up Shard(2), w_down
