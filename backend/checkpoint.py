@@ -99,7 +99,8 @@ def identity(plan) -> dict:
 def layout_info(plan) -> dict:
     """The parallel layout a run used, as checkpoints and records list it (informational: any layout resumes)."""
     p = plan.parallel
-    return {"data": p.data, "fsdp": p.fsdp, "context": p.context, "expert": p.expert, "pipeline": p.pipeline,
+    return {"data": p.data, "fsdp": p.fsdp, "context": p.context, "expert": p.expert,
+            "expert_tensor": p.expert_tensor, "pipeline": p.pipeline,
             "tensor": p.tensor, "sequence_parallel": p.sequence_parallel, "virtual": p.virtual,
             "schedule": plan.schedule}
 

@@ -11,6 +11,10 @@ model, so the result matches one process) and overrides only `dispatch_compute_c
 4. regroup the received rows by local expert, run GroupedExperts on them, undo the regrouping and send them back;
 5. MoE.combine scales by the combine weights and sums per token.
 With ep == 1 the same class runs without communication (used for capacity mode on one process).
+With expert tensor parallelism (etp = plan.parallel.expert_tensor > 1, backend.expert_tensor) the exchange runs over
+the whole expert group of ep x etp ranks: each expert rank's block of etp consecutive ranks holds its experts split
+by width, step 3 sends each row to every rank of its expert's block, and the rows coming back are partial outputs
+that the source sums (one index_add) before step 5.
 
     from rackcast.backend.expert_parallel import shard_experts
 """
@@ -51,7 +55,8 @@ class ExpertParallelMoE(MoE):
 
     ep: int
     ep_rank: int
-    ep_group: object
+    ep_group: object  # the expert group: ep x etp ranks
+    etp: int
     capacity_factor: float | None
     timer: object
     dropped: int
@@ -74,23 +79,38 @@ class ExpertParallelMoE(MoE):
             order, counts = self._capacity_keep(order, counts)
         self.dropped += expert_ids.numel() - order.numel()
         x_sorted = tokens.index_select(0, order // self.top_k)
-        local = self.num_experts // self.ep
-        if self.ep == 1:
+        local, group = self.num_experts // self.ep, self.ep * self.etp
+        if group == 1:
             y_sorted = self.experts(x_sorted, counts)
             return self.combine(y_sorted, order, weights, tokens.shape[0])
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)  # [source rank, local expert]
-        send_splits = counts.view(self.ep, local).sum(1).tolist()
-        recv_matrix = recv_counts.view(self.ep, local)
+        # Destination d = (expert rank b, expert-tensor rank j) = b etp + j gets block b's rows (etp copies of each).
+        block_counts = counts.view(self.ep, local)
+        send_counts = block_counts.repeat_interleave(self.etp, 0).reshape(-1)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # [source rank, local expert]
+        send_splits = block_counts.sum(1).repeat_interleave(self.etp)
+        recv_matrix = recv_counts.view(group, local)
         recv_splits = recv_matrix.sum(1).tolist()
-        x_recv = _AllToAll.apply(x_sorted, send_splits, recv_splits, self.ep_group, self.timer)
+        copies = None  # the row of x_sorted each sent row is (its block's rows once per expert-tensor rank)
+        x_send = x_sorted
+        if self.etp > 1:
+            block_starts = (torch.cumsum(block_counts.sum(1), 0) - block_counts.sum(1)).repeat_interleave(self.etp)
+            send_starts = torch.cumsum(send_splits, 0) - send_splits
+            total = int(send_splits.sum())
+            copies = (torch.arange(total, device=counts.device)
+                      + torch.repeat_interleave(block_starts - send_starts, send_splits, output_size=total))
+            x_send = x_sorted.index_select(0, copies)
+        send_splits = send_splits.tolist()
+        x_recv = _AllToAll.apply(x_send, send_splits, recv_splits, self.ep_group, self.timer)
         # Received rows are grouped by source rank, then expert; the experts want them grouped by expert.
-        seg_expert = torch.arange(local, device=counts.device).repeat(self.ep)
+        seg_expert = torch.arange(local, device=counts.device).repeat(group)
         row_expert = torch.repeat_interleave(seg_expert, recv_matrix.reshape(-1))
         regroup = torch.argsort(row_expert, stable=True)
         y = self.experts(x_recv.index_select(0, regroup), recv_matrix.sum(0))
         y_back = torch.empty_like(y).index_copy(0, regroup, y)
         y_sorted = _AllToAll.apply(y_back, recv_splits, send_splits, self.ep_group, self.timer)
+        if copies is not None:  # partial outputs of the etp width slices: summed per row
+            y_sorted = y_sorted.new_zeros(x_sorted.shape[0], y_sorted.shape[-1]).index_add(0, copies, y_sorted)
         return self.combine(y_sorted, order, weights, tokens.shape[0])
 
 
@@ -107,15 +127,20 @@ def _slice_experts(experts: GroupedExperts, start: int, stop: int) -> GroupedExp
 
 
 def shard_experts(model: nn.Module, ep_group, ep_rank: int, ep: int, capacity_factor: float | None,
-                  timer=None) -> list[ExpertParallelMoE]:
-    """Make every MoE in `model` an ExpertParallelMoE owning this rank's experts; returns them."""
+                  timer=None, etp: int = 1, etp_rank: int = 0, etp_mesh=None) -> list[ExpertParallelMoE]:
+    """Make every MoE in `model` an ExpertParallelMoE owning this rank's experts (and, with etp > 1, its width
+    slice of them, backend.expert_tensor); returns them. ep_group: the expert group (ep x etp ranks)."""
     out = []
     for moe in [m for m in model.modules() if isinstance(m, MoE)]:
         local = moe.num_experts // ep
         if ep > 1:
             moe.experts = _slice_experts(moe.experts, ep_rank * local, (ep_rank + 1) * local)
+        if etp > 1:
+            from rackcast.backend.expert_tensor import shard_width
+
+            moe.experts = shard_width(moe.experts, etp_mesh, etp_rank, etp)
         moe.__class__ = ExpertParallelMoE
-        moe.ep, moe.ep_rank, moe.ep_group = ep, ep_rank, ep_group
+        moe.ep, moe.ep_rank, moe.ep_group, moe.etp = ep, ep_rank, ep_group, etp
         moe.capacity_factor, moe.timer = capacity_factor, timer
         moe.dropped = moe.assigned = 0
         out.append(moe)
@@ -135,13 +160,19 @@ def expert_shard_of(groups, layout, fsdp_mesh=None):
     """Where this rank's expert slices sit in the full expert stacks (backend.checkpoint.ShardOf: a
     Replicate x Shard(0) DTensor over the stage's data-parallel ranks, experts split over "ep"; with the slices
     FSDP-sharded again, Replicate x Shard(0) x Shard(0) over `fsdp_mesh`, backend.fsdp.expert_checkpoint_mesh);
-    None without expert parallelism."""
-    if layout.ep == 1:
+    None without expert parallelism. With expert_tensor > 1 the slices are split by width too: Replicate x Shard(0)
+    x Shard(width dim) over ("edp", "ep", "etp"), backend.expert_tensor.checkpoint_placements."""
+    if layout.ep == 1 and layout.etp == 1:
         return None
     from torch.distributed.tensor import Replicate, Shard
 
     from rackcast.backend.parallel import is_expert_param
 
+    if layout.etp > 1:
+        from rackcast.backend.expert_tensor import checkpoint_placements
+
+        mesh = groups.mesh["edp", "ep", "etp"]
+        return lambda fqn: (mesh, checkpoint_placements(fqn)) if is_expert_param(fqn) else None
     if fsdp_mesh is not None:
         mesh, placements = fsdp_mesh, [Replicate(), Shard(0), Shard(0)]
     else:

@@ -109,6 +109,9 @@ def grouped_matmul(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     return y[:, :m] if wa.shape[-1] != m else y
 
 
+WEIGHT_NAMES = ("w_gate_up", "w_up", "w_down", "b_gate_up", "b_up", "b_down")  # GroupedExperts' parameters
+
+
 class GroupedExperts(nn.Module):
     """E routed experts as stacked tensors: SwiGLU's gate and up fused, w_gate_up [E, dim, 2 width] (gate columns
     first), else w_up [E, dim, width]; w_down [E, width, dim] (+ biases [E, .]).
@@ -153,6 +156,11 @@ class GroupedExperts(nn.Module):
                     normal(drawn)
                     part.copy_(drawn)
 
+    def local_weights(self) -> dict[str, Tensor | None]:
+        """The tensors forward computes with, by parameter name (None where absent): the parameters themselves here;
+        an expert-tensor-parallel slice gives its local shards (backend.expert_tensor)."""
+        return {name: getattr(self, name) for name in WEIGHT_NAMES}
+
     def _in_weights(self) -> Tensor:
         return self.w_gate_up if self.w_gate_up is not None else self.w_up
 
@@ -167,24 +175,26 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_sorted: Tensor, counts: Tensor | list[int]) -> Tensor:
         counts = self._check(counts).to(x_sorted.device)
+        w = self.local_weights()
         if x_sorted.shape[0] == 0:  # no rows here: keep every expert weight in the graph so gradients exist (zeros)
-            anchor = sum(p.sum() for p in self.parameters(recurse=False)) * 0.0
-            return x_sorted.new_zeros(0, self.w_down.shape[-1]) + anchor
+            anchor = sum(t.sum() for t in w.values() if t is not None) * 0.0
+            return x_sorted.new_zeros(0, w["w_down"].shape[-1]) + anchor
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         row_expert = None
-        if self.b_down is not None:  # per-expert biases: each row gathers its expert's
+        swiglu = w["w_gate_up"] is not None
+        if w["b_down"] is not None:  # per-expert biases: each row gathers its expert's
             row_expert = torch.repeat_interleave(torch.arange(self.num_experts, device=counts.device), counts,
                                                  output_size=x_sorted.shape[0])
-        h = grouped_matmul(x_sorted, self._in_weights(), offs)
+        h = grouped_matmul(x_sorted, w["w_gate_up"] if swiglu else w["w_up"], offs)
         if row_expert is not None:
-            h = h + self._in_bias()[row_expert]
-        if self.w_gate_up is not None:
+            h = h + (w["b_gate_up"] if swiglu else w["b_up"])[row_expert]
+        if swiglu:
             gate, up = h.split(self.width, -1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h)
-        y = grouped_matmul(h, self.w_down, offs)
-        return y + self.b_down[row_expert] if row_expert is not None else y
+        y = grouped_matmul(h, w["w_down"], offs)
+        return y + w["b_down"][row_expert] if row_expert is not None else y
 
     # ------------------------------------------------------------------------------------------------ oracle
     def _expert(self, e: int, x: Tensor) -> Tensor:

@@ -8,8 +8,12 @@ Traffic per step: one device->host copy of the gradients and one host->device co
 On a CPU-only machine "host" and "device" are the same memory, but the same code path runs (separate host copies,
 the step on them, the copies back), so it is tested on CPU.
 
-Parameters that are DTensors (FSDP2 shards) get host copies as DTensors on the same mesh when the mesh is on the
-CPU; on CUDA a sharded parameter's host copy would need a CPU mesh for MuonH's gather, which is not implemented.
+Parameters that are DTensors (FSDP2 shards, expert-tensor slices) get host copies as DTensors on the same mesh when
+the mesh is on the CPU, and for the step their local tensor is swapped for the host copy's (`_point`: assigning a
+DTensor's `.data` leaves the local tensor its ops run on, so the step updated the device shards and the copy back
+then overwrote them with the stale host copy; FSDP2 runs with host state trained other weights than one process
+until this); on CUDA a sharded parameter's host copy would need a CPU mesh for MuonH's gather, which is not
+implemented.
 
     opt = HostOptimizer(build_optimizer(model, "muonh"))
 """
@@ -32,6 +36,19 @@ def _host_copy(p: torch.Tensor, pin: bool) -> torch.Tensor:
     host = p.detach().to("cpu", copy=True)
     return host.pin_memory() if pin else host
 
+
+
+def _point(p: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """Make parameter p compute with `data` (a host copy, or the device tensor given back) and return what it
+    computed with before (for a DTensor: its local tensor). Assigning a DTensor parameter's `.data` does not reach
+    its local tensor, on which its ops run, so a DTensor's local tensor is swapped instead."""
+    if isinstance(p, DTensor):
+        before = p._local_tensor
+        p._local_tensor = data.to_local() if isinstance(data, DTensor) else data
+        return before
+    before = p.data
+    p.data = data
+    return before
 
 
 class HostOptimizer:
@@ -61,9 +78,8 @@ class HostOptimizer:
         for p, host in zip(self.params, self.host):
             grad = p.grad
             stepped.append(grad is not None)
-            device_data.append(p.data)
+            device_data.append(_point(p, host))
             p.grad = None
-            p.data = host
             if grad is not None:
                 p.grad = grad.to(host.device, non_blocking=True)
         if any(d.is_cuda for d in device_data):
@@ -73,9 +89,9 @@ class HostOptimizer:
         finally:
             for p, data, host, was in zip(self.params, device_data, self.host, stepped):
                 p.grad = None
-                p.data = data
+                _point(p, data)
                 if was:
-                    data.copy_(host, non_blocking=True)
+                    data.copy_(host.to_local() if isinstance(host, DTensor) else host, non_blocking=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

@@ -6,12 +6,14 @@ dp = data x fsdp, cp = context and tp = tensor
 Tensor-parallel ranks read the same samples and the same tokens; context ranks read the same sequences (the batch
 splits by dp_rank) and hold different chunks of them (cp_rank, backend.context_parallel), so the ranks that see
 different tokens are the dp x cp "token ranks" of one (stage, tp_rank), u = dp_rank * cp + cp_rank; dense gradients
-average over them, and the expert-parallel groups are runs of `expert` consecutive token ranks
-(rackcast.layout.ParallelSpec.expert_group / expert_data; the trainer refuses experts with tensor parallelism):
-    ep_rank = u % expert,    edp_rank = u // expert   (edp = dp x cp / expert expert-data replicas).
-The mesh is `init_device_mesh(device, (pipeline, edp, ep, tp), ("pp", "edp", "ep", "tp"))` with ("edp", "ep")
-flattened to "dp" (the token ranks); each axis is one process group, the context ranks of one sequence form group
-"cp", and the tensor-parallel reductions run over "tp" (backend.tensor_parallel).
+average over them, and the expert groups are runs of expert x expert_tensor consecutive token ranks
+(rackcast.layout.ParallelSpec.expert_group / expert_coordinates; the trainer refuses experts with tensor
+parallelism), expert_tensor innermost:
+    edp_rank, ep_rank, etp_rank = ParallelSpec.expert_coordinates(u)   (edp = dp x cp / (expert x expert_tensor)).
+The mesh is `init_device_mesh(device, (pipeline, edp, ep, etp, tp), ("pp", "edp", "ep", "etp", "tp"))` with
+("edp", "ep", "etp") flattened to "dp" (the token ranks) and ("ep", "etp") to "expert" (the expert group, over which
+the expert all-to-all runs; backend.expert_tensor); each axis is one process group, the context ranks of one
+sequence form group "cp", and the tensor-parallel reductions run over "tp" (backend.tensor_parallel).
 
 Data parallelism: the dense parameters are wrapped in DDP over "dp", the token ranks (with fsdp > 1 FSDP2 shards
 them instead, backend.fsdp; under ZeRO-2 neither, and backend.zero reduces every gradient to its owner instead of all this);
@@ -76,11 +78,13 @@ class Layout:
     sequence_parallel: bool = False
     cp: int = 1  # context-parallel ranks (plan.parallel.context): each holds one chunk of every sequence
     cp_rank: int = 0
+    etp: int = 1  # expert-tensor ranks (plan.parallel.expert_tensor): each routed expert's width split over them
+    etp_rank: int = 0
 
     @property
     def edp(self) -> int:
-        """Expert-data replicas of one stage (and tp_rank): token ranks / expert."""
-        return self.tokens // self.ep
+        """Expert-data replicas of one stage (and tp_rank): token ranks / (expert x expert_tensor)."""
+        return self.tokens // (self.ep * self.etp)
 
     @property
     def tokens(self) -> int:
@@ -95,10 +99,12 @@ class Layout:
         tp_rank = r % tp
         dp_rank, cp_rank = divmod(r // tp, cp)
         u = dp_rank * cp + cp_rank  # token rank: the expert groups fold over dp x cp
+        edp_rank, ep_rank, etp_rank = p.expert_coordinates(u)
         return cls(rank=rank, world=p.gpus, pp=p.pipeline, dp=dp, ep=p.expert, stage=stage, dp_rank=dp_rank,
-                   ep_rank=u % p.expert, edp_rank=u // p.expert, virtual=p.chunks_per_rank, data=p.data,
+                   ep_rank=ep_rank, edp_rank=edp_rank, virtual=p.chunks_per_rank, data=p.data,
                    fsdp=p.fsdp, expert_fsdp=p.expert_fsdp, tp=tp, tp_rank=tp_rank,
-                   sequence_parallel=p.sequence_parallel, cp=cp, cp_rank=cp_rank)
+                   sequence_parallel=p.sequence_parallel, cp=cp, cp_rank=cp_rank, etp=p.expert_tensor,
+                   etp_rank=etp_rank)
 
 
 class Groups:
@@ -107,9 +113,9 @@ class Groups:
     def __init__(self, layout: Layout, device: torch.device):
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.mesh = init_device_mesh(device.type, (layout.pp, layout.edp, layout.ep, layout.tp),
-                                     mesh_dim_names=("pp", "edp", "ep", "tp"))
-        self.dp_mesh = self.mesh["edp", "ep"]._flatten("dp")  # the token ranks (data x fsdp x context)
+        self.mesh = init_device_mesh(device.type, (layout.pp, layout.edp, layout.ep, layout.etp, layout.tp),
+                                     mesh_dim_names=("pp", "edp", "ep", "etp", "tp"))
+        self.dp_mesh = self.mesh["edp", "ep", "etp"]._flatten("dp")  # the token ranks (data x fsdp x context)
         self.tp_mesh = self.mesh["tp"]  # the tensor-parallel DeviceMesh (backend.tensor_parallel)
         self.tp = self.tp_mesh.get_group() if layout.tp > 1 else None
         self.pp = self.mesh.get_group("pp") if layout.pp > 1 else None
@@ -119,11 +125,15 @@ class Groups:
             seq = init_device_mesh(device.type, (layout.pp, layout.dp, layout.cp), mesh_dim_names=("pp", "batch", "cp"))
             self.cp = seq.get_group("cp")
         self.ep = self.mesh.get_group("ep") if layout.ep > 1 else None
+        self.etp = self.mesh.get_group("etp") if layout.etp > 1 else None
+        self.etp_mesh = self.mesh["etp"]  # the expert-tensor DeviceMesh (backend.expert_tensor's DTensors)
+        # the expert group (expert x expert_tensor ranks), over which the expert all-to-all runs
+        self.expert = self.ep if layout.etp == 1 else self.mesh["ep", "etp"]._flatten("expert").get_group()
         self.edp = self.mesh.get_group("edp") if layout.edp > 1 else None
         self.edp_mesh = self.mesh["edp"] if layout.edp > 1 else None
         # every rank of the stage (dp x tp): sequence-parallel ranks route different tokens, so the balancer pools
         # its statistics over them all
-        self.stage = self.mesh["edp", "ep", "tp"]._flatten("stage").get_group() \
+        self.stage = self.mesh["edp", "ep", "etp", "tp"]._flatten("stage").get_group() \
             if layout.tp > 1 and layout.sequence_parallel else self.dp
         self.fsdp_mesh = None  # FSDP2's mesh for the dense parameters (backend.fsdp): (data, fsdp) or (fsdp,)
         self.expert_fsdp_mesh = None  # and for the expert stacks: (data, fsdp / expert) or (fsdp / expert,)
@@ -228,13 +238,20 @@ def _allreduce_flat(grads: list[torch.Tensor], group, divide: int) -> None:
 def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer: PhaseTimer,
                  dense: bool = False, experts: bool = True) -> None:
     """Expert gradients (unless experts=False: FSDP2 reduces them): sum over the expert-data replicas, divide by the
-    token ranks (dp x cp). With dense=True (pipeline stages and tensor-parallel chunks, which are not DDP-wrapped)
+    token ranks (dp x cp); with expert_tensor > 1 the expert parameters each expert-tensor rank holds whole (the
+    down-projection bias, backend.expert_tensor) are first summed over the expert-tensor ranks. With dense=True (pipeline stages and tensor-parallel chunks, which are not DDP-wrapped)
     also average the dense gradients over them (the token ranks of this rank's tp_rank). One flat all-reduce per
     kind, timed."""
     if layout.tokens == 1:
         return
     t0 = timer.now()
     named = [(n, p) for m in modules for n, p in m.named_parameters() if p.grad is not None]
+    if experts and layout.etp > 1:  # expert parameters every expert-tensor rank holds whole: partial gradients
+        from rackcast.backend.expert_tensor import is_width_replicated
+
+        replicated = [p.grad for n, p in named if is_expert_param(n) and is_width_replicated(p)]
+        if replicated:
+            _allreduce_flat(replicated, groups.etp, 1)
     experts = [p.grad for n, p in named if is_expert_param(n)] if experts else []
     if experts:
         _allreduce_flat(experts, groups.edp, layout.tokens)

@@ -42,12 +42,19 @@ from rackcast.backend.layers import FusedLinear, Mlp
 from rackcast.backend.moe import MoE
 
 
+def rank_major_order(parts: tuple[int, ...], ways: int) -> Tensor:
+    """The rank-major order of a fused dimension made of `parts` split `ways` ways: rank r's 1/ways of every part
+    together, rank by rank; stored[i] is the one-process index of stored index i (also backend.expert_tensor's
+    order of the experts' fused gate/up columns)."""
+    starts = torch.tensor((0,) + tuple(parts)).cumsum(0)[:-1].tolist()
+    return torch.cat([torch.arange(start + r * size // ways, start + (r + 1) * size // ways)
+                      for r in range(ways) for start, size in zip(starts, parts)])
+
+
 def order_rows(fused: FusedLinear, tp: int) -> Tensor:
     """Reorder `fused`'s rows rank-major in place (rank r's rows of every part together) and return the stored
     order: stored[i] is the one-process row index of stored row i."""
-    starts = torch.tensor((0,) + fused.parts).cumsum(0)[:-1].tolist()
-    stored = torch.cat([torch.arange(start + r * size // tp, start + (r + 1) * size // tp)
-                        for r in range(tp) for start, size in zip(starts, fused.parts)])
+    stored = rank_major_order(fused.parts, tp)
     with torch.no_grad():
         fused.weight.copy_(fused.weight.index_select(0, stored))
         if fused.bias is not None:
@@ -185,8 +192,10 @@ def reduce_partial_grads(params: list[nn.Parameter], groups, timer) -> None:
 
 
 def stored_orders(module: nn.Module) -> dict[str, tuple[int, Tensor]]:
-    """Parameter name -> (dim, stored order) of every fused parameter `order_rows` reordered (for backend.checkpoint,
-    which saves and loads the one-process order)."""
+    """Parameter name -> (dim, stored order) of every fused parameter stored in another order than one process's:
+    those `order_rows` reordered, and a module's own `stored_param_orders` ({param: (dim, stored order)}, the
+    expert-tensor-parallel gate/up columns, backend.expert_tensor); for backend.checkpoint, which saves and loads
+    the one-process order."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
     out = {}
@@ -197,4 +206,6 @@ def stored_orders(module: nn.Module) -> dict[str, tuple[int, Tensor]]:
             out[f"{name}.weight"] = (0, stored)
             if getattr(m, "bias", None) is not None:
                 out[f"{name}.bias"] = (0, stored)
+        for param, order in getattr(m, "stored_param_orders", {}).items():
+            out[f"{name}.{param}" if name else param] = order
     return out

@@ -1,7 +1,7 @@
 """The training worker: one process of a torchrun job executing a plan (started by `rackcast train PLAN`).
 
 Per rank: build the model from the plan's ModelSpec and seed, keep this rank's pipeline chunks, expert slice and
-sequence chunk (backend.pipeline, expert_parallel, context_parallel), parallelise its matrices over the tensor ranks
+sequence chunk (backend.pipeline, expert_parallel, expert_tensor, context_parallel), parallelise its matrices over the tensor ranks
 (backend.tensor_parallel), wrap the dense parameters in DDP over the token ranks (data x fsdp x context,
 backend.parallel; not under ZeRO-2, whose backend.zero reduces each gradient to its owner only), build the plan's
 optimizer (backend.optim) and quantile balancer (its statistics pooled over them), then per optimizer step: this
@@ -124,9 +124,10 @@ class Trainer:
             moe.balanced_routing = et.routing == "balanced"  # force-balanced choices (backend.moe)
         capacity = et.capacity_factor if et.mode == "capacity" else None
         self.moes = []
-        if spec.moe is not None and (lay.ep > 1 or capacity is not None):
-            self.moes = shard_experts(model, self.groups.ep if self.groups else None, lay.ep_rank, lay.ep, capacity,
-                                      self.timer)
+        if spec.moe is not None and (lay.ep > 1 or lay.etp > 1 or capacity is not None):
+            g = self.groups
+            self.moes = shard_experts(model, g.expert if g else None, lay.ep_rank, lay.ep, capacity, self.timer,
+                                      etp=lay.etp, etp_rank=lay.etp_rank, etp_mesh=g.etp_mesh if g else None)
         self.cp = ContextShard(self.groups.cp, lay.cp_rank, lay.cp, self.timer) if lay.cp > 1 else None
         shard_context(model, self.cp)  # context parallelism: this rank holds chunk cp_rank of every sequence
         self.chunks = build_chunks(model, lay, self.plan.parallel, self.plan.schedule)

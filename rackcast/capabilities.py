@@ -56,6 +56,11 @@ class Capabilities:
     context_with_pipeline: bool = True  # context > 1 together with pipeline > 1
     context_with_zero: bool = True  # context > 1 together with parallel.zero >= 1
     context_model_features: bool = True  # context > 1 with latent attention, multi-token prediction or an aux loss
+    expert_tensor_with_tensor: bool = True  # expert_tensor > 1 together with tensor > 1
+    expert_tensor_with_context: bool = True  # expert_tensor > 1 together with context > 1
+    expert_tensor_with_fsdp: bool = True  # expert_tensor > 1 together with fsdp > 1
+    expert_tensor_with_pipeline: bool = True  # expert_tensor > 1 together with pipeline > 1
+    expert_tensor_with_zero: bool = True  # expert_tensor > 1 together with parallel.zero >= 1
 
 
 # What rackcast.backend implements today (each flag is the backend module that does it).
@@ -64,7 +69,7 @@ TRAINER = Capabilities(
     tensor=True,  # backend.tensor_parallel (DTensor column / row parallel attention and MLPs)
     sequence_parallel=True,  # backend.tensor_parallel (norms, router and routed experts on 1/tp of the sequence)
     context=True,  # backend.context_parallel (K/V all-gather, window halo, conv halo)
-    expert_tensor=False,
+    expert_tensor=True,  # backend.expert_tensor (each routed expert's width split; one all-to-all over ep x etp)
     recompute=("none", "selective", "full"),  # backend.recompute
     optimizer_state=("hbm", "host"),  # backend.offload
     schedules=SCHEDULES,  # backend.pipeline runs each as its torch schedule class
@@ -93,6 +98,11 @@ TRAINER = Capabilities(
     context_with_pipeline=False,
     context_with_zero=False,
     context_model_features=False,
+    expert_tensor_with_tensor=False,  # not tried: the expert group folds over the token ranks of one tp rank only
+    expert_tensor_with_context=False,  # not tried
+    expert_tensor_with_fsdp=False,  # FSDP2 over the ETP DTensor slices not tried
+    expert_tensor_with_pipeline=False,  # not tried
+    expert_tensor_with_zero=False,  # backend.zero's owner shards of ETP DTensors not tried
 )
 
 # Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.
@@ -104,6 +114,8 @@ EVERYTHING = Capabilities(
     zb_h1_single_chunk=True, tied_embeddings_pipeline=True, uneven_pipeline=True, zero=(0, 1, 2), zero_with_fsdp=True, mtp_pipeline=True, precisions=("bf16", "fp8", "fp32"),
     grad_dtypes=("bf16", "fp32"), master_weights=(True, False), attention_kernels=("flash", "materialized"),
     dropout=True, balanced_routing=True, compile_processes=2**31 - 1,
+    expert_tensor_with_tensor=True, expert_tensor_with_context=True, expert_tensor_with_fsdp=True,
+    expert_tensor_with_pipeline=True, expert_tensor_with_zero=True,
 )
 
 
@@ -126,6 +138,8 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
         out += _tensor_refusals(plan, spec, caps)
     if p.context > 1:
         out.extend(_context_refusals(plan, spec, caps))
+    if p.expert_tensor > 1 and caps.expert_tensor:
+        out.extend(_expert_tensor_refusals(plan, caps))
     if p.pipeline > 1 and spec.tied_embeddings and not caps.tied_embeddings_pipeline:
         out.append("parallel.pipeline: tied embeddings across pipeline stages are not supported by the trainer")
     if p.pipeline > 1 and spec.mtp is not None and not caps.mtp_pipeline:
@@ -211,6 +225,19 @@ def _tensor_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
         if any(w % t for w in widths):
             out.append(f"parallel.tensor: MLP widths {widths} are not all divisible by tensor={t}")
     return out
+
+
+def _expert_tensor_refusals(plan, caps: Capabilities) -> list[str]:
+    """What expert tensor parallelism (expert_tensor > 1) may not be combined with in this executor."""
+    p = plan.parallel
+    pairs = (("tensor", p.tensor > 1, caps.expert_tensor_with_tensor, "tensor parallelism (parallel.tensor > 1)"),
+             ("context", p.context > 1, caps.expert_tensor_with_context, "context parallelism (parallel.context > 1)"),
+             ("fsdp", p.fsdp > 1, caps.expert_tensor_with_fsdp, "fully sharded data parallelism (parallel.fsdp > 1)"),
+             ("pipeline", p.pipeline > 1, caps.expert_tensor_with_pipeline,
+              "pipeline parallelism (parallel.pipeline > 1)"),
+             ("zero", p.zero > 0, caps.expert_tensor_with_zero, "ZeRO-sharded optimizer state (parallel.zero > 0)"))
+    return [f"parallel.expert_tensor: expert tensor parallelism together with {what} is not implemented by the "
+            "trainer" for _, asked, implemented, what in pairs if asked and not implemented]
 
 
 def _context_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:

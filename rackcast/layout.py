@@ -156,6 +156,14 @@ class ParallelSpec:
         over them."""
         return self.expert * self.expert_tensor
 
+    def expert_coordinates(self, token_rank: int) -> tuple[int, int, int]:
+        """(expert-data replica, expert rank, expert-tensor rank) of the stage's `token_rank`-th rank among those
+        that see different tokens: expert groups are runs of expert x expert_tensor consecutive such ranks, each
+        `expert` blocks of expert_tensor consecutive ranks (expert_tensor innermost; the block holds one slice of
+        the experts, split by width over its ranks), as simulator.workload.ExpertLoads places them."""
+        replica, r = divmod(token_rank, self.expert_group)
+        return replica, r // self.expert_tensor, r % self.expert_tensor
+
     @property
     def expert_data(self) -> int:
         """Copies of each expert slice within one pipeline stage (expert data parallelism)."""

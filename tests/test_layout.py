@@ -35,6 +35,13 @@ def test_expert_group_counts_expert_tensor_ranks_and_the_copies_divide_the_rest(
     assert ParallelSpec(context=2).expert_fsdp == 1
 
 
+def test_expert_coordinates_put_expert_tensor_ranks_innermost_in_each_expert_block():
+    par = ParallelSpec(data=8, expert=2, expert_tensor=2)  # two expert groups of 4 token ranks
+    assert [par.expert_coordinates(u) for u in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert [ParallelSpec(data=4, expert=4).expert_coordinates(u) for u in (0, 3)] == [(0, 0, 0), (0, 3, 0)]
+
+
 def test_micro_batches_and_tokens_per_micro_batch():
     par = ParallelSpec(data=2, fsdp=4, context=2)
     assert par.microbatches(global_batch=64, micro_batch=2) == 4

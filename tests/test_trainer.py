@@ -35,7 +35,7 @@ def data_folder(tmp_path_factory):
 @pytest.mark.parametrize("field, change", [
     ("parallel.tensor", dict(tensor=2)),
     ("parallel.context", dict(context=2, zero=1)),  # context alone runs; with ZeRO it is refused
-    ("parallel.expert_tensor", dict(expert_tensor=2)),
+    ("parallel.expert_tensor", dict(expert_tensor=2, pipeline=2)),  # expert_tensor alone runs; with pipeline not
 ])
 def test_validate_trainable_refuses_unsupported_parallelism_naming_the_field(field, change):
     plan = load_plan(PLANS / "tiny-1proc.yaml")

@@ -1,7 +1,8 @@
 """FSDP2 layouts train what one process trains (5 steps; losses to 1e-5 relative, parameters to 1e-5 absolute), with
 MuonH and with Adam on every group: sharded experts whose reduce-scatter divides by dp (not by the expert-data
 group), FSDP with expert parallelism (its checkpoint holds both splits of the expert stacks), and FSDP across pipeline
-stages, also under the split-backward schedules zb_h1 and dualpipev.
+stages, also under the split-backward schedules zb_h1 and dualpipev; and FSDP2 with the optimizer state in host
+memory (the step on host copies of the DTensor shards).
 
     .venv/bin/pytest -q tests/test_trainer_fsdp.py        (several minutes on 2 cores)
 """
@@ -18,6 +19,8 @@ pytestmark = pytest.mark.slow
 STEPS = 5
 LAYOUTS = {
     "f2": ({"fsdp": 2}, 2),  # experts sharded over the 2 expert-data ranks; MuonH gathers each 2-D matrix
+    # optimizer state in host memory: the step runs on host copies of the FSDP2 DTensor shards (backend.offload)
+    "f2-host": ({"fsdp": 2}, 2, {"optimizer_extra": {"state_location": "host"}}),
     "f4e2": ({"fsdp": 4, "expert": 2}, 4),  # EP2 inside FSDP4: expert stacks sharded over edp=2, divided by dp=4
     "f2p2": ({"fsdp": 2, "pipeline": 2}, 4),  # FSDP2 inside each pipeline stage (1f1b)
     # split-backward schedules: weight gradients after later micro-batches' forwards (backend.fsdp keeps the units

@@ -1,0 +1,96 @@
+"""Expert tensor parallelism (backend.expert_tensor) trains what one process trains: EP2 x ETP2 on four gloo
+processes (two blocks of experts, each expert's width split over the two ranks of its block), and ETP2 on two with
+the optimizer state in host memory, for 5 steps, losses to 1e-5 relative and parameters to 1e-5 absolute, with
+MuonH (Newton-Schulz on the whole gate, up and down matrices, gathered over the ETP ranks) and with Adam on every
+group; and checkpoints cross layouts both ways: ETP2 over
+data 4 (two expert-data replicas of each width slice) resumes the one-process step-3 checkpoint, and one process
+resumes that run's step-4 checkpoint, each ending where one process ends.
+
+The model is tiny-moe with biases in the MLPs, so the width-split biases (gate/up or up, stored like the weights)
+and the down bias every ETP rank holds whole (its gradient summed over the ETP ranks) are covered: SwiGLU (fused
+gate/up columns stored rank-major) under MuonH, GELU under Adam. The Adam runs use eps 1e-6: with the default 1e-8,
+one element of 8192 of layers.2.attn.qkv, whose gradient cancels to nearly zero, ends 1.3e-5 off one process's after
+5 steps, because Adam's g / (|g| + eps) turns the last-bit rounding of the split down-projection sum (two partial
+sums of half the width instead of one) into a visible step there; every other parameter is within 1e-6, and with
+eps 1e-6 all are.
+
+    .venv/bin/pytest -q tests/test_trainer_expert_tensor.py -m slow     (6 tests, about 3 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+
+from rackcast.backend.checkpoint import full_model_state, latest_complete, step_dir
+from rackcast.presets import MODEL_PRESET_DIR
+from trainer_helpers import assert_trains_like, losses, run_worker, write_plan
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+RESUME_AT = 3
+
+
+def _model(**fields) -> dict:
+    spec = yaml.safe_load((MODEL_PRESET_DIR / "tiny-moe.yaml").read_text())
+    spec.pop("recipe", None)
+    spec.update(name="tiny-moe-etp", mlp_bias=True, **fields)
+    return spec
+
+
+CASES = {  # optimizer: other plan fields
+    "muonh": {"model": _model()},
+    "adamw": {"model": _model(activation="gelu"), "optimizer_extra": {"eps": 1e-6}},
+}
+
+
+def _ok(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _plan(path, parallel, optimizer, state_location="hbm"):
+    fields = {k: (dict(v) if isinstance(v, dict) else v) for k, v in CASES[optimizer].items()}
+    fields["optimizer_extra"] = dict(fields.get("optimizer_extra", {}), state_location=state_location)
+    return write_plan(path, parallel, optimizer=optimizer, **fields)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def reference(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"ref-{request.param}")
+    _ok(run_worker(_plan(d / "ref.yaml", {}, request.param), d / "run", STEPS, "--checkpoint-every", str(RESUME_AT)))
+    return request.param, losses(d / "run"), full_model_state(latest_complete(d / "run")), d / "run"
+
+
+LAYOUTS = {  # name: (parallel, processes, optimizer state location)
+    "e2et2": ({"data": 4, "expert": 2, "expert_tensor": 2}, 4, "hbm"),
+    # the optimizer steps host copies of the DTensor width slices (backend.offload)
+    "et2-host": ({"data": 2, "expert_tensor": 2}, 2, "host"),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_tensor_layout_trains_what_one_process_trains(name, reference, tmp_path):
+    optimizer, ref_losses, ref_params, _ = reference
+    parallel, world, location = LAYOUTS[name]
+    plan = _plan(tmp_path / f"{name}.yaml", parallel, optimizer, location)
+    _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
+    assert_trains_like(tmp_path / "run", ref_losses, ref_params)
+
+
+def test_expert_tensor_checkpoints_resume_across_layouts(reference, tmp_path):
+    """One process's step-3 checkpoint continued under ETP2 x data 4 (the width slices and their optimizer state
+    cut out of the whole tensors, gate/up columns into the rank-major order), saved at step 4 (put back whole), and
+    that continued by one process to step 5: both end where the uninterrupted one-process run ends."""
+    optimizer, ref_losses, ref_params, ref_run = reference
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(step_dir(ref_run, RESUME_AT), step_dir(run, RESUME_AT))
+    plan = _plan(tmp_path / "et2.yaml", {"data": 4, "expert_tensor": 2}, optimizer)
+    _ok(run_worker(plan, run, STEPS, "--resume", "--checkpoint-every", "1", world=4, timeout=600))
+    assert_trains_like(run, ref_losses, ref_params)
+    shutil.rmtree(step_dir(run, STEPS))  # one process continues the ETP run's step-4 checkpoint
+    _ok(run_worker(_plan(tmp_path / "one.yaml", {}, optimizer), run, STEPS, "--resume"))
+    assert_trains_like(run, ref_losses, ref_params)
