@@ -1,16 +1,22 @@
 """Fully sharded data parallelism (plan `parallel.fsdp > 1`) with FSDP2, `torch.distributed.fsdp.fully_shard`.
 
 Meshes (ranks as backend.parallel: stage outermost, then data, then fsdp innermost):
-- dense parameters: the (data, fsdp) mesh of the stage; fsdp > 1 with data > 1 is HSDP (replicated over "data",
-  sharded over "fsdp"). Each transformer block is one FSDP unit (all-gathered before its forward and backward,
-  gradients reduce-scattered after its backward), and the chunk itself one more for the embedding, head and norms.
-  Gradients are averaged over data x fsdp (FSDP2's default divide factor, the mesh size).
+- dense parameters: the (data x context, fsdp) mesh of the stage (backend.parallel.dense_fsdp_mesh); fsdp > 1 with
+  data > 1 or context > 1 is HSDP (replicated over the data and context ranks, sharded over "fsdp": the weights
+  and their all-gathers are fsdp-wide, as simulator.memory and the estimate price them). Each transformer block is
+  one FSDP unit (all-gathered before its forward and backward, gradients reduce-scattered after its backward), and
+  the chunk itself one more for the embedding, head and norms. Gradients are averaged over data x fsdp x context,
+  the token ranks (FSDP2's default divide factor, the mesh size): context ranks hold different tokens of the same
+  sequences (backend.context_parallel.token_scale scales each chunk's loss accordingly). The simulator prices that
+  reduction as a reduce-scatter inside fsdp x context and an all-reduce across data
+  (simulator.costs.gradient_reductions); HSDP runs the reduce-scatter inside fsdp and the all-reduce of the
+  1/fsdp shard across data x context, more bytes on the outer level when context > 1.
 - expert stacks: when the expert group fits inside the fsdp group, sharded fsdp / expert ways over the ranks of the
   fsdp group holding the same expert slice and replicated over "data" (Layout.expert_fsdp, the layout
   simulator.memory.expert_fsdp prices). Each MoE layer's experts are their own FSDP unit. Each EP rank's expert
   gradient already holds the contributions of its whole EP group (the all-to-all's backward brings them), so the
-  reduction sums over the expert-data ranks and divides by dp = data x fsdp, not by their count:
-  `set_gradient_divide_factor(dp)`.
+  reduction sums over the expert-data ranks and divides by the token ranks data x fsdp x context, not by their
+  count: `set_gradient_divide_factor(tokens)`.
 Parameters without a gradient (the balancing bias) stay out of FSDP. Expert stacks that are not sharded
 (Layout.expert_fsdp == 1) stay out of the dense unit and are reduced as without FSDP (backend.parallel.reduce_grads).
 Mixed precision: on CUDA with precision bf16, FSDP2's MixedPrecisionPolicy (bf16 compute weights, gradients
@@ -48,7 +54,7 @@ def shard_model(chunks: list[nn.Module], groups, layout, plan, device: torch.dev
             experts = getattr(getattr(block, "mlp", None), "experts", None)
             if experts is not None and experts_sharded:
                 fully_shard(experts, mesh=groups.expert_fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-                experts.set_gradient_divide_factor(float(layout.dp))
+                experts.set_gradient_divide_factor(float(layout.tokens))
                 if device.type == "cpu":  # gloo has no pre-multiplied sum: sum, then scale after the reduction
                     experts.set_force_sum_reduction_for_comms(True)
             kept = _unsharded(block) | (set(experts.parameters()) if experts is not None and not experts_sharded

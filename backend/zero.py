@@ -9,18 +9,19 @@ each to the least-loaded rank, ties to the lowest: deterministic, the same on ev
 as without ZeRO (backend.parallel); before the step a rank drops the gradients of the parameters it does not own, so
 the plan's optimizer (MuonH, AdamW, or either offloaded by backend.offload) creates and updates state for its own
 parameters only (both skip a parameter without a gradient); after the step each parameter is broadcast from its
-owner. Dense parameters shard over the stage's data-parallel group, the expert slices over their
-expert-data-parallel group (the ranks holding the same slice).
+owner. Dense parameters shard over the stage's data-parallel group, the token ranks data x context (context
+ranks hold the same weights and average their gradients like data replicas; ParallelSpec.state_shards prices the
+same split), the expert slices over their expert-data-parallel group (the ranks holding the same slice).
 
 Stage 2 (P_os+g): the gradients are sharded too. The trainer does not wrap the model in DDP (DDP all-reduces every
 gradient to every rank); after each micro-batch's backward, `reduce_to_owners` concatenates, per owner rank, the
 local gradients of the parameters that rank owns into one flat bucket and reduces it to that rank (dist.reduce: one
 reduce per owner, together a reduce-scatter over the whole-parameter partition); the owner adds it to its sum of
 the step so far, and every rank drops those local gradients (p.grad = None), so between micro-batches a rank holds
-reduced gradients of its own parameters only. After the last micro-batch the owner divides by dp (the average the
-replicas' losses need, as backend.parallel does: expert gradients summed over their expert-data replicas, divided
-by dp) and the sums become its parameters' gradients. The reductions are timed as the data-parallel phase
-("exposed_dp_comm"), inside the forward-backward span as DDP's comm hook is. Under pipeline parallelism the
+reduced gradients of its own parameters only. After the last micro-batch the owner divides by the token ranks
+dp x context (the average the replicas' losses need, as backend.parallel does: expert gradients summed over their
+expert-data replicas, divided by the token ranks) and the sums become its parameters' gradients. The reductions
+are timed as the data-parallel phase ("exposed_dp_comm"), inside the forward-backward span as DDP's comm hook is. Under pipeline parallelism the
 schedule runs every micro-batch itself, so one reduction after the schedule step replaces the flat all-reduce.
 
 What the simulator prices (simulator.costs.gradient_reductions / parameter_gathers, for zero 1 and 2 alike; for
@@ -101,8 +102,8 @@ class Zero:
         """ZeRO-2, after a micro-batch's backward: each owner's bucket of local gradients reduced to it and added to
         what it holds of the step's earlier micro-batches; every rank then drops those local gradients, so between
         micro-batches a rank holds reduced gradients of its own parameters only. With `last`, the owner's sums,
-        divided by `divide` (the data-parallel size), become its parameters' gradients. Parameters without a local
-        gradient contribute zeros (every rank must join each reduce). Timed as "exposed_dp_comm" when a
+        divided by `divide` (the token ranks, data x context), become its parameters' gradients. Parameters without
+        a local gradient contribute zeros (every rank must join each reduce). Timed as "exposed_dp_comm" when a
         backend.parallel.PhaseTimer is given."""
         t0 = timer.now() if timer is not None else 0.0
         me = dist.get_rank()

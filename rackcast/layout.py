@@ -130,13 +130,15 @@ class ParallelSpec:
     # Array-friendly: `x ** (stage >= k)` is x where the ZeRO stage shards over x, else 1.
     @property
     def state_shards(self) -> int:
-        """Ways the dense optimizer state and fp32 master are sharded: fsdp, times data from ZeRO-1 on."""
-        return self.fsdp * self.data ** (self.zero >= 1)
+        """Ways the dense optimizer state and fp32 master are sharded: fsdp, times the replicas data x context from
+        ZeRO-1 on (context ranks hold the same weights and average their gradients as the data replicas do;
+        backend.zero shards over all of them)."""
+        return self.fsdp * (self.data * self.context) ** (self.zero >= 1)
 
     @property
     def grad_shards(self) -> int:
-        """Ways the dense gradients are sharded: fsdp, times data under ZeRO-2."""
-        return self.fsdp * self.data ** (self.zero >= 2)
+        """Ways the dense gradients are sharded: fsdp, times the replicas data x context under ZeRO-2."""
+        return self.fsdp * (self.data * self.context) ** (self.zero >= 2)
 
     @property
     def expert_state_shards(self) -> int:

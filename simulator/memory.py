@@ -213,7 +213,7 @@ def inflight_chunk_microbatches(schedule: str, p: int, m: int, v: int, rank: int
 
 def optimizer_state_bytes(rp: RankParams, plan: Plan | PlanArrays, dtype: str | None = None) -> tuple:
     """(fp32 master, optimizer state) bytes per GPU for this rank's shard of the parameters (no master copy when
-    the weights are kept in fp32 already): sharded fsdp ways, and over the data replicas too from ZeRO-1 on
+    the weights are kept in fp32 already): sharded fsdp ways, and over the data x context replicas too from ZeRO-1 on
     (ParallelSpec.state_shards; Rajbhandari et al., ZeRO, arXiv:1910.02054, section 5.1: P_os keeps K x Psi / N_d
     bytes of optimizer state per device, K = 12 for mixed-precision Adam: master, momentum, variance)."""
     par = plan.parallel
@@ -231,7 +231,7 @@ def static_bytes(rp: RankParams, plan: Plan | PlanArrays, dtype: str | None = No
     """Bytes per GPU that live for the whole step: weights, gradients, master, optimizer state (HBM) and what is
     kept in host memory instead when the plan offloads the optimizer. `dtype`: the dtype weights are kept in
     (default: the plan's precision, with an fp32 master). Weights are sharded fsdp ways (ZeRO-3); gradients fsdp
-    ways, and over the data replicas too under ZeRO-2 (ParallelSpec.grad_shards; ZeRO, section 5.2: P_os+g keeps
+    ways, and over the data x context replicas too under ZeRO-2 (ParallelSpec.grad_shards; ZeRO, section 5.2: P_os+g keeps
     2 x Psi / N_d bytes of fp16 gradients); optimizer state see optimizer_state_bytes."""
     par = plan.parallel
     shard = rp.dense / par.fsdp + rp.expert / plan.parallel.expert_fsdp

@@ -1,0 +1,60 @@
+"""Context parallelism with sharded data parallelism trains what one process trains (5 steps; losses to 1e-5
+relative, parameters to 1e-5 absolute), with MuonH and with Adam: C2 x F2 (FSDP2 shards the dense weights over the
+fsdp ranks and replicates them over the context ranks, backend.parallel.dense_fsdp_mesh: the gradients are averaged
+over data x fsdp x context), D2 x C2 under ZeRO-1 (optimizer state sharded over the four token ranks, the replicas
+data x context) and under ZeRO-2 (each gradient reduced to its owner among them and divided by their number;
+ZeRO needs data > 1, so no C2-only ZeRO run). The C2 x F2 run is also stopped after its third step and resumed
+from its own checkpoint to the uninterrupted run's losses.
+
+    .venv/bin/pytest -q tests/test_trainer_context_sharded.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rackcast.backend.checkpoint import full_model_state, latest_complete
+from trainer_helpers import assert_trains_like, losses, run_worker, write_plan
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+LAYOUTS = {
+    "c2f2": ({"context": 2, "fsdp": 2}, 4),
+    "d2c2z1": ({"data": 2, "context": 2, "zero": 1}, 4),
+    "d2c2z2": ({"data": 2, "context": 2, "zero": 2}, 4),
+}
+
+
+def _ok(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module", params=["muonh", "adamw"])
+def reference(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"ref-{request.param}")
+    _ok(run_worker(write_plan(d / "ref.yaml", {}, optimizer=request.param), d / "run", STEPS))
+    return request.param, losses(d / "run"), full_model_state(latest_complete(d / "run"))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_context_with_sharding_trains_what_one_process_trains(name, reference, tmp_path):
+    optimizer, ref_losses, ref_params = reference
+    parallel, world = LAYOUTS[name]
+    plan = write_plan(tmp_path / f"{name}.yaml", parallel, optimizer=optimizer)
+    _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
+    assert_trains_like(tmp_path / "run", ref_losses, ref_params)
+
+
+def test_context_with_fsdp_resumes_its_own_checkpoint(tmp_path):
+    """C2 x F2 trains 3 steps and stops; C2 x F2 resumes from its sharded checkpoint (weights and Adam moments as
+    DTensors on the (data x context, fsdp) mesh) and its steps 4-5 are one uninterrupted process's, with Adam (a
+    wrongly placed moment would show)."""
+    whole = write_plan(tmp_path / "whole.yaml", {}, optimizer="adamw")
+    _ok(run_worker(whole, tmp_path / "uninterrupted", STEPS))
+    sharded = write_plan(tmp_path / "c2f2.yaml", {"context": 2, "fsdp": 2}, optimizer="adamw")
+    stopped = run_worker(sharded, tmp_path / "run", STEPS, "--checkpoint-every", "3", world=4, timeout=600,
+                         env={"RACKCAST_FAIL": "0:4:step"})
+    assert stopped.returncode != 0 and latest_complete(tmp_path / "run").name == "step-00000003"
+    _ok(run_worker(sharded, tmp_path / "run", STEPS, "--resume", world=4, timeout=600))
+    assert losses(tmp_path / "run") == pytest.approx(losses(tmp_path / "uninterrupted"), rel=1e-5)
