@@ -41,7 +41,7 @@ from torch import nn
 from rackcast.atomic import write_json_atomic
 from rackcast.backend import checkpoint, memprof, record
 from rackcast.backend.compiled import compile_blocks
-from rackcast.backend.context_parallel import ContextShard, chunk_loss, shard_context
+from rackcast.backend.context_parallel import ContextShard, chunk_loss, sequence_chunk, shard_context
 from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.balancing import AuxFreeBiasBalancer, QuantileBalancer
 from rackcast.backend.data import TokenData, prepare
@@ -181,7 +181,7 @@ class Trainer:
         self.pipe = None
         if lay.pp > 1:
             self.pipe = Pipeline(self.wrapped, self.chunk_index, lay, self.plan.schedule, self.microbatches,
-                                 lambda out, tgt: self._loss(out, None, tgt)[0], self.groups.pp,
+                                 self._pipeline_loss, self.groups.pp,
                                  self.device, self.timer)
         self.has_last = lay.pp * lay.virtual - 1 in self.chunk_index
         self.routing = torch.zeros(spec.layers, spec.moe.experts if spec.moe else 1, dtype=torch.int64)
@@ -212,6 +212,17 @@ class Trainer:
     def _loss(self, logits, tokens, targets):
         return next_token_loss(logits, tokens, targets=targets, z_loss_weight=self.plan.z_loss_weight)
 
+    def _pipeline_loss(self, out, tgt):
+        """The last stage's loss of one micro-batch. Under context parallelism `tgt` is this rank's chunk of the
+        targets with one more column, each whole sequence's count of counted targets (train_step appends it, so it
+        travels with its rows however the schedule splits the micro-batches): the loss is scaled as
+        backend.context_parallel.token_scale scales it, counted here x context / counted in the whole sequences."""
+        if self.cp is None:
+            return self._loss(out, None, tgt)[0]
+        tgt, whole = tgt[:, :-1], tgt[:, -1]
+        here = (tgt != -100).sum().item()
+        return self._loss(out, None, tgt)[0] * (here * self.cp.size / max(whole.sum().item(), 1))
+
     def _autocast(self):
         """The plan's precision: bf16 autocast on CUDA or CPU, none for fp32."""
         if self.plan.precision == "bf16":
@@ -237,6 +248,10 @@ class Trainer:
         count = 0
         t0 = self.timer.now()
         if self.pipe is not None:
+            if self.cp is not None:  # each rank's chunk of every sequence (backend.context_parallel)
+                counted = (targets != -100).sum(dim=1, keepdim=True)  # per whole sequence (see _pipeline_loss)
+                tokens, targets = sequence_chunk(tokens, self.cp), torch.cat([sequence_chunk(targets, self.cp),
+                                                                              counted], dim=1)
             with self._autocast():
                 losses = self.pipe.step(tokens, targets)
             span = self.timer.now() - t0

@@ -103,9 +103,9 @@ def test_tensor_parallel_layouts_are_offered_and_their_limits_refused(tmp_path):
 
 def test_context_parallelism_is_refused_with_what_the_trainer_does_not_combine_it_with(tmp_path):
     """The trainer runs context parallelism (backend.context_parallel) with data and expert parallelism, with fsdp
-    (backend.parallel.dense_fsdp_mesh) and with ZeRO (backend.zero), so nothing refuses C2 x F2 or
-    D2 x C2 x ZeRO-2; with pipeline it is refused, one "parallel.context" line (with tensor, one "parallel.tensor"
-    line), and the simulator prices it."""
+    (backend.parallel.dense_fsdp_mesh), with ZeRO (backend.zero) and with pipeline parallelism (backend.train's
+    _pipeline_loss), so nothing refuses C2 x F2, D2 x C2 x ZeRO-2 or C2 x PP2; with tensor parallelism it is
+    refused, one "parallel.tensor" line, and the simulator prices it."""
     from dataclasses import replace
 
     from rackcast.layout import ParallelSpec
@@ -113,12 +113,13 @@ def test_context_parallelism_is_refused_with_what_the_trainer_does_not_combine_i
     runnable = load_plan(str(_plan(tmp_path, parallel={"data": 2, "context": 2, "expert": 4},
                                    topology={"name": "local-cpu", "domains": 1, "usable_gpus": 4})))
     assert refusals(runnable, runnable.model_spec()) == []
-    for sharded in (ParallelSpec(fsdp=2, context=2), ParallelSpec(data=2, context=2, zero=2)):
+    for sharded in (ParallelSpec(fsdp=2, context=2), ParallelSpec(data=2, context=2, zero=2),
+                    ParallelSpec(context=2, pipeline=2)):
         assert refusals(replace(runnable, parallel=sharded), runnable.model_spec()) == []
     plan = replace(runnable, parallel=ParallelSpec(data=2, fsdp=2, tensor=2, context=2, pipeline=2, zero=1))
     reasons = refusals(plan, plan.model_spec())
     lines = [r for r in reasons if r.startswith("parallel.context:")]
-    assert [w for w in ("fsdp", "pipeline", "zero") if any(f"parallel.{w} " in r for r in lines)] == ["pipeline"]
+    assert lines == []
     assert "parallel.tensor: tensor parallelism together with context > 1 is not implemented by the trainer" in reasons
     assert not [r for r in refusals(plan, plan.model_spec(), EVERYTHING) if r.startswith("parallel.context:")]
 
