@@ -157,3 +157,21 @@ def test_estimate_and_simulator_agree_on_context_parallel_exchanges(model):
     assert _rel(est.step_time_s, sim.step_time_s) <= BAND, (est.phases_s, sim.phases_s)
     assert est.phases_s["exposed_tensor_comm"] > 0
     assert est.phases_s["exposed_tensor_comm"] == pytest.approx(sim.phases_s["exposed_tensor_comm"], rel=1e-3)
+
+
+@pytest.mark.parametrize("parallel", [dict(fsdp=2, context=2), dict(data=2, context=2, zero=1),
+                                      dict(data=2, context=2, zero=2)])
+def test_estimate_and_simulator_agree_on_context_with_sharding(parallel):
+    """Context parallelism with FSDP or ZeRO (which the trainer now runs): the gradient reduction over the
+    data x fsdp x context token ranks, the ZeRO gathers and the K/V exchanges, priced alike in both, the step
+    within BAND. Under FSDP the event simulator splits the wait between the FSDP gathers and the K/V exchanges
+    differently from the estimate (C2 x F2 here: exchanges 1.08 ms estimated, 1.23 ms simulated; gathers 11.0
+    against 10.0 ms), so the phases are held to BAND of the step rather than to the exchange's 1e-3."""
+    base = load_plan(str(PLANS / "tiny-4proc.yaml"))
+    plan = replace(base, parallel=ParallelSpec(**parallel), batch=BatchSpec(2, 1))
+    validate(plan, plan.model_spec(), plan.topology_spec().gpus)
+    est, sim = estimate(plan), simulate(plan, record=False)
+    assert _rel(est.step_time_s, sim.step_time_s) <= BAND, (est.phases_s, sim.phases_s)
+    for phase in ("exposed_tensor_comm", "exposed_dp_comm", "exposed_fsdp_gather"):
+        assert abs(est.phases_s[phase] - sim.phases_s[phase]) <= BAND * sim.step_time_s, phase
+    assert est.phases_s["exposed_tensor_comm"] > 0

@@ -131,3 +131,12 @@ def test_a_bad_split_is_refused_with_one_line_naming_the_file_and_field(tmp_path
     good = tmp_path / "good.yaml"
     good.write_text(bad.read_text().replace(split, "[3, 1]"))
     assert load_plan(str(good)).parallel.stage_layers == (3, 1)
+
+
+def test_zero_shards_over_the_data_and_context_replicas():
+    """Context ranks hold the same weights and average their gradients like data replicas, so ZeRO shards over
+    data x context (backend.zero over the token ranks) and the memory model prices that split; fsdp shards alone."""
+    assert ParallelSpec(data=2, context=2, zero=1).state_shards == 4
+    assert ParallelSpec(data=2, context=2, zero=1).grad_shards == 1
+    assert ParallelSpec(data=2, context=2, zero=2).grad_shards == 4
+    assert ParallelSpec(fsdp=2, context=2).state_shards == ParallelSpec(fsdp=2, context=2).grad_shards == 2
