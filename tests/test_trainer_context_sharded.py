@@ -1,13 +1,14 @@
 """Context parallelism with sharded data parallelism and with pipelines trains what one process trains (5 steps;
 losses to 1e-5 relative, parameters to 1e-5 absolute), with MuonH and with Adam: C2 x F2 (FSDP2 shards the dense
 weights over the fsdp ranks and replicates them over the context ranks, backend.parallel.dense_fsdp_mesh: the
-gradients are averaged over data x fsdp x context), D2 x C2 under ZeRO-1 (optimizer state sharded over the four
+gradients are averaged over data x fsdp x context; with EP2 the expert stacks are sharded over fsdp x context /
+expert and divided by the token ranks too), D2 x C2 under ZeRO-1 (optimizer state sharded over the four
 token ranks, the replicas data x context) and under ZeRO-2 (each gradient reduced to its owner among them and
 divided by their number; ZeRO needs data > 1, so no C2-only ZeRO run), and C2 x PP2 (each stage on the sequence
 chunks, the last stage's loss scaled by the chunk's share of each micro-batch's counted targets). The C2 x F2 run
 is also stopped after its third step and resumed from its own checkpoint to the uninterrupted run's losses.
 
-    .venv/bin/pytest -q tests/test_trainer_context_sharded.py
+    .venv/bin/pytest -q tests/test_trainer_context_sharded.py        (about five minutes on 2 shared cores)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ LAYOUTS = {
     "d2c2z1": ({"data": 2, "context": 2, "zero": 1}, 4),
     "d2c2z2": ({"data": 2, "context": 2, "zero": 2}, 4),
     "c2p2": ({"context": 2, "pipeline": 2}, 4),
+    "c2f2e2": ({"context": 2, "fsdp": 2, "expert": 2}, 4),  # expert stacks FSDP-sharded over fsdp x context / expert
 }
 
 
