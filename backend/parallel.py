@@ -138,11 +138,17 @@ class Groups:
         self.fsdp_mesh = None  # FSDP2's mesh for the dense parameters (backend.fsdp): (data, fsdp) or (fsdp,)
         self.expert_fsdp_mesh = None  # and for the expert stacks: (data, fsdp / expert) or (fsdp / expert,)
         if layout.fsdp > 1:
-            dense = init_device_mesh(device.type, (layout.pp, layout.data, layout.fsdp),
-                                     mesh_dim_names=("pp", "replicate", "shard"))
+            # with tensor parallelism (tp innermost, experts replicated over it: the trainer refuses expert > 1 with
+            # tensor > 1) the FSDP and tp meshes are dims of one root mesh (pp, data, fsdp, tp), so that FSDP2
+            # shards the tensor-parallel DTensors again over "shard" (2-D placements, torchtitan's FSDP + TP)
+            dense = init_device_mesh(device.type, (layout.pp, layout.data, layout.fsdp, layout.tp),
+                                     mesh_dim_names=("pp", "replicate", "shard", "tp"))
             self.fsdp_mesh = dense["replicate", "shard"] if layout.data > 1 else dense["shard"]
+            if layout.tp > 1:
+                self.tp_mesh = dense["tp"]  # the same ranks as self.mesh["tp"], under FSDP's root mesh
+                self.tp = self.tp_mesh.get_group()
             efsdp = layout.expert_fsdp
-            if efsdp > 1:  # the expert group is the innermost `ep` ranks of the fsdp group
+            if efsdp > 1:  # the expert group is the innermost `ep` ranks of the fsdp (x tp) group
                 experts = init_device_mesh(device.type, (layout.pp, layout.data, efsdp, layout.ep),
                                            mesh_dim_names=("pp", "replicate", "shard", "ep"))
                 self.expert_fsdp_mesh = experts["replicate", "shard"] if layout.data > 1 else experts["shard"]

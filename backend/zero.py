@@ -10,7 +10,10 @@ as without ZeRO (backend.parallel); before the step a rank drops the gradients o
 the plan's optimizer (MuonH, AdamW, or either offloaded by backend.offload) creates and updates state for its own
 parameters only (both skip a parameter without a gradient); after the step each parameter is broadcast from its
 owner. Dense parameters shard over the stage's data-parallel group, the expert slices over their
-expert-data-parallel group (the ranks holding the same slice).
+expert-data-parallel group (the ranks holding the same slice). With tensor parallelism the dp group is the token
+ranks of one tp rank: a tensor-parallel DTensor is owned as a whole parameter, and since the owners are assigned
+from global sizes, the same on every tp rank, the tp ranks of one dp rank own the same parameters and step them
+together (MuonH's gather over "tp" is a collective of those ranks); the broadcast moves each rank's own part.
 
 Stage 2 (P_os+g): the gradients are sharded too. The trainer does not wrap the model in DDP (DDP all-reduces every
 gradient to every rank); after each micro-batch's backward, `reduce_to_owners` concatenates, per owner rank, the
@@ -107,7 +110,8 @@ class Zero:
         t0 = timer.now() if timer is not None else 0.0
         me = dist.get_rank()
         for key, (group, params) in self._buckets().items():  # insertion order: the same on every rank
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            flat = torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
+                              for p in params])
             for p in params:
                 p.grad = None
             dist.reduce(flat, dst=key[1], group=group)
@@ -123,8 +127,9 @@ class Zero:
                 flat.div_(divide)
                 offset = 0
                 for p in self._buckets()[key][1]:
-                    p.grad = flat[offset:offset + p.numel()].view_as(p)  # views of the owned bucket only
-                    offset += p.numel()
+                    local = _local(p)
+                    p.grad = _like(p, flat[offset:offset + local.numel()].view_as(local))  # views of the owned bucket
+                    offset += local.numel()
             self._sums = {}
         if timer is not None:
             timer.add("exposed_dp_comm", timer.now() - t0)
@@ -150,4 +155,19 @@ class Zero:
     def broadcast(self) -> None:
         """After the step: every parameter from the rank that updated it."""
         for p, group, src, _ in self.assigned:
-            dist.broadcast(p.data, src=src, group=group)
+            dist.broadcast(_local(p.data), src=src, group=group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel DTensor's own part (the ranks of one dp group hold the same part of it: the same tp rank),
+    or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a gradient of `p`: a DTensor with p's mesh and placements when p is one."""
+    if not hasattr(p, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
