@@ -23,6 +23,10 @@ Mixed precision: on CUDA with precision bf16, FSDP2's MixedPrecisionPolicy (bf16
 reduced in the plan's grad_dtype); on CPU the trainer's bf16 autocast is used instead and FSDP keeps fp32.
 Gradient accumulation over micro-batches defers the reduce-scatter to the last one (set_requires_gradient_sync).
 MuonH on sharded matrices: backend.optim.orthogonalise gathers each 2-D matrix's update once (see there).
+With tensor parallelism (torchtitan's FSDP + TP): backend.tensor_parallel has made the attention and MLP matrices
+DTensors on the "tp" mesh first; fully_shard then shards them again along dim 0 over "shard" (the two meshes are
+dims of one root, backend.parallel.Groups), so a block's all-gather and reduce-scatter run over the fsdp ranks of
+one tp rank and move 1/tp of its weights. The expert stacks, replicated over the tensor ranks, shard over fsdp x tp.
 
     shard_model(chunks, groups, layout, plan, device)     # in place, before the optimizer is built
 """
@@ -54,7 +58,12 @@ def shard_model(chunks: list[nn.Module], groups, layout, plan, device: torch.dev
             experts = getattr(getattr(block, "mlp", None), "experts", None)
             if experts is not None and experts_sharded:
                 fully_shard(experts, mesh=groups.expert_fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-                experts.set_gradient_divide_factor(float(layout.tokens))
+                # tensor ranks (tp > 1, ep 1) shard the experts too (Layout.expert_fsdp = fsdp x tp): without
+                # sequence parallelism each holds the same whole gradient (same tokens), so divide by the token
+                # ranks (dp x cp) x tp; with it each holds its part of the sequence's, a partial sum that this
+                # reduction completes
+                copies = 1 if layout.sequence_parallel else layout.tp
+                experts.set_gradient_divide_factor(float(layout.tokens * copies))
                 if device.type == "cpu":  # gloo has no pre-multiplied sum: sum, then scale after the reduction
                     experts.set_force_sum_reduction_for_comms(True)
             kept = _unsharded(block) | (set(experts.parameters()) if experts is not None and not experts_sharded

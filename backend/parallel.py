@@ -138,28 +138,35 @@ class Groups:
         self.fsdp_mesh = None  # FSDP2's mesh for the dense parameters (backend.fsdp): (data x context, fsdp) or (fsdp,)
         self.expert_fsdp_mesh = None  # and for the expert stacks: (data, fsdp x context / expert) or (that,)
         if layout.fsdp > 1:
-            self.fsdp_mesh = dense_fsdp_mesh(layout, device)
+            if layout.cp > 1:  # tensor with context is refused: no tp dim here
+                self.fsdp_mesh = dense_fsdp_mesh(layout, device)
+            else:
+                # with tensor parallelism (tp innermost, experts replicated over it: the trainer refuses expert > 1
+                # with tensor > 1) the FSDP and tp meshes are dims of one root mesh (pp, data, fsdp, tp), so that
+                # FSDP2 shards the tensor-parallel DTensors again over "shard" (2-D placements, torchtitan's FSDP + TP)
+                dense = init_device_mesh(device.type, (layout.pp, layout.data, layout.fsdp, layout.tp),
+                                         mesh_dim_names=("pp", "replicate", "shard", "tp"))
+                self.fsdp_mesh = dense["replicate", "shard"] if layout.data > 1 else dense["shard"]
+                if layout.tp > 1:
+                    self.tp_mesh = dense["tp"]  # the same ranks as self.mesh["tp"], under FSDP's root mesh
+                    self.tp = self.tp_mesh.get_group()
             efsdp = layout.expert_fsdp
-            if efsdp > 1:  # the expert group is the innermost `ep` ranks of the fsdp group
+            if efsdp > 1:  # the expert group is the innermost `ep` ranks of the fsdp (x tp) group
                 experts = init_device_mesh(device.type, (layout.pp, layout.data, efsdp, layout.ep),
                                            mesh_dim_names=("pp", "replicate", "shard", "ep"))
                 self.expert_fsdp_mesh = experts["replicate", "shard"] if layout.data > 1 else experts["shard"]
 
 
 def dense_fsdp_mesh(layout: Layout, device: torch.device):
-    """FSDP2's mesh for the dense parameters of this rank's stage: sharded over the fsdp ranks, replicated over the
-    data x context ranks (HSDP: reduce-scatter over "shard", all-reduce of the shard over "replicate"; a 1-D
-    ("shard",) mesh when data x context is 1). The context ranks of one sequence hold different tokens, so their
-    gradients are averaged too: FSDP2 divides by the mesh size, data x fsdp x context, the token ranks. Ranks are
-    numbered (pp, data, fsdp, context) innermost last (rackcast.layout; the trainer refuses tensor with context and
-    with fsdp), so the replicate dimension is built from a rank tensor, not flattened. Collective: every rank
-    builds it."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    """FSDP2's mesh for the dense parameters of this rank's stage under context parallelism (cp > 1; Groups builds
+    the cp == 1 mesh, with its tp dim): sharded over the fsdp ranks, replicated over the data x context ranks (HSDP:
+    reduce-scatter over "shard", all-reduce of the shard over "replicate"). The context ranks of one sequence hold
+    different tokens, so their gradients are averaged too: FSDP2 divides by the mesh size, data x fsdp x context,
+    the token ranks. Ranks are numbered (pp, data, fsdp, context) innermost last (rackcast.layout; the trainer
+    refuses tensor with context), so the replicate dimension is built from a rank tensor, not flattened.
+    Collective: every rank builds it."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    if layout.cp == 1:
-        dense = init_device_mesh(device.type, (layout.pp, layout.data, layout.fsdp),
-                                 mesh_dim_names=("pp", "replicate", "shard"))
-        return dense["replicate", "shard"] if layout.data > 1 else dense["shard"]
     ranks = torch.arange(layout.world).reshape(layout.pp, layout.data, layout.fsdp, layout.cp)
     ranks = ranks.permute(0, 1, 3, 2).reshape(layout.pp, layout.data * layout.cp, layout.fsdp)
     mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "replicate", "shard"))

@@ -178,7 +178,8 @@ def partial_grad_params(chunks: list[nn.Module], layout) -> list[nn.Parameter]:
 
 def reduce_partial_grads(params: list[nn.Parameter], groups, timer) -> None:
     """Sum the partial gradients of `params` (partial_grad_params) over the tp ranks: one flat all-reduce."""
-    grads = [p.grad for p in params if p.grad is not None]
+    # FSDP2-sharded parameters (tensor parallelism with fsdp > 1): their reduce-scattered shards, summed likewise
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
     if not grads:
         return
     t0 = timer.now()

@@ -146,7 +146,13 @@ class Trainer:
         self.view = checkpoint.global_view(self.chunks)  # this rank's parameters under the full model's names
         self.saver = checkpoint.Saver(self.out, asynchronous=args.async_checkpoint)
         self.fsdp = lay.fsdp > 1
+        partial_names = [n for n, p in self.local.named_parameters() if any(p is q for q in self.tp_partial)]
         self.experts_sharded = self.fsdp and shard_model(self.chunks, self.groups, lay, self.plan, self.device)
+        if self.fsdp and self.tp_partial:  # FSDP2 swapped the parameters: the partial-gradient ones again by name,
+            # less the expert stacks it shards over fsdp x tp (their reduce-scatter already sums the tp ranks)
+            now = dict(self.local.named_parameters())
+            self.tp_partial = [now[n] for n in partial_names
+                               if n in now and not (self.experts_sharded and is_expert_param(n))]
         # FSDP2 shards each rank's expert-parallel slice again: checkpoints record both splits of the expert dimension
         self.expert_mesh = expert_checkpoint_mesh(lay, self.device) if self.experts_sharded and lay.ep > 1 else None
         if self.plan.parallel.zero and args.resume:  # saved: each rank writes the state it holds; loaded: not yet

@@ -11,7 +11,11 @@ the plan's optimizer (MuonH, AdamW, or either offloaded by backend.offload) crea
 parameters only (both skip a parameter without a gradient); after the step each parameter is broadcast from its
 owner. Dense parameters shard over the stage's data-parallel group, the token ranks data x context (context
 ranks hold the same weights and average their gradients like data replicas; ParallelSpec.state_shards prices the
-same split), the expert slices over their expert-data-parallel group (the ranks holding the same slice).
+same split), the expert slices over their expert-data-parallel group (the ranks holding the same slice). With
+tensor parallelism the dp group is the token ranks of one tp rank: a tensor-parallel DTensor is owned as a whole
+parameter, and since the owners are assigned from global sizes, the same on every tp rank, the tp ranks of one dp
+rank own the same parameters and step them together (MuonH's gather over "tp" is a collective of those ranks); the
+broadcast moves each rank's own part.
 
 Stage 2 (P_os+g): the gradients are sharded too. The trainer does not wrap the model in DDP (DDP all-reduces every
 gradient to every rank); after each micro-batch's backward, `reduce_to_owners` concatenates, per owner rank, the
@@ -21,8 +25,9 @@ the step so far, and every rank drops those local gradients (p.grad = None), so 
 reduced gradients of its own parameters only. After the last micro-batch the owner divides by the token ranks
 dp x context (the average the replicas' losses need, as backend.parallel does: expert gradients summed over their
 expert-data replicas, divided by the token ranks) and the sums become its parameters' gradients. The reductions
-are timed as the data-parallel phase ("exposed_dp_comm"), inside the forward-backward span as DDP's comm hook is. Under pipeline parallelism the
-schedule runs every micro-batch itself, so one reduction after the schedule step replaces the flat all-reduce.
+are timed as the data-parallel phase ("exposed_dp_comm"), inside the forward-backward span as DDP's comm hook is.
+Under pipeline parallelism the schedule runs every micro-batch itself, so one reduction after the schedule step
+replaces the flat all-reduce.
 
 What the simulator prices (simulator.costs.gradient_reductions / parameter_gathers, for zero 1 and 2 alike; for
 zero 2, simulator.step and the estimate reduce every micro-batch's gradients, as here): a reduce-scatter of the
@@ -108,7 +113,8 @@ class Zero:
         t0 = timer.now() if timer is not None else 0.0
         me = dist.get_rank()
         for key, (group, params) in self._buckets().items():  # insertion order: the same on every rank
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            flat = torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
+                              for p in params])
             for p in params:
                 p.grad = None
             dist.reduce(flat, dst=key[1], group=group)
@@ -124,8 +130,9 @@ class Zero:
                 flat.div_(divide)
                 offset = 0
                 for p in self._buckets()[key][1]:
-                    p.grad = flat[offset:offset + p.numel()].view_as(p)  # views of the owned bucket only
-                    offset += p.numel()
+                    local = _local(p)
+                    p.grad = _like(p, flat[offset:offset + local.numel()].view_as(local))  # views of the owned bucket
+                    offset += local.numel()
             self._sums = {}
         if timer is not None:
             timer.add("exposed_dp_comm", timer.now() - t0)
@@ -151,4 +158,19 @@ class Zero:
     def broadcast(self) -> None:
         """After the step: every parameter from the rank that updated it."""
         for p, group, src, _ in self.assigned:
-            dist.broadcast(p.data, src=src, group=group)
+            dist.broadcast(_local(p.data), src=src, group=group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel DTensor's own part (the ranks of one dp group hold the same part of it: the same tp rank),
+    or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a gradient of `p`: a DTensor with p's mesh and placements when p is one."""
+    if not hasattr(p, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

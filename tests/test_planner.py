@@ -279,19 +279,20 @@ def test_plan_from_a_measurement_fits_then_plans_in_one_command(tmp_path, cli):
 
 
 def test_executor_any_searches_layouts_beyond_the_trainer_and_trainer_does_not(cli):
-    # The trainer runs no tensor parallelism with fsdp or ZeRO
-    # (rackcast.capabilities.TRAINER), so the default search never offers them, though it offers tensor parallelism;
-    # --executor any searches every layout the simulator prices, those included.
+    # The trainer runs no ZeRO together with fsdp (rackcast.capabilities.TRAINER zero_with_fsdp), so the default
+    # search never offers it; --executor any searches every layout the simulator prices, those included. Tensor
+    # parallelism with fsdp or ZeRO the trainer now runs (backend.fsdp, backend.zero), so both searches offer it.
     import json
 
     args = ("plan", "--model", "gpt-1.7b", "--topology", "h100-hgx", "--racks", "1", "--tokens", "1e9", "--top", "0",
             "--rows", "200", "--json")
     rows = {name: json.loads(cli(*args, *extra).stdout)["ranked"] for name, extra in
             (("trainer", ()), ("any", ("--executor", "any")))}
-    beyond = {name: [r for r in got if r["tensor"] > 1 and (r["fsdp"] > 1 or r["zero"] > 0)]
-              for name, got in rows.items()}
-    assert rows["trainer"] and not beyond["trainer"] and any(r["tensor"] > 1 for r in rows["trainer"])
-    assert beyond["any"]
+    beyond = {name: [r for r in got if r["zero"] > 0 and r["fsdp"] > 1] for name, got in rows.items()}
+    sharded_tp = {name: [r for r in got if r["tensor"] > 1 and (r["fsdp"] > 1 or r["zero"] > 0)]
+                  for name, got in rows.items()}
+    assert rows["trainer"] and not beyond["trainer"] and sharded_tp["trainer"]
+    assert beyond["any"] and sharded_tp["any"]
 
 
 def test_memory_per_gpu_fits_every_candidate_into_the_cap_and_says_so(cli):
