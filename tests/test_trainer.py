@@ -32,13 +32,14 @@ def data_folder(tmp_path_factory):
     return prepare(tmp_path_factory.mktemp("data"), max_bytes=2 << 20)
 
 
-@pytest.mark.parametrize("field, change", [
-    ("parallel.tensor", dict(tensor=2)),
-    ("parallel.context", dict(context=2, zero=1)),  # context alone runs; with ZeRO it is refused
-    ("parallel.expert_tensor", dict(expert_tensor=2, pipeline=2)),  # expert_tensor alone runs; with pipeline not
+@pytest.mark.parametrize("field, plan_name, change", [
+    ("parallel.tensor", "tiny-1proc", dict(tensor=2)),
+    # context runs with fsdp, ZeRO and pipelines; with latent attention and multi-token prediction it is refused
+    ("parallel.context", "tiny-deepseek-v3", dict(context=2)),
+    ("parallel.expert_tensor", "tiny-1proc", dict(expert_tensor=2, pipeline=2)),  # with pipeline refused
 ])
-def test_validate_trainable_refuses_unsupported_parallelism_naming_the_field(field, change):
-    plan = load_plan(PLANS / "tiny-1proc.yaml")
+def test_validate_trainable_refuses_unsupported_parallelism_naming_the_field(field, plan_name, change):
+    plan = load_plan(PLANS / f"{plan_name}.yaml")
     with pytest.raises(RackcastError, match=field.replace(".", r"\.")):
         validate_trainable(replace(plan, parallel=replace(plan.parallel, **change)))
 
