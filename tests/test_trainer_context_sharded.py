@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from rackcast.backend.checkpoint import full_model_state, latest_complete
+from rackcast.backend.checkpoint import latest_complete
 from trainer_helpers import assert_trains_like, losses, run_worker, write_plan
+from test_trainer_context import _ok, reference  # noqa: F401 (the one-process reference run, a module-scoped fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +29,6 @@ LAYOUTS = {
     "c2p2": ({"context": 2, "pipeline": 2}, 4),
     "c2f2e2": ({"context": 2, "fsdp": 2, "expert": 2}, 4),  # expert stacks FSDP-sharded over fsdp x context / expert
 }
-
-
-def _ok(result):
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
-@pytest.fixture(scope="module", params=["muonh", "adamw"])
-def reference(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(f"ref-{request.param}")
-    _ok(run_worker(write_plan(d / "ref.yaml", {}, optimizer=request.param), d / "run", STEPS))
-    return request.param, losses(d / "run"), full_model_state(latest_complete(d / "run"))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

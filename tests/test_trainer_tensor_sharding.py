@@ -23,9 +23,10 @@ import shutil
 
 import pytest
 
-from rackcast.backend.checkpoint import full_model_state, latest_complete, step_dir
+from rackcast.backend.checkpoint import step_dir
 from test_trainer_tensor import _model
-from trainer_helpers import assert_trains_like, losses, run_worker, write_plan
+from trainer_helpers import assert_trains_like, run_worker, write_plan
+from test_trainer_tensor import _ok, reference  # noqa: F401 (the one-process reference run, a module-scoped fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -41,18 +42,6 @@ LAYOUTS = {  # name: (parallel, processes, other plan fields)
     # TP2 with host state alone is left to TP2 x FSDP2 with host state below (the same DTensor host copies)
     "t2f2-host": ({"tensor": 2, "fsdp": 2}, 4, {"optimizer_extra": {"state_location": "host"}}),
 }
-
-
-def _ok(result):
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
-@pytest.fixture(scope="module", params=["muonh", "adamw"])
-def reference(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(f"ref-{request.param}")
-    _ok(run_worker(write_plan(d / "ref.yaml", {}, optimizer=request.param, model=_model()), d / "run", STEPS,
-                   "--checkpoint-every", str(RESUME_AT)))
-    return request.param, losses(d / "run"), full_model_state(latest_complete(d / "run")), d / "run"
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
