@@ -122,6 +122,26 @@ def summary(rows: list[dict], **info) -> dict:
     return out
 
 
+# Communication timed inside the forward/backward span (backend.parallel.PhaseTimer), not compute.
+COMM_INSIDE_COMPUTE = ("exposed_expert_a2a", "exposed_dp_comm", "exposed_tensor_comm")
+
+
+def step_phases(timed: dict[str, float], step_time: float) -> dict[str, float]:
+    """One rank's phases of a step from its timer's spans (see the phase meanings above): compute is the fwd_bwd span
+    less the communication timed inside it, other the step time no phase covers."""
+    phases = {k: v for k, v in timed.items() if k != "fwd_bwd"}
+    phases["compute"] = max(0.0, timed.get("fwd_bwd", 0.0) - sum(timed.get(n, 0.0) for n in COMM_INSIDE_COMPUTE))
+    phases["other"] = max(0.0, step_time - sum(phases.values()))
+    return phases
+
+
+def progress_line(row: dict, steps: int) -> str:
+    """The line `rackcast train` prints for a step row."""
+    ev = f"  eval {row['eval_loss']:.4f}" if not math.isnan(row["eval_loss"]) else ""
+    return (f"step {row['step']:>5}/{steps}  loss {row['loss']:.4f}{ev}  tok/s {row['tokens_per_s']:,.0f}  "
+            f"mfu {100 * row['mfu']:.2f}%  step {row['step_time_s']:.3f}s")
+
+
 def step_row(per_rank, mem, names: list[str], *, tokens_per_step: float, model_flops: float, peak_flops: float,
              pipeline: bool) -> dict:
     """One metrics.parquet row from backend.train's figures, reduced over the ranks: `per_rank` [world, 7 + phases]

@@ -417,12 +417,7 @@ class Trainer:
                 stats = self.train_step(step)
             loss_sum, ce_sum, z_sum, count = stats
             step_time = self.timer.now() - t0
-            t = self.timer.pop()
-            fwd_bwd = t.pop("fwd_bwd", 0.0)
-            phases = {k: v for k, v in t.items()}
-            comm = ("exposed_expert_a2a", "exposed_dp_comm", "exposed_tensor_comm")  # inside fwd_bwd's span
-            phases["compute"] = max(0.0, fwd_bwd - sum(t.get(name, 0.0) for name in comm))
-            phases["other"] = max(0.0, step_time - sum(phases.values()))
+            phases = record.step_phases(self.timer.pop(), step_time)
             self._collect_routing()
             row = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"],
                    **self._reduce_stats(loss_sum, ce_sum, z_sum, count, phases, step_time),
@@ -435,10 +430,7 @@ class Trainer:
             if profiler is not None:
                 profiler.step()
             if self.rank == 0 and not args.quiet and (last or step % max(1, args.log_every) == 0):
-                ev = f"  eval {row['eval_loss']:.4f}" if not math.isnan(row["eval_loss"]) else ""
-                print(f"step {step + 1:>5}/{args.steps}  loss {row['loss']:.4f}{ev}  "
-                      f"tok/s {row['tokens_per_s']:,.0f}  mfu {100 * row['mfu']:.2f}%  "
-                      f"step {row['step_time_s']:.3f}s", flush=True)
+                print(record.progress_line(row, args.steps), flush=True)
             if (last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
                 self.save(step + 1)
         if profiler is not None:
