@@ -227,30 +227,32 @@ def _tensor_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
     return out
 
 
+# The other axes an axis may be refused together with: (Capabilities flag suffix, how a plan asks for it, its name).
+def _combined_axes(p) -> tuple[tuple[str, bool, str], ...]:
+    return (("tensor", p.tensor > 1, "tensor parallelism (parallel.tensor > 1)"),
+            ("context", p.context > 1, "context parallelism (parallel.context > 1)"),
+            ("fsdp", p.fsdp > 1, "fully sharded data parallelism (parallel.fsdp > 1)"),
+            ("pipeline", p.pipeline > 1, "pipeline parallelism (parallel.pipeline > 1)"),
+            ("zero", p.zero > 0, "ZeRO-sharded optimizer state (parallel.zero > 0)"))
+
+
+def _combination_refusals(p, caps: Capabilities, axis: str, what: str) -> list[str]:
+    """One line for each other axis the plan combines with `axis` where caps has `<axis>_with_<other>` False."""
+    return [f"parallel.{axis}: {what} together with {other} is not implemented by the trainer"
+            for name, asked, other in _combined_axes(p)
+            if asked and not getattr(caps, f"{axis}_with_{name}", True)]
+
+
 def _expert_tensor_refusals(plan, caps: Capabilities) -> list[str]:
     """What expert tensor parallelism (expert_tensor > 1) may not be combined with in this executor."""
-    p = plan.parallel
-    pairs = (("tensor", p.tensor > 1, caps.expert_tensor_with_tensor, "tensor parallelism (parallel.tensor > 1)"),
-             ("context", p.context > 1, caps.expert_tensor_with_context, "context parallelism (parallel.context > 1)"),
-             ("fsdp", p.fsdp > 1, caps.expert_tensor_with_fsdp, "fully sharded data parallelism (parallel.fsdp > 1)"),
-             ("pipeline", p.pipeline > 1, caps.expert_tensor_with_pipeline,
-              "pipeline parallelism (parallel.pipeline > 1)"),
-             ("zero", p.zero > 0, caps.expert_tensor_with_zero, "ZeRO-sharded optimizer state (parallel.zero > 0)"))
-    return [f"parallel.expert_tensor: expert tensor parallelism together with {what} is not implemented by the "
-            "trainer" for _, asked, implemented, what in pairs if asked and not implemented]
+    return _combination_refusals(plan.parallel, caps, "expert_tensor", "expert tensor parallelism")
 
 
 def _context_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
     """What context parallelism (context > 1) may not be combined with in this executor."""
     p = plan.parallel
-    out: list[str] = []
-    pairs = (("fsdp", p.fsdp > 1, caps.context_with_fsdp, "fully sharded data parallelism"),
-             ("pipeline", p.pipeline > 1, caps.context_with_pipeline, "pipeline parallelism"),
-             ("zero", p.zero > 0, caps.context_with_zero, "ZeRO-sharded optimizer state"))
-    for name, asked, implemented, what in pairs:
-        if asked and not implemented:
-            out.append(f"parallel.context: context parallelism together with {what} (parallel.{name} > "
-                       f"{0 if name == 'zero' else 1}) is not implemented by the trainer")
+    # tensor with context is refused once, by _tensor_refusals (Capabilities has no context_with_tensor)
+    out = _combination_refusals(p, caps, "context", "context parallelism")
     if not caps.context_model_features:
         features = [what for what, present in (
             ("latent attention (attention.mla)", spec.attention.mla is not None),
