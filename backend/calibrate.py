@@ -27,6 +27,7 @@ import torch.distributed as dist
 from rackcast.backend.calibrate_compute import run_compute, task_count
 from rackcast.units import KIB, MIB
 from rackcast.backend.cpu_runtime import configure_cpu_process, default_threads
+from rackcast.backend.parallel import close_distributed
 
 # torch 2.13 renamed the tensor forms; older versions only have the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -176,6 +177,7 @@ class _CommBench:
 
 
 def _worker(rank: int, world: int, port: int, quick: bool, q, threads: int = 0) -> None:
+    finished = False
     try:
         device = default_device()
         if device.type == "cuda":
@@ -195,11 +197,11 @@ def _worker(rank: int, world: int, port: int, quick: bool, q, threads: int = 0) 
         comm = _CommBench(rank, world, device, quick, tick).run() if world > 1 else []
         if rank == 0:
             q.put(("result", {"compute": compute, "collectives": comm}))
+        finished = True
     except Exception:  # reported to the parent, which raises it there
         q.put(("error", f"rank {rank}: {traceback.format_exc()}"))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed(finished)
 
 
 def measure(world: int, quick: bool = False, on_tick=None, threads: int = 0) -> dict:

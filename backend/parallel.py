@@ -188,6 +188,18 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def close_distributed(finished: bool = True) -> None:
+    """Leave the process group. A rank that finished waits at a barrier first: a rank that closed its gloo
+    connections while a peer's gloo thread still used them (a broadcast's source returns before its receivers do)
+    made that peer abort ("terminate called without an active exception") now and then. A rank leaving on an error
+    skips the barrier, which its peers may never reach."""
+    if not dist.is_initialized():
+        return
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 class PhaseTimer:
     """Accumulates seconds per phase name; `sync` makes CUDA timings honest."""
 

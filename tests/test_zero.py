@@ -105,6 +105,7 @@ def test_owners_are_balanced_by_size_and_deterministic():
 
 def _worker(rank: int, world: int, port: int, out: str):
     from rackcast.backend.optim import build_optimizer
+    from rackcast.backend.parallel import close_distributed
     from rackcast.backend.zero import Zero
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -138,7 +139,7 @@ def _worker(rank: int, world: int, port: int, out: str):
         held = sum(v.numel() for s in optimizer.state.values() for v in s.values() if v.ndim > 0)
         got[stage] = {"held": held, "owned": zero.owned_numel(), "params": [p.detach() for p in model.parameters()]}
     torch.save(got, f"{out}/{rank}.pt")
-    dist.destroy_process_group()
+    close_distributed()
 
 
 @pytest.mark.slow
