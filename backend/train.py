@@ -155,8 +155,6 @@ class Trainer:
                                if n in now and not (self.experts_sharded and is_expert_param(n))]
         # FSDP2 shards each rank's expert-parallel slice again: checkpoints record both splits of the expert dimension
         self.expert_mesh = expert_checkpoint_mesh(lay, self.device) if self.experts_sharded and lay.ep > 1 else None
-        if self.plan.parallel.zero and args.resume:  # saved: each rank writes the state it holds; loaded: not yet
-            raise RackcastError("resume: ZeRO-sharded optimizer state (parallel.zero) is not resumed yet", option="resume")
         self.zero2 = self.plan.parallel.zero == 2 and self.groups is not None  # gradients reduced to owners only
         # tensor-parallel DTensors: no DDP, a flat all-reduce instead; ZeRO-2: DDP would all-reduce every gradient
         if self.fsdp or lay.pp > 1 or lay.tp > 1 or self.zero2:
@@ -362,6 +360,8 @@ class Trainer:
                               expert_shard_of(self.groups, self.layout, self.expert_mesh), orders=stored_orders(self.view))
         if hasattr(self.optimizer, "sync_from_device"):
             self.optimizer.sync_from_device()  # host copies of the loaded weights
+        if self.zero is not None:
+            self.zero.drop_foreign_state(self.optimizer)
         torch.set_rng_state(got.get(own_rng, got["rng.0"]))  # a rank the saving run did not have takes rank 0's
         self.routing = got["routing"] if self.rank == 0 else torch.zeros_like(self.routing)
         self.rows = json.loads(got["rows"]) if self.rank == 0 else []

@@ -44,6 +44,12 @@ measured peak keeps one full gradient buffer.
     zero = Zero(named_parameters, dp_group, edp_group, is_expert, stage=2)
     zero.reduce_to_owners(dp, timer, last)  # ZeRO-2: after each micro-batch's backward, not backend.parallel's
     zero.step(optimizer)                    # drop_foreign_grads(), optimizer.step(), broadcast()
+    zero.drop_foreign_state(optimizer)      # after a resume: keep the loaded state of this rank's parameters only
+
+Checkpoints: each rank saves the optimizer state it holds (its own parameters'), so the checkpoint holds every
+parameter's state once and any layout can resume it. A resuming rank loads every parameter's state (DCP fills the
+state the optimizer was initialised with), then drops what it does not own: a foreign parameter's state would go
+stale, and the next checkpoint could save that copy in place of the owner's.
 """
 
 from __future__ import annotations
@@ -101,6 +107,12 @@ class Zero:
         for p, _, _, mine in self.assigned:
             if not mine:
                 p.grad = None
+
+    def drop_foreign_state(self, optimizer) -> None:
+        """After loading a checkpoint: the optimizer state of the others' parameters goes (see the module)."""
+        for p, _, _, mine in self.assigned:
+            if not mine:
+                optimizer.state.pop(p, None)
 
     @torch.no_grad()
     def reduce_to_owners(self, divide: int, timer=None, last: bool = True) -> None:

@@ -172,15 +172,14 @@ ZERO2_STEPS = 5
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muonh"])  # MuonH alone would miss a wrong gradient scale
-def test_zero_two_trains_what_one_process_trains(optimizer, tmp_path):
+def test_zero_two_trains_what_one_process_trains(optimizer, tmp_path_factory, tmp_path):
     from rackcast.backend.checkpoint import full_model_state, latest_complete
-    from trainer_helpers import losses, run_worker, write_plan
+    from trainer_helpers import losses, reference_run, run_worker, write_plan
 
-    ref = tmp_path / "ref"
-    for out, parallel, world in ((ref, {}, 1), (tmp_path / "z2", {"data": 2, "zero": 2}, 2)):
-        done = run_worker(write_plan(tmp_path / f"{out.name}.yaml", parallel, optimizer=optimizer), out,
-                          ZERO2_STEPS, world=world)
-        assert done.returncode == 0, done.stderr[-3000:]
+    ref = reference_run(tmp_path_factory, optimizer, ZERO2_STEPS)
+    done = run_worker(write_plan(tmp_path / "z2.yaml", {"data": 2, "zero": 2}, optimizer=optimizer), tmp_path / "z2",
+                      ZERO2_STEPS, world=2)
+    assert done.returncode == 0, done.stderr[-3000:]
     assert losses(tmp_path / "z2") == pytest.approx(losses(ref), rel=1e-5)
     want, have = full_model_state(latest_complete(ref)), full_model_state(latest_complete(tmp_path / "z2"))
     assert have.keys() == want.keys()
@@ -197,3 +196,28 @@ def test_a_candidate_too_large_to_simulate_keeps_its_estimate_instead_of_ending_
     big = replace(plan, batch=replace(plan.batch, global_batch=2**22, micro_batch=1))
     assert "simulate runs at most" in verify._simulate_one(big)["refused"]
     assert "refused" not in verify._simulate_one(plan)
+
+
+@pytest.mark.slow
+def test_zero_checkpoints_resume_across_layouts(tmp_path_factory, tmp_path):
+    """One process's step-3 checkpoint continued under data 2 x ZeRO-2 (each rank loads the Adam moments of the
+    parameters it owns), saved at step 4 by the owners, and that continued by one process to step 5: both end where
+    the uninterrupted one-process run ends (a moment lost or loaded onto the wrong owner would show)."""
+    import shutil
+
+    from rackcast.backend.checkpoint import full_model_state, latest_complete, step_dir
+    from trainer_helpers import assert_trains_like, losses, reference_run, run_worker, write_plan
+
+    ref = reference_run(tmp_path_factory, "adamw", ZERO2_STEPS, "--checkpoint-every", "3")
+    ref_losses, ref_params = losses(ref), full_model_state(latest_complete(ref))
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(step_dir(ref, 3), step_dir(run, 3))
+    zero = write_plan(tmp_path / "z2.yaml", {"data": 2, "zero": 2}, optimizer="adamw")
+    done = run_worker(zero, run, ZERO2_STEPS, "--resume", "--checkpoint-every", "1", world=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_trains_like(run, ref_losses, ref_params)
+    shutil.rmtree(step_dir(run, ZERO2_STEPS))  # one process continues ZeRO-2's step-4 checkpoint
+    done = run_worker(write_plan(tmp_path / "one.yaml", {}, optimizer="adamw"), run, ZERO2_STEPS, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_trains_like(run, ref_losses, ref_params)
