@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 
 from rackcast.backend.checkpoint import latest_complete
-from trainer_helpers import assert_trains_like, losses, run_worker, write_plan
-from test_trainer_context import _ok, reference  # noqa: F401 (the one-process reference run, a module-scoped fixture)
+from trainer_helpers import assert_trains_like, losses, optimizer_cases, run_worker, write_plan
+from test_trainer_context import _ok, reference
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_context_with_sharding_trains_what_one_process_trains(name, reference, tmp_path):
-    optimizer, ref_losses, ref_params = reference
+# Adam too where the state is sharded (ZeRO over data x context, FSDP over fsdp x context); c2p2 shards nothing
+@pytest.mark.parametrize("optimizer,name", optimizer_cases(LAYOUTS, adamw_too={"d2c2z1", "d2c2z2", "c2f2e2"}))
+def test_context_with_sharding_trains_what_one_process_trains(optimizer, name, tmp_path_factory, tmp_path):
+    ref_losses, ref_params = reference(tmp_path_factory, optimizer)
     parallel, world = LAYOUTS[name]
     plan = write_plan(tmp_path / f"{name}.yaml", parallel, optimizer=optimizer)
     _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))

@@ -26,7 +26,7 @@ import yaml
 
 from rackcast.backend.checkpoint import full_model_state, latest_complete, step_dir
 from rackcast.presets import MODEL_PRESET_DIR
-from trainer_helpers import assert_trains_like, losses, run_worker, write_plan
+from trainer_helpers import assert_trains_like, losses, optimizer_cases, reference_run, run_worker, write_plan
 
 pytestmark = pytest.mark.slow
 
@@ -51,17 +51,20 @@ def _ok(result):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def _plan(path, parallel, optimizer, state_location="hbm"):
+def _fields(optimizer, state_location="hbm") -> dict:
     fields = {k: (dict(v) if isinstance(v, dict) else v) for k, v in CASES[optimizer].items()}
     fields["optimizer_extra"] = dict(fields.get("optimizer_extra", {}), state_location=state_location)
-    return write_plan(path, parallel, optimizer=optimizer, **fields)
+    return fields
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def reference(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(f"ref-{request.param}")
-    _ok(run_worker(_plan(d / "ref.yaml", {}, request.param), d / "run", STEPS, "--checkpoint-every", str(RESUME_AT)))
-    return request.param, losses(d / "run"), full_model_state(latest_complete(d / "run")), d / "run"
+def _plan(path, parallel, optimizer, state_location="hbm"):
+    return write_plan(path, parallel, optimizer=optimizer, **_fields(optimizer, state_location))
+
+
+def reference(tmp_path_factory, optimizer: str):
+    """The one-process run (checkpointed at RESUME_AT for the resume test): losses, whole parameters, folder."""
+    run = reference_run(tmp_path_factory, optimizer, STEPS, "--checkpoint-every", str(RESUME_AT), **_fields(optimizer))
+    return losses(run), full_model_state(latest_complete(run)), run
 
 
 LAYOUTS = {  # name: (parallel, processes, optimizer state location)
@@ -71,20 +74,22 @@ LAYOUTS = {  # name: (parallel, processes, optimizer state location)
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_expert_tensor_layout_trains_what_one_process_trains(name, reference, tmp_path):
-    optimizer, ref_losses, ref_params, _ = reference
+# both layouts place the expert state in a new way (width slices; their host copies): Adam on both
+@pytest.mark.parametrize("optimizer,name", optimizer_cases(LAYOUTS, adamw_too=set(LAYOUTS)))
+def test_expert_tensor_layout_trains_what_one_process_trains(optimizer, name, tmp_path_factory, tmp_path):
+    ref_losses, ref_params, _ = reference(tmp_path_factory, optimizer)
     parallel, world, location = LAYOUTS[name]
     plan = _plan(tmp_path / f"{name}.yaml", parallel, optimizer, location)
     _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
     assert_trains_like(tmp_path / "run", ref_losses, ref_params)
 
 
-def test_expert_tensor_checkpoints_resume_across_layouts(reference, tmp_path):
+@pytest.mark.parametrize("optimizer", list(CASES))
+def test_expert_tensor_checkpoints_resume_across_layouts(optimizer, tmp_path_factory, tmp_path):
     """One process's step-3 checkpoint continued under ETP2 x data 4 (the width slices and their optimizer state
     cut out of the whole tensors, gate/up columns into the rank-major order), saved at step 4 (put back whole), and
     that continued by one process to step 5: both end where the uninterrupted one-process run ends."""
-    optimizer, ref_losses, ref_params, ref_run = reference
+    ref_losses, ref_params, ref_run = reference(tmp_path_factory, optimizer)
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(step_dir(ref_run, RESUME_AT), step_dir(run, RESUME_AT))

@@ -21,7 +21,7 @@ import yaml
 
 from rackcast.backend.checkpoint import full_model_state, latest_complete, step_dir
 from rackcast.presets import MODEL_PRESET_DIR
-from trainer_helpers import assert_trains_like, losses, run_worker, write_plan
+from trainer_helpers import assert_trains_like, losses, optimizer_cases, reference_run, run_worker, write_plan
 
 pytestmark = pytest.mark.slow
 
@@ -47,27 +47,28 @@ def _ok(result):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.fixture(scope="module", params=["muonh", "adamw"])
-def reference(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(f"ref-{request.param}")
-    _ok(run_worker(write_plan(d / "ref.yaml", {}, optimizer=request.param, model=_model()), d / "run", STEPS,
-                   "--checkpoint-every", str(RESUME_AT)))
-    return request.param, losses(d / "run"), full_model_state(latest_complete(d / "run")), d / "run"
+def reference(tmp_path_factory, optimizer: str):
+    """The one-process run (checkpointed at RESUME_AT for the resume tests): losses, whole parameters, folder."""
+    run = reference_run(tmp_path_factory, optimizer, STEPS, "--checkpoint-every", str(RESUME_AT), model=_model())
+    return losses(run), full_model_state(latest_complete(run)), run
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_tensor_layout_trains_what_one_process_trains(name, reference, tmp_path):
-    optimizer, ref_losses, ref_params, _ = reference
+# Adam too with sequence parallelism (its norm and router gradients summed over the tp ranks); plain TP2 runs with
+# Adam in the resume test below, and t2p2 places state as t2 does on each stage
+@pytest.mark.parametrize("optimizer,name", optimizer_cases(LAYOUTS, adamw_too={"t2sp"}))
+def test_tensor_layout_trains_what_one_process_trains(optimizer, name, tmp_path_factory, tmp_path):
+    ref_losses, ref_params, _ = reference(tmp_path_factory, optimizer)
     parallel, world, extra = LAYOUTS[name]
     plan = write_plan(tmp_path / f"{name}.yaml", parallel, optimizer=optimizer, model=_model(), **extra)
     _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
     assert_trains_like(tmp_path / "run", ref_losses, ref_params)
 
 
-def test_tensor_layout_resumes_a_one_process_checkpoint(reference, tmp_path):
+@pytest.mark.parametrize("optimizer", ["muonh", "adamw"])
+def test_tensor_layout_resumes_a_one_process_checkpoint(optimizer, tmp_path_factory, tmp_path):
     """The one-process checkpoint of step 3 continued under TP2: the fused rows go back into the rank-major order
     with their optimizer state, and the run ends where the one-process run did."""
-    optimizer, ref_losses, ref_params, ref_run = reference
+    ref_losses, ref_params, ref_run = reference(tmp_path_factory, optimizer)
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     shutil.copytree(step_dir(ref_run, RESUME_AT), step_dir(tmp_path / "run", RESUME_AT))
     plan = write_plan(tmp_path / "t2.yaml", {"tensor": 2}, optimizer=optimizer, model=_model())

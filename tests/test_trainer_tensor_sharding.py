@@ -24,9 +24,8 @@ import shutil
 import pytest
 
 from rackcast.backend.checkpoint import step_dir
-from test_trainer_tensor import _model
-from trainer_helpers import assert_trains_like, run_worker, write_plan
-from test_trainer_tensor import _ok, reference  # noqa: F401 (the one-process reference run, a module-scoped fixture)
+from test_trainer_tensor import _model, _ok, reference
+from trainer_helpers import assert_trains_like, optimizer_cases, run_worker, write_plan
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +43,11 @@ LAYOUTS = {  # name: (parallel, processes, other plan fields)
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_tensor_with_sharding_trains_what_one_process_trains(name, reference, tmp_path):
-    optimizer, ref_losses, ref_params, _ = reference
+# Adam too where the state is sharded other than as t2f2, which runs with Adam in the resume test below
+@pytest.mark.parametrize("optimizer,name", optimizer_cases(LAYOUTS, adamw_too={"t2f2sp", "t2d2z1", "t2d2z2",
+                                                                              "t2f2-host"}))
+def test_tensor_with_sharding_trains_what_one_process_trains(optimizer, name, tmp_path_factory, tmp_path):
+    ref_losses, ref_params, _ = reference(tmp_path_factory, optimizer)
     parallel, world, *extra = LAYOUTS[name]
     plan = write_plan(tmp_path / f"{name}.yaml", parallel, optimizer=optimizer, model=_model(),
                       **(extra[0] if extra else {}))
@@ -54,11 +55,12 @@ def test_tensor_with_sharding_trains_what_one_process_trains(name, reference, tm
     assert_trains_like(tmp_path / "run", ref_losses, ref_params)
 
 
-def test_tensor_with_fsdp_resumes_a_one_process_checkpoint(reference, tmp_path):
+@pytest.mark.parametrize("optimizer", ["muonh", "adamw"])
+def test_tensor_with_fsdp_resumes_a_one_process_checkpoint(optimizer, tmp_path_factory, tmp_path):
     """The one-process checkpoint of step 3 continued under TP2 x FSDP2: DCP reshards the parameters and their
     optimizer state onto the 2-D placements (fused rows back in the rank-major order), and the run ends where the
     one-process run did."""
-    optimizer, ref_losses, ref_params, ref_run = reference
+    ref_losses, ref_params, ref_run = reference(tmp_path_factory, optimizer)
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     shutil.copytree(step_dir(ref_run, RESUME_AT), step_dir(tmp_path / "run", RESUME_AT))
     plan = write_plan(tmp_path / "t2f2.yaml", {"tensor": 2, "fsdp": 2}, optimizer=optimizer, model=_model())
