@@ -90,6 +90,36 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
     return (y[:, :s] if tail else y).transpose(1, 2)
 
 
+def context_attention(q: Tensor, k: Tensor, v: Tensor, cp, start: int, window: int, group: int = 1,
+                      sinks=None) -> Tensor:
+    """Attention of this context chunk's queries [B, S_chunk, H, D] over the keys and values (the layer's KV heads,
+    exchanged before they are repeated for the `group` query heads of each) that context_keys fetches, masked
+    causally at the chunk's offset `start` (and to `window` on local layers; 0: global) -> [B, S_chunk, H, Dv].
+    `sinks`: the layer's SinkLogits or None."""
+    s = q.shape[1]
+    ck, cv, k_start = context_keys(k, v, window, cp)
+    ck, cv = ck.repeat_interleave(group, dim=2), cv.repeat_interleave(group, dim=2)
+    if sinks is None and window:
+        # Banded attention (window-sized work) over the up to window - 1 keys before this chunk and the chunk's
+        # own, with zero queries standing for those earlier positions (their outputs are dropped).
+        first = max(k_start, 0, start - window + 1)  # the earliest key position any query here sees
+        h, lo = start - first, first - k_start
+        kh, vh = ck[:, lo: lo + h + s], cv[:, lo: lo + h + s]
+        qh = torch.cat([q.new_zeros(q.shape[0], h, *q.shape[2:]), q], dim=1) if h else q
+        y = banded_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), window)
+        return y.transpose(1, 2)[:, h:]
+    # Keys after this chunk are never seen: drop them. (Ranks are not load-balanced: the last rank's queries see
+    # the whole sequence; Llama 3 gives each rank two chunks, i and 2 x cp - 1 - i, to even that out.)
+    ck, cv = ck[:, : start + s - k_start], cv[:, : start + s - k_start]
+    mask = context_mask(start, s, k_start, ck.shape[1], window, q.device)
+    qt, kt, vt = q.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2)
+    if sinks is not None:
+        y = attention_with_sinks(qt, kt, vt, sinks.logits, mask)
+    else:
+        y = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+    return y.transpose(1, 2)
+
+
 class Attention(nn.Module):
     cp = None  # backend.context_parallel.ContextShard: this rank's queries are one chunk of the sequence
 
@@ -150,7 +180,7 @@ class Attention(nn.Module):
             q = q * self.qk_multiplier
         group = self.heads // self.kv_heads  # query head h reads KV head h // group
         if cp is not None:  # keys from the neighbouring window or the whole sequence (backend.context_parallel)
-            y = self._context_attention(q, k, v, cp, start, group)
+            y = context_attention(q, k, v, cp, start, self.window, group, self.sinks)
             v = v.repeat_interleave(group, dim=2)
         else:
             k = k.repeat_interleave(group, dim=2)
@@ -162,33 +192,6 @@ class Attention(nn.Module):
         if self.gate is not None:
             y = y * (2.0 * torch.sigmoid(self.gate(x)))[..., None]
         return self.o(y.reshape(b, s, self.heads * self.head_dim))
-
-    def _context_attention(self, q: Tensor, k: Tensor, v: Tensor, cp, start: int, group: int) -> Tensor:
-        """Attention of this chunk's queries [B, S_chunk, H, D] over the keys and values (the layer's KV heads,
-        exchanged before they are repeated for the query groups) that context_keys fetches, masked causally at the
-        chunk's offset (and to the window on local layers) -> [B, S_chunk, H, D]."""
-        s = q.shape[1]
-        ck, cv, k_start = context_keys(k, v, self.window, cp)
-        ck, cv = ck.repeat_interleave(group, dim=2), cv.repeat_interleave(group, dim=2)
-        if self.sinks is None and self.window:
-            # Banded attention (window-sized work) over the up to window - 1 keys before this chunk and the chunk's
-            # own, with zero queries standing for those earlier positions (their outputs are dropped).
-            first = max(k_start, 0, start - self.window + 1)  # the earliest key position any query here sees
-            h, lo = start - first, first - k_start
-            kh, vh = ck[:, lo: lo + h + s], cv[:, lo: lo + h + s]
-            qh = torch.cat([q.new_zeros(q.shape[0], h, *q.shape[2:]), q], dim=1) if h else q
-            y = banded_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), self.window)
-            return y.transpose(1, 2)[:, h:]
-        # Keys after this chunk are never seen: drop them. (Ranks are not load-balanced: the last rank's queries see
-        # the whole sequence; Llama 3 gives each rank two chunks, i and 2 x cp - 1 - i, to even that out.)
-        ck, cv = ck[:, : start + s - k_start], cv[:, : start + s - k_start]
-        mask = context_mask(start, s, k_start, ck.shape[1], self.window, q.device)
-        qt, kt, vt = q.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2)
-        if self.sinks is not None:
-            y = attention_with_sinks(qt, kt, vt, self.sinks.logits, mask)
-        else:
-            y = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
-        return y.transpose(1, 2)
 
     def _attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Causal (or sliding-window) attention of a whole sequence, q, k, v [B, S, H, D] -> [B, S, H, D]."""

@@ -128,7 +128,7 @@ def previous_tail(x: Tensor, n: int, ctx: ContextShard, dim: int = 1) -> Tensor:
 
 
 def context_keys(k: Tensor, v: Tensor, window: int, ctx: ContextShard) -> tuple[Tensor, Tensor, int]:
-    """Keys and values [B, S_chunk, H, D] this rank's queries may attend to, and the position of the first of them:
+    """Keys [B, S_chunk, H, D] and values [B, S_chunk, H, Dv] this rank's queries may attend to, and the position of the first of them:
     for a window layer whose window - 1 fits in one chunk, the previous rank's last window - 1 (exchanged together)
     before this chunk; otherwise (global layers, long windows) every rank's chunk."""
     chunk = k.shape[1]
@@ -138,10 +138,10 @@ def context_keys(k: Tensor, v: Tensor, window: int, ctx: ContextShard) -> tuple[
         if halo == 0:
             return k, v, start
         kv = previous_tail(torch.cat([k, v], dim=-1), halo, ctx)
-        hk, hv = kv.split(k.shape[-1], dim=-1)
+        hk, hv = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         return torch.cat([hk, k], dim=1), torch.cat([hv, v], dim=1), start - halo
     kv = gather_sequence(torch.cat([k, v], dim=-1), ctx)
-    gk, gv = kv.split(k.shape[-1], dim=-1)
+    gk, gv = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
     return gk, gv, 0
 
 

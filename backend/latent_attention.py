@@ -7,6 +7,9 @@ Each query/key head is [nope | rope]: RoPE turns the last qk_rope_head_dim dims 
 shared k_rope head, which joins every key head. Values have v_head_dim per head; the softmax scale is
 1/sqrt(qk_nope_head_dim + qk_rope_head_dim). The training form (keys and values expanded per head); the absorbed
 form that caches only c_kv is an inference optimisation. Sliding windows follow the spec's per-layer pattern.
+Under context parallelism the expanded keys and values are exchanged as for grouped-query attention
+(backend.attention.context_attention): more bytes than the latent c_kv and k_rope would be, but no second
+up-projection of the other chunks' latents on every rank; simulator.costs.context_bytes prices those bytes.
 
     .venv/bin/pytest -q tests/test_backend_model.py -k latent
 """
@@ -17,12 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rackcast.backend.attention import window_mask
+from rackcast.backend.attention import context_attention, window_mask
 from rackcast.backend.layers import RMSNorm, apply_rope
 from rackcast.modelspec import ModelSpec
 
 
 class LatentAttention(nn.Module):
+    cp = None  # backend.context_parallel.ContextShard: this rank's queries are one chunk of the sequence
+
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         a, mla, d = spec.attention, spec.attention.mla, spec.d_model
@@ -44,22 +49,28 @@ class LatentAttention(nn.Module):
         self.rope_theta = spec.rope_theta
         self.roped = spec.positional == "rope"
 
-    def _rope_last(self, x: Tensor) -> Tensor:
-        """RoPE on the last `rope` dims of each head of x [B, S, H, D] (apply_rope turns the first dims)."""
+    def _rope_last(self, x: Tensor, start: int) -> Tensor:
+        """RoPE on the last `rope` dims of each head of x [B, S, H, D] whose first position is `start` (apply_rope
+        turns the first dims)."""
         if not self.roped:
             return x
         front, back = x[..., : -self.rope], x[..., -self.rope:]
-        return torch.cat([front, apply_rope(back, self.rope, self.rope_theta)], dim=-1)
+        return torch.cat([front, apply_rope(back, self.rope, self.rope_theta, start)], dim=-1)
 
     def forward(self, x: Tensor) -> Tensor:  # x: [B, S, d_model], already normed
         b, s, _ = x.shape
+        cp = self.cp if self.cp is not None and self.cp.size > 1 else None
+        start = cp.start(s) if cp is not None else 0
         q = self.q_b(self.q_norm(self.q_a(x))) if self.q_a is not None else self.q_b(x)
-        q = self._rope_last(q.view(b, s, self.heads, self.nope + self.rope))
+        q = self._rope_last(q.view(b, s, self.heads, self.nope + self.rope), start)
         latent, k_rope = self.kv_a(x).split([self.kv_rank, self.rope], dim=-1)
         kv = self.kv_b(self.kv_norm(latent)).view(b, s, self.heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k_rope = self._rope_last(k_rope.view(b, s, 1, self.rope)).expand(b, s, self.heads, self.rope)
+        k_rope = self._rope_last(k_rope.view(b, s, 1, self.rope), start).expand(b, s, self.heads, self.rope)
         k = torch.cat([k_nope, k_rope], dim=-1)
+        if cp is not None:  # the expanded keys and values of the other chunks (backend.context_parallel)
+            y = context_attention(q, k, v, cp, start, self.window)
+            return self.o(y.reshape(b, s, self.heads * self.v_dim))
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.window and self.window < s:
             y = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=window_mask(s, self.window, x.device))

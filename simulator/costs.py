@@ -100,12 +100,13 @@ def context_bytes(tokens_mb, spec: ModelSpec, tensor, context, layer: int):
     reduce-scatter, the halo's gradient). A global layer, or a window layer whose window - 1 reaches past one chunk
     of seq_len / context tokens, all-gathers every other rank's chunk: (context - 1) x tokens_mb tokens. A window
     layer otherwise takes only the previous rank's last window - 1 positions of each sequence:
-    tokens_mb x (window - 1) / chunk tokens. Per token: K and V of the layer's KV heads (split by tensor); plus
-    the short convolutions' halos at every site (conv_halo_bytes)."""
+    tokens_mb x (window - 1) / chunk tokens. Per token: K (head_dim) and V (v_head_dim) of the layer's KV heads,
+    split by tensor (latent attention: its keys and values expanded per head, as backend.latent_attention exchanges
+    them); plus the short convolutions' halos at every site (conv_halo_bytes)."""
     a = spec.attention
     context = np.asarray(context, dtype=float)
     chunk = spec.seq_len / context
-    per_token = 2 * spec.kv_heads(layer) * a.head_dim * W_BYTES / tensor
+    per_token = spec.kv_heads(layer) * (a.head_dim + a.v_head_dim) * W_BYTES / tensor
     window = 0 if spec.is_global(layer) else spec.context(layer)
     halo = (window > 0) & (window - 1 <= chunk)
     tokens = np.where(halo, tokens_mb * max(window - 1, 0) / chunk, (context - 1) * tokens_mb)

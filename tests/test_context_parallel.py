@@ -3,7 +3,8 @@ ranks (forked processes, a few seconds) each take half of a sequence; the output
 parameter gradients (summed over the ranks) must equal one module's on the whole sequence. Covered: a sliding-window
 layer that fetches only the previous rank's window (tiny-moe layer 0, with the K convolution's halo), the same layer
 when the window reaches past one chunk (it gathers everything), a global layer (all-gather of K/V; tiny-moe layer 3,
-grouped KV heads, no RoPE), a window layer with sinks and a full layer with RoPE (tiny-gpt-oss), and ShortConv alone.
+grouped KV heads, no RoPE), a window layer with sinks and a full layer with RoPE (tiny-gpt-oss), latent attention
+(tiny-deepseek-v3: keys and values of other widths, RoPE on the last dims) and ShortConv alone.
 
     .venv/bin/pytest -q tests/test_context_parallel.py
 """
@@ -35,6 +36,7 @@ CASES = {  # name: (preset, layer or None for ShortConv alone, sequence length)
     "global": ("tiny-moe", 3, 64),
     "sinks-window": ("tiny-gpt-oss", 0, 64),
     "rope-full": ("tiny-gpt-oss", 1, 64),
+    "latent-global": ("tiny-deepseek-v3", 1, 64),  # latent attention: expanded K (nope | rope) and V gathered
     "conv": ("tiny-moe", None, 64),
 }
 
@@ -53,7 +55,7 @@ def _check(rank: int, store: str, case: str) -> None:
     try:
         preset, layer, seq = CASES[case]
         full, part = _module(preset, layer), _module(preset, layer)
-        width = 24 if layer is None else full.qkv.in_features
+        width = 24 if layer is None else load_model(preset).d_model
         gen = torch.Generator().manual_seed(2)
         x = torch.randn(2, seq, width, generator=gen)
         upstream = torch.randn(2, seq, width, generator=gen)

@@ -34,7 +34,7 @@ def data_folder(tmp_path_factory):
 
 @pytest.mark.parametrize("field, plan_name, change", [
     ("parallel.tensor", "tiny-1proc", dict(tensor=2)),
-    # context runs with fsdp, ZeRO and pipelines; with latent attention and multi-token prediction it is refused
+    # context runs with fsdp, ZeRO, pipelines and latent attention; with multi-token prediction it is refused
     ("parallel.context", "tiny-deepseek-v3", dict(context=2)),
     ("parallel.expert_tensor", "tiny-1proc", dict(expert_tensor=2, pipeline=2)),  # with pipeline refused
 ])
