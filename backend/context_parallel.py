@@ -85,6 +85,29 @@ def gather_sequence(x: Tensor, ctx: ContextShard, dim: int = 1) -> Tensor:
     return _GatherSequence.apply(x, ctx, dim)
 
 
+class _SumOverContext(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x: Tensor, ctx: ContextShard) -> Tensor:
+        fctx.ctx = ctx
+        out = x.clone()
+        _timed(ctx, lambda: dist.all_reduce(out, group=ctx.group))
+        return out
+
+    @staticmethod
+    def backward(fctx, grad: Tensor):
+        # every rank's loss reads the same sum: each part's gradient is the sum of theirs
+        out = grad.contiguous().clone()
+        _timed(fctx.ctx, lambda: dist.all_reduce(out, group=fctx.ctx.group))
+        return out, None
+
+
+def sum_over_context(x: Tensor, ctx: ContextShard) -> Tensor:
+    """The sum of x over the context ranks, on every rank (differentiable: the backward sums the gradients), for a
+    statistic of whole sequences built from per-chunk parts (e.g. the auxiliary balancing loss's mean router
+    probabilities, backend.frontier_routing.switch_aux_loss)."""
+    return _SumOverContext.apply(x, ctx)
+
+
 def _shift(x: Tensor, ctx: ContextShard, forward: bool) -> Tensor:
     """Send x to the next context rank and receive the previous rank's x (forward=True), or the reverse; a rank with
     no sender on its side gets zeros."""

@@ -112,8 +112,12 @@ class TokenData:
         return self.tokens[j * self.seq_len:(j + 1) * self.seq_len]
 
     def batch(self, step: int, global_batch: int, rank: int = 0, ranks: int = 1) -> np.ndarray:
-        """[global_batch / ranks, seq_len] int64 tokens of `rank` for optimizer step `step`."""
-        positions = range(step * global_batch + rank, (step + 1) * global_batch, ranks)
+        """[global_batch / ranks, seq_len] int64 tokens of `rank` for optimizer step `step`: the rank's contiguous
+        share of the step's sequences, so its micro-batches are those one process would form (a per-micro-batch
+        statistic, such as the auxiliary balancing loss's f and P, is then the same under any data-parallel degree)."""
+        share = global_batch // ranks
+        first = step * global_batch + rank * share
+        positions = range(first, first + share)
         return np.stack([self.sequence(p) for p in positions]).astype(np.int64)
 
     def eval_batch(self, count: int, rank: int = 0, ranks: int = 1) -> np.ndarray:

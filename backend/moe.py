@@ -227,6 +227,8 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
+    cp = None  # backend.context_parallel.ContextShard: the auxiliary loss sums its statistics over the chunks
+
     def __init__(self, spec: ModelSpec, *, combine_sum: float = 1.0):
         super().__init__()
         m, d = spec.moe, spec.d_model
@@ -271,7 +273,8 @@ class MoE(nn.Module):
         weights = weights * (self.combine_sum / weights.sum(-1, keepdim=True))
         self._record_counts(ids)
         if self.aux_loss_weight and self.training:
-            self.pending_aux_loss = switch_aux_loss(logits, ids, self.aux_loss_weight)
+            cp = self.cp if self.cp is not None and self.cp.size > 1 else None
+            self.pending_aux_loss = switch_aux_loss(logits, ids, self.aux_loss_weight, cp)
         return ids, weights
 
     def _record_counts(self, ids: Tensor) -> None:

@@ -55,7 +55,7 @@ class Capabilities:
     context_with_fsdp: bool = True  # context > 1 together with fsdp > 1 (sharding over data x fsdp x context)
     context_with_pipeline: bool = True  # context > 1 together with pipeline > 1
     context_with_zero: bool = True  # context > 1 together with parallel.zero >= 1
-    context_model_features: bool = True  # context > 1 with multi-token prediction or an aux loss
+    context_model_features: bool = True  # context > 1 with multi-token prediction
     expert_tensor_with_tensor: bool = True  # expert_tensor > 1 together with tensor > 1
     expert_tensor_with_context: bool = True  # expert_tensor > 1 together with context > 1
     expert_tensor_with_fsdp: bool = True  # expert_tensor > 1 together with fsdp > 1
@@ -97,7 +97,7 @@ TRAINER = Capabilities(
     context_with_fsdp=True,  # backend.parallel.dense_fsdp_mesh: sharded over fsdp, replicated over data x context
     context_with_zero=True,  # backend.zero over the token ranks (data x fsdp x context), divided by them
     context_with_pipeline=True,  # backend.train._pipeline_loss: stages on sequence chunks, the loss scaled per chunk
-    context_model_features=False,  # latent attention runs (backend.latent_attention); MTP and an aux loss do not
+    context_model_features=False,  # MTP; latent attention and the aux loss run (backend.latent_attention, .frontier_routing)
     expert_tensor_with_tensor=False,  # not tried: the expert group folds over the token ranks of one tp rank only
     expert_tensor_with_context=False,  # not tried
     expert_tensor_with_fsdp=False,  # FSDP2 over the ETP DTensor slices not tried
@@ -255,9 +255,7 @@ def _context_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
     out = _combination_refusals(p, caps, "context", "context parallelism")
     if not caps.context_model_features:
         features = [what for what, present in (
-            ("multi-token prediction (mtp)", spec.mtp is not None),
-            ("an auxiliary balancing loss (moe.balance_method: aux_loss)",
-             spec.moe is not None and spec.moe.balance_method == "aux_loss")) if present]
+            ("multi-token prediction (mtp)", spec.mtp is not None),) if present]
         if features:
             out.append(f"parallel.context: context parallelism with {', '.join(features)} is not implemented by "
                        "the trainer")

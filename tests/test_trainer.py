@@ -60,12 +60,12 @@ def test_validate_trainable_refuses_multi_token_prediction_under_a_pipeline():
     validate_trainable(replace(load_plan(PLANS / "tiny-1proc.yaml"), model=spec))
 
 
-def test_data_ranks_never_overlap_and_together_equal_one_process(data_folder):
+def test_data_ranks_take_contiguous_shares_that_never_overlap_and_together_equal_one_process(data_folder):
     data = TokenData(data_folder, "train", 128, seed=3)
     whole = data.batch(5, 8)
     parts = [data.batch(5, 8, rank=r, ranks=4) for r in range(4)]
     assert all(p.shape == (2, 128) for p in parts)
-    rebuilt = np.stack([parts[i % 4][i // 4] for i in range(8)])
+    rebuilt = np.concatenate(parts)  # rank r's micro-batches are one process's micro-batches of its share
     assert np.array_equal(rebuilt, whole)
     rows = {row.tobytes() for p in parts for row in p}
     assert len(rows) == 8

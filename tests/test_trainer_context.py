@@ -44,20 +44,33 @@ def test_context_layout_trains_what_one_process_trains(optimizer, name, tmp_path
     assert_trains_like(tmp_path / "run", ref_losses, ref_params)
 
 
-def _latent_model() -> dict:
-    """tiny-deepseek-v3 without its MTP module (context parallelism with MTP is refused): latent attention."""
-    spec = yaml.safe_load((MODEL_PRESET_DIR / "tiny-deepseek-v3.yaml").read_text())
-    spec.pop("recipe", None)
-    spec.pop("mtp")
-    spec["name"] = "tiny-deepseek-v3-no-mtp"
+def _variant(preset: str, name: str, drop: tuple = (), **moe) -> dict:
+    """A preset as a plan's inline model, renamed, less the `drop` fields, with `moe` fields changed."""
+    spec = yaml.safe_load((MODEL_PRESET_DIR / f"{preset}.yaml").read_text())
+    for field in ("recipe", *drop):
+        spec.pop(field, None)
+    spec["name"] = name
+    spec["moe"].update(moe)
     return spec
 
 
-def test_latent_attention_under_context_trains_what_one_process_trains(tmp_path_factory, tmp_path):
-    """C2 x EP2 on latent attention (keys and values expanded per head, gathered along the sequence; RoPE on the
-    last dims at the chunk's offset), with Adam on every group. Adam's eps is 1e-6: at 1e-8 the untied embedding
-    rows of rare tokens (gradients near zero, summed in another order) moved by up to 2.8e-5; at 1e-6 by 1.2e-6."""
-    fields = {"model": _latent_model(), "optimizer_extra": {"eps": 1e-6}}
+# Adam's eps is 1e-6: at 1e-8 tiny-deepseek-v3's untied embedding rows of rare tokens (gradients near zero, summed in
+# another order) moved by up to 2.8e-5 from one process's; at 1e-6 by 1.2e-6
+FEATURES = {
+    # latent attention: keys and values expanded per head, gathered along the sequence; RoPE on the last dims at
+    # the chunk's offset (context parallelism with MTP is refused: its module is left out)
+    "latent": _variant("tiny-deepseek-v3", "tiny-deepseek-v3-no-mtp", drop=("mtp",)),
+    # the auxiliary balancing loss from the whole micro-batch's f and P (sums over the context ranks), its weight
+    # raised so that a chunk-local loss would move the router by more than the tolerance
+    "aux-loss": _variant("tiny-mixtral", "tiny-mixtral-aux", aux_loss_weight=0.1),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_model_feature_under_context_trains_what_one_process_trains(feature, tmp_path_factory, tmp_path):
+    """D2 x C2 x EP2 with Adam on every group against one process (each data rank's micro-batches are one
+    process's, backend.data.TokenData.batch, so the auxiliary loss's per-micro-batch statistics agree too)."""
+    fields = {"model": FEATURES[feature], "optimizer_extra": {"eps": 1e-6}}
     ref = reference_run(tmp_path_factory, "adamw", STEPS, **fields)
     plan = write_plan(tmp_path / "c2.yaml", {"data": 2, "context": 2, "expert": 2}, optimizer="adamw", **fields)
     _ok(run_worker(plan, tmp_path / "run", STEPS, world=4, timeout=600))
