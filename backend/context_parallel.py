@@ -108,6 +108,27 @@ def sum_over_context(x: Tensor, ctx: ContextShard) -> Tensor:
     return _SumOverContext.apply(x, ctx)
 
 
+class _SumOverShards(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x: Tensor, group) -> Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(fctx, grad: Tensor):
+        return grad, None
+
+
+def sum_over_sequence_shards(x: Tensor, group) -> Tensor:
+    """The sum of x over the sequence-parallel ranks of `group` (backend.tensor_parallel), on every rank; the
+    backward passes the gradient through unchanged: there every rank computes the same one loss, each rank's
+    gradient reaches its own part of the sequence, and the replicated parameters' partial gradients are then summed
+    over the group (tensor_parallel.reduce_partial_grads). Context ranks instead average their gradients, each rank's
+    loss being one term: sum_over_context."""
+    return _SumOverShards.apply(x, group)
+
+
 def _shift(x: Tensor, ctx: ContextShard, forward: bool) -> Tensor:
     """Send x to the next context rank and receive the previous rank's x (forward=True), or the reverse; a rank with
     no sender on its side gets zeros."""

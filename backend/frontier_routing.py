@@ -15,8 +15,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rackcast.backend.context_parallel import sum_over_context
-
 GROUP_SCORE_TOP = 2  # DeepSeek-V3 scores a group by the sum of its 2 highest affinities
 
 
@@ -30,16 +28,16 @@ def group_limited(scores: Tensor, groups: int, limit: int) -> Tensor:
     return grouped.masked_fill(~keep[..., None], float("-inf")).view(t, e)
 
 
-def switch_aux_loss(logits: Tensor, expert_ids: Tensor, weight: float, cp=None) -> Tensor:
+def switch_aux_loss(logits: Tensor, expert_ids: Tensor, weight: float, totals=None) -> Tensor:
     """weight x E x sum_e f_e P_e for router logits [T, E] and chosen experts [T, K] (1 x weight when balanced).
-    Under context parallelism (`cp`, a backend.context_parallel.ContextShard) the tokens are one chunk of each
-    sequence: f and P are those of the whole micro-batch, from sums over the context ranks (2 E + 2 numbers each way,
-    too few bytes for the simulator to price), so every chunk's loss reads the one-process value."""
+    Where the tokens are one part of each sequence (context or sequence parallelism), `totals` sums a tensor over
+    the ranks holding the other parts (backend.context_parallel.sum_over_context, sum_over_sequence_shards): f and P
+    are then those of the whole micro-batch (2 E + 2 numbers each way, too few bytes for the simulator to price), so
+    every part's loss reads the one-process value."""
     experts = logits.shape[-1]
     probs = torch.softmax(logits.float(), dim=-1).sum(0)
     counts = torch.bincount(expert_ids.reshape(-1), minlength=experts).float()
     sizes = torch.tensor([float(logits.shape[0]), float(expert_ids.numel())], device=logits.device)  # tokens, picks
-    if cp is not None:
-        probs = sum_over_context(probs, cp)
-        counts, sizes = (sum_over_context(t, cp) for t in (counts, sizes))
+    if totals is not None:
+        probs, counts, sizes = totals(probs), totals(counts), totals(sizes)
     return weight * experts * ((counts / sizes[1]) * (probs / sizes[0])).sum()

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rackcast.backend.attached_loss import AttachedLoss
+from rackcast.backend.context_parallel import sum_over_context, sum_over_sequence_shards
 from rackcast.backend.frontier_routing import group_limited, switch_aux_loss
 from rackcast.backend.layers import Mlp, Normal, RMSNorm
 from rackcast.modelspec import ModelSpec
@@ -227,7 +228,9 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    cp = None  # backend.context_parallel.ContextShard: the auxiliary loss sums its statistics over the chunks
+    # The ranks holding the other parts of each sequence, over which the auxiliary loss sums its statistics:
+    cp = None  # backend.context_parallel.ContextShard (context parallelism), set by shard_context
+    sequence_group = None  # the tp process group under sequence parallelism, set by backend.tensor_parallel
 
     def __init__(self, spec: ModelSpec, *, combine_sum: float = 1.0):
         super().__init__()
@@ -273,9 +276,16 @@ class MoE(nn.Module):
         weights = weights * (self.combine_sum / weights.sum(-1, keepdim=True))
         self._record_counts(ids)
         if self.aux_loss_weight and self.training:
-            cp = self.cp if self.cp is not None and self.cp.size > 1 else None
-            self.pending_aux_loss = switch_aux_loss(logits, ids, self.aux_loss_weight, cp)
+            self.pending_aux_loss = switch_aux_loss(logits, ids, self.aux_loss_weight, self._token_totals())
         return ids, weights
+
+    def _token_totals(self):
+        """Sum of a tensor over the ranks holding the rest of this micro-batch's tokens, or None (see cp)."""
+        if self.cp is not None and self.cp.size > 1:
+            return lambda t: sum_over_context(t, self.cp)
+        if self.sequence_group is not None:
+            return lambda t: sum_over_sequence_shards(t, self.sequence_group)
+        return None
 
     def _record_counts(self, ids: Tensor) -> None:
         counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).detach()

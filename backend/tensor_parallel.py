@@ -147,6 +147,8 @@ def parallelize(chunks: list[nn.Module], groups, layout) -> list[nn.Parameter]:
             for mlp, seq_dim in mlps:  # shared experts read the MoE's flattened tokens [tokens, d_model]
                 for name, style in _mlp_plan(mlp, tp, sp, seq_dim).items():
                     parallelize_module(mlp.get_submodule(name) if name else mlp, mesh, style)
+            if sp and isinstance(block.mlp, MoE):  # its auxiliary loss totals the sequence over the tp ranks
+                block.mlp.sequence_group = groups.tp
         if sp and getattr(chunk, "embed", None) is not None:
             chunk.embed.register_forward_hook(
                 lambda _m, _a, out: SequenceShard.apply(out, groups.tp, layout.tp_rank, tp))

@@ -56,22 +56,30 @@ def _variant(preset: str, name: str, drop: tuple = (), **moe) -> dict:
 
 # Adam's eps is 1e-6: at 1e-8 tiny-deepseek-v3's untied embedding rows of rare tokens (gradients near zero, summed in
 # another order) moved by up to 2.8e-5 from one process's; at 1e-6 by 1.2e-6
-FEATURES = {
+LATENT = _variant("tiny-deepseek-v3", "tiny-deepseek-v3-no-mtp", drop=("mtp",))
+# the auxiliary balancing loss's weight raised so that a loss over one part of the sequence would move the router by
+# more than the tolerance
+AUX = _variant("tiny-mixtral", "tiny-mixtral-aux", aux_loss_weight=0.1)
+D2C2E2 = ({"data": 2, "context": 2, "expert": 2}, 4)
+FEATURES = {  # name: (model, (parallel, processes))
     # latent attention: keys and values expanded per head, gathered along the sequence; RoPE on the last dims at
     # the chunk's offset (context parallelism with MTP is refused: its module is left out)
-    "latent": _variant("tiny-deepseek-v3", "tiny-deepseek-v3-no-mtp", drop=("mtp",)),
-    # the auxiliary balancing loss from the whole micro-batch's f and P (sums over the context ranks), its weight
-    # raised so that a chunk-local loss would move the router by more than the tolerance
-    "aux-loss": _variant("tiny-mixtral", "tiny-mixtral-aux", aux_loss_weight=0.1),
+    "latent": (LATENT, D2C2E2),
+    # the aux loss from the whole micro-batch's f and P: sums over the context ranks (gradients summed back)...
+    "aux-loss": (AUX, D2C2E2),
+    # ... or over the sequence-parallel tp ranks (gradients passed through)
+    "aux-loss-t2sp": (AUX, ({"tensor": 2, "sequence_parallel": True}, 2)),
 }
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_model_feature_under_context_trains_what_one_process_trains(feature, tmp_path_factory, tmp_path):
-    """D2 x C2 x EP2 with Adam on every group against one process (each data rank's micro-batches are one
-    process's, backend.data.TokenData.batch, so the auxiliary loss's per-micro-batch statistics agree too)."""
-    fields = {"model": FEATURES[feature], "optimizer_extra": {"eps": 1e-6}}
+def test_model_feature_on_split_sequences_trains_what_one_process_trains(feature, tmp_path_factory, tmp_path):
+    """Each rank holding a part of every sequence, with Adam on every group, against one process (each data rank's
+    micro-batches are one process's, backend.data.TokenData.batch, so the auxiliary loss's per-micro-batch
+    statistics agree too)."""
+    model, (parallel, world) = FEATURES[feature]
+    fields = {"model": model, "optimizer_extra": {"eps": 1e-6}}
     ref = reference_run(tmp_path_factory, "adamw", STEPS, **fields)
-    plan = write_plan(tmp_path / "c2.yaml", {"data": 2, "context": 2, "expert": 2}, optimizer="adamw", **fields)
-    _ok(run_worker(plan, tmp_path / "run", STEPS, world=4, timeout=600))
+    plan = write_plan(tmp_path / f"{feature}.yaml", parallel, optimizer="adamw", **fields)
+    _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
     assert_trains_like(tmp_path / "run", losses(ref), full_model_state(latest_complete(ref)))
