@@ -215,8 +215,9 @@ def main() -> int:
     data_dir = ROOT / "runs" / ".data"
     try:
         sides = [current] if args.skip_baseline else [setup_baseline(args.baseline, tmp), current]
-        print(f"sides: {', '.join(s.name for s in sides)}; kernels on one torch thread, trainer runs on "
-              f"{args.threads or 'each side's default'} thread(s); {args.repeats} repeats, interleaved")
+        threads = args.threads or "each side's default"
+        print(f"sides: {', '.join(s.name for s in sides)}; kernels on one torch thread, trainer runs on {threads} "
+              f"thread(s); {args.repeats} repeats, interleaved")
         if "experts" in only:
             s = EXPERT_SHAPE
             print(f"\n1. expert block, E={s['experts']} d=w={s['dim']} top-{s['top_k']} {s['tokens']} tokens "
