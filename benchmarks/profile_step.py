@@ -115,7 +115,8 @@ def main() -> int:
         kinds = "  ".join(f"{k} {v:.3f} s" for k, v in last["kinds"].items())
         print(f"  profiled step {last['profiled_s']:.3f} s: {kinds}")
         for t in last["top"]:
-            print(f"  {t['op']:<34} {t['calls']:>4} calls {t['self_s'] * 1e3 / t['calls']:>8.3f} ms/call  {t['shapes']}")
+            per_call_ms = t["self_s"] * 1e3 / t["calls"]
+            print(f"  {t['op']:<34} {t['calls']:>4} calls {per_call_ms:>8.3f} ms/call  {t['shapes']}")
         for g in last["grouped"]:
             print(f"  grouped_mm {str(g['shapes'][:2]):<32} in the step {g['step_s'] * 1e3:.3f} ms/call, alone "
                   f"{g['isolated_s'] * 1e3:.3f} ms/call")
