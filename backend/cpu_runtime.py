@@ -1,8 +1,12 @@
 """CPU process settings the trainer runs with, and the calibration too, so that both measure alike: torch threads
 and the allocator's treatment of large freed blocks.
 
-- Threads: one per process when the processes fill the cores (more would oversubscribe them: on a busy 2-core
-  machine two threads per process made one-process steps 4-14x slower than one), else the cores shared evenly.
+- Threads: one per process, however many cores are free (`--threads N` asks for more). local-cpu prices one
+  process as one core, measured on one thread, and intra-op threads oversubscribe a machine that other work shares:
+  every op's OpenMP barrier then waits for a descheduled thread, and the waiting threads spin. On this 2-core
+  machine, shared by other runs (load 7-12), tiny-1proc took 2.5-5.9 s a step (median) on two threads against
+  0.45-0.67 s on one, and 1.6-2.4 s of CPU time against 0.15 s; `aten::_grouped_mm` took 1.3-31 ms a call in its
+  training step on two threads, 0.4-0.7 ms on one (README, "Why the CPU step is slower than predicted").
 - Pinning: each process is pinned to its own `threads` cores (local rank r takes cores r x threads onwards, modulo
   the usable cores), so the scheduler does not migrate a measured process between cores mid-step and two processes
   never share a core while another sits idle; the trainer and the calibration pin alike.
@@ -29,18 +33,11 @@ HEAP_BLOCK_LIMIT = 1 << 30  # blocks up to 1 GiB come from the reusable heap, no
 HEAP_KEEP = 1 << 31  # free heap kept before trimming back to the OS
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def default_threads(processes: int) -> int:
-    """Torch threads per process for `processes` processes on this machine."""
-    cores = usable_cores()
-    return 1 if processes >= cores else cores // processes
+    """Torch threads per process for `processes` processes on this machine: one (see the module docstring), whatever
+    the count of processes and of usable cores."""
+    del processes  # kept for the callers' sake: the default no longer depends on it
+    return 1
 
 
 def keep_freed_memory() -> bool:

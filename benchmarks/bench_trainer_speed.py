@@ -1,12 +1,12 @@
 """Benchmark of the trainer's kernels and steps on CPU, the current code next to a baseline commit's, in one run.
 
     .venv/bin/python benchmarks/bench_trainer_speed.py [--baseline 104865f] [--repeats 3] [--skip-baseline] \
-        [--only experts,attention,tiny,marin] [--compile]
+        [--only experts,attention,tiny,marin] [--compile] [--threads N]
 
 The baseline (default: main before issue 14, per-expert Python loop, dense window mask, per-matrix optimizer) is
 checked out into a temporary git worktree with its own virtual environment (`make setup` there), and every figure
-is measured by the same child code under both interpreters, interleaved (baseline, current, baseline, ...), each
-process pinned to one torch thread; min, median and max over the repeats are printed. The machine may be shared:
+is measured by the same child code under both interpreters, interleaved (baseline, current, baseline, ...), the
+kernel figures on one torch thread; min, median and max over the repeats are printed. The machine may be shared:
 the spread is part of the figure. Figures:
 
 1. expert block (GroupedExperts) forward and backward at marin-ladder-d768's expert shape: E=192, d=w=384, top-4,
@@ -15,7 +15,8 @@ the spread is part of the figure. Figures:
    global one, forward + backward (baseline: SDPA with the dense window mask; current: backend.attention's banded
    attention; global: causal SDPA in both);
 3. tiny-1proc step time: the real worker (`python -m rackcast.backend.train`) on examples/plans/tiny-1proc.yaml,
-   the median step time of its record.json;
+   the median step time of its record.json, on each side's default torch threads as `rackcast train` runs it
+   (`--threads N` forces N on both sides);
 4. one process of the Marin-shaped marin-cpu-d512 (d_model 512, 32 experts top-4), MuonH and AdamW, global batch
    16 x 512 tokens: MFU against local-cpu's calibrated fp32 matmul peak (the trainer's own record.json) and against
    the best fp32 matmul measured in this run.
@@ -141,12 +142,14 @@ class Side:
             raise RuntimeError(f"{self.name} {kind}: {r.stderr.strip()[-2000:]}")
         return json.loads(r.stdout.strip().splitlines()[-1])
 
-    def train(self, plan: Path, out: Path, steps: int, data_dir: Path) -> dict:
-        """The worker's record.json, plus first_step_s (the first step, which pays any compilation)."""
+    def train(self, plan: Path, out: Path, steps: int, data_dir: Path, threads: int = 0) -> dict:
+        """The worker's record.json, plus first_step_s (the first step, which pays any compilation); `threads` torch
+        threads (0: the side's own default, as `rackcast train` runs it)."""
         from rackcast.units import SECONDS_PER_HOUR  # parent side only: a baseline's child may predate it
 
         cmd = [str(self.python), "-m", "rackcast.backend.train", "--plan", str(plan), "--steps", str(steps),
-               "--out", str(out), "--quiet", "--threads", "1", "--data-dir", str(data_dir)]
+               "--out", str(out), "--quiet", "--data-dir", str(data_dir)]
+        cmd += ["--threads", str(threads)] if threads else []
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
         r = subprocess.run(cmd, cwd=self.root, capture_output=True, text=True, timeout=SECONDS_PER_HOUR, env=env)  # one run at most an hour
         if r.returncode:
@@ -200,6 +203,8 @@ def main() -> int:
     ap.add_argument("--only", default="experts,attention,tiny,marin", help="comma-separated figures to measure")
     ap.add_argument("--compile", action="store_true",
                     help="also run the current code's tiny-1proc and marin-cpu-d512 plans with compile: true")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads of the trainer runs (default 0: each side's own default, as rackcast train)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -210,8 +215,9 @@ def main() -> int:
     data_dir = ROOT / "runs" / ".data"
     try:
         sides = [current] if args.skip_baseline else [setup_baseline(args.baseline, tmp), current]
-        print(f"sides: {', '.join(s.name for s in sides)}; one torch thread per process; {args.repeats} repeats, "
-              f"interleaved")
+        threads = args.threads or "each side's default"
+        print(f"sides: {', '.join(s.name for s in sides)}; kernels on one torch thread, trainer runs on {threads} "
+              f"thread(s); {args.repeats} repeats, interleaved")
         if "experts" in only:
             s = EXPERT_SHAPE
             print(f"\n1. expert block, E={s['experts']} d=w={s['dim']} top-{s['top_k']} {s['tokens']} tokens "
@@ -246,7 +252,8 @@ def main() -> int:
             compile_s = []
             for i in range(args.repeats):
                 for side, plan, name in variants:
-                    rec = side.train(plan, tmp / f"tiny-{name.replace(' ', '-')}-{i}", args.steps, data_dir)
+                    rec = side.train(plan, tmp / f"tiny-{name.replace(' ', '-')}-{i}", args.steps, data_dir,
+                                     args.threads)
                     times[name].append(rec["step_time_s"])
                     if name == "current compile":
                         compile_s.append(rec["first_step_s"] - rec["step_time_s"])
@@ -277,7 +284,7 @@ def main() -> int:
                     for side, p, name in variants:
                         try:
                             runs[name].append(side.train(p, tmp / f"marin-{optimizer}-{name.replace(' ', '-')}-{i}",
-                                                         args.marin_steps, data_dir))
+                                                         args.marin_steps, data_dir, args.threads))
                         except RuntimeError as exc:  # a baseline may not run this preset: say so, keep going
                             print(f"  {optimizer:<6} {name:<18} failed: {str(exc).splitlines()[0][:200]}")
                 for name, recs in runs.items():

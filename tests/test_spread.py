@@ -62,3 +62,21 @@ def test_pin_cores_pins_each_local_rank_to_its_own_cores_and_wraps():
         assert pin_cores(len(usable) + 1, 1) == [usable[1 % len(usable)]]  # wraps round the usable cores
     finally:
         os.sched_setaffinity(0, usable)
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_a_cpu_process_takes_one_torch_thread_by_default_whatever_the_process_count(processes):
+    """local-cpu prices one process as one core; more intra-op threads oversubscribe a shared machine."""
+    import torch
+
+    from rackcast.backend.cpu_runtime import configure_cpu_process, default_threads
+
+    before, affinity = torch.get_num_threads(), os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        assert default_threads(processes) == 1
+        assert configure_cpu_process(processes) == 1 and torch.get_num_threads() == 1
+        assert configure_cpu_process(processes, requested_threads=2) == 2  # --threads asks for more
+    finally:
+        torch.set_num_threads(before)
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)

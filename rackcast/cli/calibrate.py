@@ -46,7 +46,7 @@ def register(sub) -> None:
     p.add_argument("--world", type=int, default=0, help="processes to measure with (default: the GPUs on CUDA, "
                                                         "the base topology's usable GPUs on CPU)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per process on CPU (default as "
-                                                          "`rackcast train`: 1 when processes >= cores)")
+                                                          "`rackcast train`: 1)")
     p.add_argument("--base", help="preset for what is not measured (default local-cpu, or h200-hgx on CUDA)")
     p.add_argument("--name", help="topology name (default: the output file's stem)")
     p.add_argument("--save-measurements", metavar="JSON", help="also write the raw measurements")

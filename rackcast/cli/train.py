@@ -57,7 +57,8 @@ def register(sub) -> None:
     parser.add_argument("--data-dir", default="runs/.data", help="token cache folder (default runs/.data)")
     parser.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (default: at the end)")
     parser.add_argument("--log-every", type=int, default=1, help="print progress every N steps")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per process (default cores/processes)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per process (default 1: one process is one core)")
     parser.add_argument("--check", action="store_true", help="say whether the trainer can run the plan (one line "
                                                              "per reason it cannot) and launch nothing")
     nodes = parser.add_argument_group("several nodes")
