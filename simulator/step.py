@@ -249,6 +249,7 @@ class _StepSim:
         self.timeline = Timeline()
         self._events: dict = {}
         self._cats = {}
+        self._a2a: dict = {}
 
     def event(self, key) -> simpy.Event:
         ev = self._events.get(key)
@@ -270,12 +271,17 @@ class _StepSim:
         if k in ("all_reduce", "reduce_scatter", "all_gather"):
             yield from net.ring(stage, comm.axis, k, comm.nbytes, tag=comm.name)
         elif k == "all_to_all":
-            cats = self._cats.get(stage)
-            if cats is None:
-                cats = self._cats[stage] = net.a2a_categories(stage)
-            layer, mb, direction = comm.a2a
-            send, recv = self.work.loads.port_bytes(layer, mb, direction, cats)
-            yield from net.all_to_all(stage, send, recv, comm.nbytes, tag=comm.name)
+            key = (stage, comm.a2a, comm.nbytes)
+            if key in self._a2a:  # the backward (and a recompute) repeats the forward's exchange: same draw, bytes
+                flows = self._a2a[key]
+            else:
+                cats = self._cats.get(stage)
+                if cats is None:
+                    cats = self._cats[stage] = net.a2a_categories(stage)
+                layer, mb, direction = comm.a2a
+                send, recv = self.work.loads.port_bytes(layer, mb, direction, cats)
+                flows = self._a2a[key] = net.a2a_flows(stage, send, recv, comm.nbytes)
+            yield from net.run_a2a(flows, tag=comm.name)
         elif k == "shift":
             yield from net.shift(stage, comm.axis, comm.nbytes, tag=comm.name)
         elif k == "p2p":

@@ -251,21 +251,34 @@ class StepNetwork:
     def all_to_all(self, stage: int, send: np.ndarray, recv: np.ndarray, message_bytes: float, tag=None):
         """Per-port all-to-all over every expert group of `stage`. send, recv: (ep, 3) bytes per rank and category
         (A2A_CATEGORIES), self excluded; message_bytes: the nccl-tests size that picks the efficiency."""
+        yield from self.run_a2a(self.a2a_flows(stage, send, recv, message_bytes), tag)
+
+    def a2a_flows(self, stage: int, send: np.ndarray, recv: np.ndarray, message_bytes: float):
+        """The flows `all_to_all` starts (hops, hop counts, bytes, latencies, efficiency, the latency paid after
+        them), or None when nothing moves; a step that repeats an exchange (the backward's) keeps them."""
         groups = self.members(stage, "expert")
         if len(groups[0]) <= 1:
-            return
+            return None
         hops, nhops, tails, span, lat = self._a2a_port_routes(stage)
         if self.reduce:
             send, recv = _busiest_ports(send), _busiest_ports(recv)
         nbytes = np.concatenate([send, recv], axis=1).ravel()  # per rank: 3 up, then 3 down categories
         nbytes = np.tile(nbytes, len(groups) if not self.reduce else 1)
         used = nbytes > 0
-        if used.any():
-            yield self.net.transfer_many(hops[used], nhops[used], nbytes[used], tag=tag,
-                                         efficiency=self._eff("all_to_all", span, message_bytes), lat=lat[used])
-            tail = float(tails[used].max())
-            if tail > 0:  # the halves paid their own latency; a pair's route pays both
-                yield self.env.timeout(tail)
+        if not used.any():
+            return None
+        # the halves paid their own latency; a pair's route pays both
+        return (hops[used], nhops[used], nbytes[used], lat[used], self._eff("all_to_all", span, message_bytes),
+                float(tails[used].max()))
+
+    def run_a2a(self, flows, tag=None):
+        """Run the flows of `a2a_flows` (a generator)."""
+        if flows is None:
+            return
+        hops, nhops, nbytes, lat, eff, tail = flows
+        yield self.net.transfer_many(hops, nhops, nbytes, tag=tag, efficiency=eff, lat=lat)
+        if tail > 0:
+            yield self.env.timeout(tail)
 
     def _a2a_port_routes(self, stage: int):
         """Per port flow (rank x {up, down} x category): padded link indices, hop counts, and the latency each
