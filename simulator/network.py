@@ -45,6 +45,11 @@ from rackcast.simulator.flowslots import (C_PEND, C_ROWS, C_SIZE, F_CAP, F_RATE,
 
 Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 
+
+def _per_flow(x) -> bool:
+    """Whether x holds one value per flow (else it is one value for all)."""
+    return isinstance(x, (list, tuple)) or (isinstance(x, np.ndarray) and x.ndim > 0)
+
 # Flows due to finish within this many seconds (absolute plus relative to the clock) of now finish now: float
 # rounding of `now + remaining / rate` must not leave a flow with a few bytes for a separate, spurious event.
 _TIME_EPS_ABS = 1e-12
@@ -100,6 +105,7 @@ class Network:
         self._out_i = np.zeros((3, 0), dtype=np.int64)
         self._out_f = np.zeros((2, 0))
         self._cnt = np.zeros(C_ROWS, dtype=np.int64)
+        self._no_caps: dict[int, np.ndarray] = {}
         self._groups: dict[int, list] = {}  # gid -> [event, flows not yet drained, latest delivery, tag]
         self._next_group = 0
         self._last = env.now
@@ -109,6 +115,7 @@ class Network:
 
         self.track_utilisation = track_utilisation
         self._load = np.zeros(len(self.links))
+        self._scratch_load = np.zeros(len(self.links))
         self._util_t: list[np.ndarray] = []
         self._util_l: list[np.ndarray] = []
         self._util_v: list[np.ndarray] = []
@@ -188,14 +195,20 @@ class Network:
         if not 0.0 < efficiency <= 1.0:
             raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
         k = hops.shape[0]
-        wire = (np.full(k, float(nbytes)) if np.ndim(nbytes) == 0 else np.asarray(nbytes, dtype=np.float64)) / \
-            efficiency
+        wire = np.asarray(nbytes, dtype=np.float64) / efficiency if _per_flow(nbytes) else \
+            np.full(k, float(nbytes) / efficiency)  # the same division, elementwise or once
         nhops = np.asarray(nhops, dtype=np.int64)
         if lat is None:
             lat = self.route_latencies(hops)
         now = self.env.now
-        caps = np.full(k, float(rate_cap_Bps)) if np.ndim(rate_cap_Bps) == 0 else \
-            np.asarray(rate_cap_Bps, dtype=np.float64)
+        if _per_flow(rate_cap_Bps):
+            caps = np.asarray(rate_cap_Bps, dtype=np.float64)
+        elif rate_cap_Bps == math.inf:  # the usual case: no cap (the kernels only read the array)
+            caps = self._no_caps.get(k)
+            if caps is None:
+                caps = self._no_caps[k] = np.full(k, math.inf)
+        else:
+            caps = np.full(k, float(rate_cap_Bps))
         self._reserve(k, hops.shape[1])
         gid = self._next_group
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
@@ -256,7 +269,8 @@ class Network:
         eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
         dt = now - self._last
         self._last = now
-        load = np.zeros(len(self.links))
+        # a fresh array when tracked (the previous one is kept to compare against), else scratch
+        load = np.zeros(len(self.links)) if self.track_utilisation else self._scratch_load
         if self._solve is maxmin_rates:  # drain, retire, activate, gather, solve and apply in one compiled call
             done, groups, n_act, t_min = _step(self._active, self._fl, self._ii, self._hops, self._free, self._pend,
                                                self._cnt, self.capacity, dt, eps, now, self.track_utilisation,

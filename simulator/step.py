@@ -267,10 +267,11 @@ class _StepSim:
         return f"{'nvlink' if span == 'scale_up' else 'nic'} {comm.stream}"
 
     def run_comm(self, stage: int, comm: Comm):
+        """The generator that runs `comm` on the network (returned, not delegated to: one frame less per resume)."""
         net, k = self.net, comm.kind
         if k in ("all_reduce", "reduce_scatter", "all_gather"):
-            yield from net.ring(stage, comm.axis, k, comm.nbytes, tag=comm.name)
-        elif k == "all_to_all":
+            return net.ring(stage, comm.axis, k, comm.nbytes, tag=comm.name)
+        if k == "all_to_all":
             key = (stage, comm.a2a, comm.nbytes)
             if key in self._a2a:  # the backward (and a recompute) repeats the forward's exchange: same draw, bytes
                 flows = self._a2a[key]
@@ -281,13 +282,12 @@ class _StepSim:
                 layer, mb, direction = comm.a2a
                 send, recv = self.work.loads.port_bytes(layer, mb, direction, cats)
                 flows = self._a2a[key] = net.a2a_flows(stage, send, recv, comm.nbytes)
-            yield from net.run_a2a(flows, tag=comm.name)
-        elif k == "shift":
-            yield from net.shift(stage, comm.axis, comm.nbytes, tag=comm.name)
-        elif k == "p2p":
-            yield from net.p2p(stage, int(comm.axis), comm.nbytes, tag=comm.name)
-        else:
-            yield from net.host(stage, comm.nbytes, to_host=k == "to_host", tag=comm.name)
+            return net.run_a2a(flows, tag=comm.name)
+        if k == "shift":
+            return net.shift(stage, comm.axis, comm.nbytes, tag=comm.name)
+        if k == "p2p":
+            return net.p2p(stage, int(comm.axis), comm.nbytes, tag=comm.name)
+        return net.host(stage, comm.nbytes, to_host=k == "to_host", tag=comm.name)
 
     # ------------------------------------------------------------------------------------------ chunk programs
     def chunk_ops(self, st: StageWork, a, reduce: bool, top: bool) -> list:
