@@ -66,6 +66,7 @@ class StepNetwork:
         self._eff_cache: dict[tuple, float] = {}
         self._a2a_routes: dict[int, tuple] = {}
         self._a2a_used: dict[tuple, tuple] = {}
+        self._p2p: dict[tuple, list] = {}
         graph = self._quotient_graph() if reduce else _full_graph(topo)
         self.graph = graph
         self.net = Network(env, graph, track_utilisation=track_utilisation)
@@ -182,14 +183,12 @@ class StepNetwork:
                      for n in names]
             yield self.env.all_of(procs)
             return
-        for phase_kind, (hops, nhops, lat), n, alpha, span, div in self._ring_plan(stage, axis, kind):
+        for phase_kind, (hops, nhops, lat), span, div, factor, tail in self._ring_plan(stage, axis, kind):
             msg = nbytes / div
             eff = self._eff(phase_kind, span, msg)
-            yield self.net.transfer_many(hops, nhops, float(algo_factor(phase_kind, n)) * msg, tag=tag,
-                                         efficiency=eff, lat=lat)
-            steps = float(latency_steps(phase_kind, n))
-            if steps > 1 and alpha > 0:
-                yield self.env.timeout((steps - 1) * alpha)
+            yield self.net.transfer_many(hops, nhops, factor * msg, tag=tag, efficiency=eff, lat=lat)
+            if tail is not None:
+                yield self.env.timeout(tail)
 
     def _eff(self, kind: str, span: str, nbytes: float) -> float:
         key = (kind, span, nbytes)
@@ -201,7 +200,8 @@ class StepNetwork:
     def _ring_plan(self, stage: int, axis: str, kind: str) -> list[tuple]:
         """The representative's phases of one collective, as simulator.collectives.collective runs it: a flat
         ring, or (group spanning domains with equal ranks > 1 in each) local and cross-domain rings.
-        Each phase: (kind, links of the representative's ring hop, ring size, alpha, span, bytes divisor)."""
+        Each phase: (kind, links of the representative's ring hop, span, bytes divisor, bytes on the busiest link
+        per byte, the latency of the ring's steps after the first: None when there is none)."""
         key = (stage, axis, kind)
         out = self._plans.get(key)
         if out is not None:
@@ -222,7 +222,10 @@ class StepNetwork:
             alpha = max(float(self.net.latency[self.net.links_of(self.path(ring[i], ring[(i + 1) % n]))].sum())
                         for i in range(n))
             hop = self.net.links_of(self.path(ring[0], ring[1 % n]))[None, :]  # one flow: the representative's
-            out.append((k, (hop, np.array([hop.shape[1]]), self.net.route_latencies(hop)), n, alpha, span, div))
+            steps = float(latency_steps(k, n))
+            tail = (steps - 1) * alpha if steps > 1 and alpha > 0 else None
+            out.append((k, (hop, np.array([hop.shape[1]]), self.net.route_latencies(hop)), span, div,
+                        float(algo_factor(k, n)), tail))
         self._plans[key] = out
         return out
 
@@ -322,14 +325,18 @@ class StepNetwork:
         """Every rank of src_stage sends nbytes to its counterpart in dst_stage (pipeline send/receive)."""
         if nbytes <= 0 or src_stage == dst_stage:
             return
-        offsets = [0] if self.reduce else range(self.stage_ranks)
-        events = []
-        for j in offsets:
-            a, b = self.rep(src_stage) + j, self.rep(dst_stage) + j
-            span = "scale_up" if self.domain(a) == self.domain(b) else "scale_out"
-            events.append(self.net.transfer(self.net.links_of(self.path(a, b)), nbytes, tag=tag,
-                                            efficiency=self.eff("send_recv", span, nbytes)))
-        yield self.env.all_of(events)
+        key = (src_stage, dst_stage, nbytes)
+        flows = self._p2p.get(key)
+        if flows is None:  # per rank pair: links, hop count, latency, efficiency
+            flows = self._p2p[key] = []
+            for j in [0] if self.reduce else range(self.stage_ranks):
+                a, b = self.rep(src_stage) + j, self.rep(dst_stage) + j
+                span = "scale_up" if self.domain(a) == self.domain(b) else "scale_out"
+                hop = self.net.links_of(self.path(a, b))[None, :]
+                flows.append((hop, np.array([hop.shape[1]]), self.net.route_latencies(hop),
+                              self.eff("send_recv", span, nbytes)))
+        yield self.env.all_of([self.net.transfer_many(hop, nhop, nbytes, tag=tag, efficiency=eff, lat=lat)
+                               for hop, nhop, lat, eff in flows])
 
     def host(self, stage: int, nbytes: float, to_host: bool, tag=None):
         """Every rank of `stage` copies nbytes to (or from) its host over the host link."""
