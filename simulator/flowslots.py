@@ -205,11 +205,12 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, free, pend, c
 
 
 @njit(cache=True)
-def _drain(active, fl, ii, free, cnt, dt, eps, now, out_i, out_f):
+def _drain(active, fl, ii, free, cnt, dt, eps, now, out_i, out_f, g_left, g_latest):
     """Drain the active flows over `dt` seconds at their rates, retire those with (nearly) nothing left
     (remaining <= rate x eps) onto the free stack, and write into out_i / out_f: row 0 their slots in start order,
-    out_f row 0 their delivery times; out_i rows 1, 2 and out_f row 1, per group they belong to (ascending): the
-    group, how many finished and the latest delivery. Returns (finished flows, groups)."""
+    out_f row 0 their delivery times. Each group (the batch of a `_start`) counts down its flows still moving
+    (g_left) and keeps its latest delivery (g_latest); out_i row 1 and out_f row 1 get the groups whose last flow
+    finished, ascending, and their delivery times. Returns (finished flows, finished groups)."""
     act, finished, done = _advance(active, cnt[C_SIZE], fl[F_REM], fl[F_RATE], dt, eps)
     if done == 0:
         return 0, 0
@@ -221,11 +222,17 @@ def _drain(active, fl, ii, free, cnt, dt, eps, now, out_i, out_f):
         out_f[0, j] = deliver[j]
         free[n + j] = slots[j]
     cnt[C_FREE] = n + slots.shape[0]
+    complete = 0
     for j in range(uniq.shape[0]):
-        out_i[1, j] = uniq[j]
-        out_i[2, j] = counts[j]
-        out_f[1, j] = latest[j]
-    return done, uniq.shape[0]
+        g = uniq[j]
+        g_left[g] -= counts[j]
+        if latest[j] > g_latest[g]:
+            g_latest[g] = latest[j]
+        if g_left[g] == 0:
+            out_i[1, complete] = g
+            out_f[1, complete] = g_latest[g]
+            complete += 1
+    return done, complete
 
 
 @njit(cache=True)
@@ -236,12 +243,13 @@ def _activate(active, pend, cnt):
 
 
 @njit(cache=True)
-def _step(active, fl, ii, hops, free, pend, cnt, capacity, dt, eps, now, track, out_i, out_f, load):
+def _step(active, fl, ii, hops, free, pend, cnt, capacity, dt, eps, now, track, out_i, out_f, load, g_left,
+          g_latest):
     """One network update in one dispatch: `_drain`, then the flows started since the last update become active,
     then `_resolve` (gather, solve, write the rates). `load` receives the bytes/s in use per link (zeros when none
-    are active or not tracked). Returns (finished flows, their groups, active flows, the earliest time one of them
+    are active or not tracked). Returns (finished flows, finished groups, active flows, the earliest time one of them
     finishes from now: inf when none)."""
-    done, groups = _drain(active, fl, ii, free, cnt, dt, eps, now, out_i, out_f)
+    done, groups = _drain(active, fl, ii, free, cnt, dt, eps, now, out_i, out_f, g_left, g_latest)
     _activate(active, pend, cnt)
     n_act, t_min, solved = _resolve(active, cnt[C_SIZE], ii[I_NHOPS], hops, fl[F_CAP], capacity, fl[F_REM],
                                     fl[F_RATE], track)

@@ -33,6 +33,7 @@ Tests: `.venv/bin/pytest -q tests/test_network.py`.
 from __future__ import annotations
 
 import math
+from functools import partial
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -102,11 +103,13 @@ class Network:
         self._active = np.zeros(0, dtype=bool)
         self._free = np.zeros(0, dtype=np.int64)
         self._pend = np.zeros(0, dtype=np.int64)
-        self._out_i = np.zeros((3, 0), dtype=np.int64)
+        self._out_i = np.zeros((2, 0), dtype=np.int64)
         self._out_f = np.zeros((2, 0))
         self._cnt = np.zeros(C_ROWS, dtype=np.int64)
         self._no_caps: dict[int, np.ndarray] = {}
-        self._groups: dict[int, list] = {}  # gid -> [event, flows not yet drained, latest delivery, tag]
+        self._groups: dict[int, tuple] = {}  # gid -> (event, tag) until its last flow is delivered
+        self._g_left = np.zeros(0, dtype=np.int64)  # per gid: flows still moving (simulator.flowslots._drain)
+        self._g_latest = np.zeros(0)  # per gid: latest delivery so far
         self._next_group = 0
         self._last = env.now
         self._kick = False
@@ -221,7 +224,13 @@ class Network:
             self._deliver(done, tag, deliver - now)
             return done
         self._next_group += 1
-        self._groups[gid] = [done, m, deliver, tag]
+        if gid >= len(self._g_left):
+            grow = max(64, len(self._g_left))
+            self._g_left = np.concatenate([self._g_left, np.zeros(grow, dtype=np.int64)])
+            self._g_latest = np.concatenate([self._g_latest, np.zeros(grow)])
+        self._g_left[gid] = m
+        self._g_latest[gid] = deliver
+        self._groups[gid] = (done, tag)
         self.stats["flows"] += m
         if not self._kick:
             self._kick = True
@@ -242,7 +251,7 @@ class Network:
         self._hops = np.vstack([self._hops, np.full((grow, self._hops.shape[1]), -1, dtype=np.int64)])
         self._fl = np.concatenate([self._fl, np.zeros((F_ROWS, grow))], axis=1)
         self._ii = np.concatenate([self._ii, np.zeros((I_ROWS, grow), dtype=np.int64)], axis=1)
-        self._out_i = np.zeros((3, n + grow), dtype=np.int64)
+        self._out_i = np.zeros((2, n + grow), dtype=np.int64)
         self._out_f = np.zeros((2, n + grow))
         for name in ("_free", "_pend"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow, dtype=np.int64)]))
@@ -274,12 +283,12 @@ class Network:
         if self._solve is maxmin_rates:  # drain, retire, activate, gather, solve and apply in one compiled call
             done, groups, n_act, t_min = _step(self._active, self._fl, self._ii, self._hops, self._free, self._pend,
                                                self._cnt, self.capacity, dt, eps, now, self.track_utilisation,
-                                               self._out_i, self._out_f, load)
+                                               self._out_i, self._out_f, load, self._g_left, self._g_latest)
             if done:
                 self._finish(now, done, groups)
         else:
             done, groups = _drain(self._active, self._fl, self._ii, self._free, self._cnt, dt, eps, now, self._out_i,
-                                  self._out_f)
+                                  self._out_f, self._g_left, self._g_latest)
             if done:
                 self._finish(now, done, groups)
             _activate(self._active, self._pend, self._cnt)
@@ -306,24 +315,19 @@ class Network:
         self._gen += 1
         gen = self._gen
         self._wake_at = t_next
-        self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda ev, g=gen: self._on_wake(g, ev))
+        self.env.timeout(max(t_next - now, 0.0)).callbacks.append(partial(self._on_wake, gen))
 
     def _finish(self, now: float, done: int, groups: int) -> None:
-        """Deliver the groups whose last flow finished (`flowslots._drain` retired `done` flows of `groups` groups
-        and wrote them to the output buffers)."""
+        """Deliver the groups whose last flow finished (`flowslots._drain` retired `done` flows, completing
+        `groups` groups, and wrote them to the output buffers)."""
         if self.record_flows:
             slots = self._out_i[0, :done]
             for g, s, d, w in zip(self._ii[I_GROUP, slots].tolist(), self._fl[F_START, slots].tolist(),
                                   self._out_f[0, :done].tolist(), self._fl[F_WIRE, slots].tolist()):
-                self.flow_log.append((self._groups[g][3], s, d, w))
-        for g, c, d in zip(self._out_i[1, :groups].tolist(), self._out_i[2, :groups].tolist(),
-                           self._out_f[1, :groups].tolist()):
-            rec = self._groups[g]
-            rec[1] -= c
-            rec[2] = max(rec[2], d)
-            if rec[1] == 0:
-                del self._groups[g]
-                self._deliver(rec[0], rec[3], rec[2] - now)
+                self.flow_log.append((self._groups[g][1], s, d, w))
+        for g, d in zip(self._out_i[1, :groups].tolist(), self._out_f[1, :groups].tolist()):
+            event, tag = self._groups.pop(g)
+            self._deliver(event, tag, d - now)
 
     # ---------------------------------------------------------------------------------------- observation
     def _record_load(self, now: float, load: np.ndarray) -> None:
@@ -353,7 +357,7 @@ class Network:
         sharing a tag report the last one's rate)."""
         act = np.flatnonzero(self._active[: self._cnt[C_SIZE]])
         act = act[np.argsort(self._ii[I_FLOW, act], kind="stable")]
-        return {self._groups[g][3]: float(r) for g, r in zip(self._ii[I_GROUP, act].tolist(),
+        return {self._groups[g][1]: float(r) for g, r in zip(self._ii[I_GROUP, act].tolist(),
                                                                self._fl[F_RATE, act].tolist())}
 
     @property

@@ -146,6 +146,8 @@ class _Rank:
                 self.phases["compute"] += d
                 if record:
                     self.sim.timeline.slices.append((self.stage, "compute", op.name, t0, env.now))
+            elif kind is Memory:  # the most frequent kind after Compute
+                self.alloc(op.nbytes)
             elif kind is Host:
                 t0 = env.now
                 yield env.timeout(op.seconds)
@@ -162,8 +164,6 @@ class _Rank:
                     self.phases[op.phase] += env.now - t0
             elif kind is Reduce:
                 self.pending.append(self.start(op.comm))
-            elif kind is Memory:
-                self.alloc(op.nbytes)
             else:
                 raise TypeError(f"unknown op record {op!r} (simulator.ops)")
 
