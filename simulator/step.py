@@ -24,6 +24,7 @@ micro-batch, FSDP gather and gradient buffers, the recomputed layer).
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -133,6 +134,7 @@ class _Rank:
     def run(self, ops, handles: dict):
         """Run a list of simulator.ops records (see that module for what each kind does)."""
         env, slow, record = self.env, self.sim.slowdown, self.sim.record
+        timeout = env.timeout
         for op in ops:
             kind = type(op)
             if kind is Compute:
@@ -142,7 +144,7 @@ class _Rank:
                 if self.active and slow:
                     d *= 1.0 + slow
                 t0 = env.now
-                yield env.timeout(d)
+                yield timeout(d)
                 self.phases["compute"] += d
                 if record:
                     self.sim.timeline.slices.append((self.stage, "compute", op.name, t0, env.now))
@@ -150,7 +152,7 @@ class _Rank:
                 self.alloc(op.nbytes)
             elif kind is Host:
                 t0 = env.now
-                yield env.timeout(op.seconds)
+                yield timeout(op.seconds)
                 self.phases["compute"] += op.seconds
                 if record:
                     self.sim.timeline.slices.append((self.stage, "compute", op.name, t0, env.now))
@@ -368,15 +370,25 @@ class _StepSim:
         ranks = [_Rank(self, s) for s in range(par.pipeline)]
         for r, order in zip(ranks, orders):
             self.env.process(r.process(order))
-        events = 0
-        step = self.env.step
-        try:
-            while True:
-                step()
-                events += 1
-        except simpy.core.EmptySchedule:
-            pass
-        return ranks, events
+        return ranks, _run_to_end(self.env)
+
+
+def _run_to_end(env: simpy.Environment) -> int:
+    """Process every event of env, as repeated `env.step()` calls do (the same order and effects), and return how
+    many: SimPy 4's step inlined, one Python call less per event; a failed event that nothing defused raises."""
+    queue, pop = env._queue, heapq.heappop
+    events = 0
+    while queue:
+        env._now, _, _, event = pop(queue)
+        callbacks, event.callbacks = event.callbacks, None
+        for callback in callbacks:
+            callback(event)
+        if not event._ok and not hasattr(event, "_defused"):
+            exc = type(event._value)(*event._value.args)
+            exc.__cause__ = event._value
+            raise exc
+        events += 1
+    return events
 
 
 # Work bounds, checked before a simulation starts (simulate's cost grows with the step it simulates): about 40-100
