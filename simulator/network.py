@@ -33,8 +33,8 @@ Tests: `.venv/bin/pytest -q tests/test_network.py`.
 from __future__ import annotations
 
 import math
-from functools import partial
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 import simpy
@@ -50,6 +50,7 @@ Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 def _per_flow(x) -> bool:
     """Whether x holds one value per flow (else it is one value for all)."""
     return isinstance(x, (list, tuple)) or (isinstance(x, np.ndarray) and x.ndim > 0)
+
 
 # Flows due to finish within this many seconds (absolute plus relative to the clock) of now finish now: float
 # rounding of `now + remaining / rate` must not leave a flow with a few bytes for a separate, spurious event.
