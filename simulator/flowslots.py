@@ -1,8 +1,18 @@
-"""Compiled bookkeeping of simulator.network's flow slots: draining flows over a time step, retiring finished ones,
-gathering the active flows as a CSR incidence for the max-min fair solve (simulator.fairshare) and writing their
-rates back, and filling the slots of a new batch. Each kernel works on the Network's slot arrays in place; the
-fused ones (`_drain`, `_resolve`) run several steps in one numba dispatch, with the same arithmetic in the same
-order, so the simulated step stays bit for bit the same (tests/test_step_digest.py).
+"""Compiled bookkeeping of simulator.network's flow slots: starting a batch of flows in free slots, draining flows
+over a time step, retiring finished ones, gathering the active flows as a CSR incidence for the max-min fair solve
+(simulator.fairshare) and writing their rates back. Each kernel works on the Network's slot arrays in place:
+
+    fl      float64 (F_ROWS, slots): remaining wire bytes, rate, rate cap, route latency, start time, wire bytes
+    ii      int64 (I_ROWS, slots): hop count, flow id (start order), group (the batch a flow belongs to)
+    hops    int64 (slots, width): link indices, -1 padded
+    active  bool (slots)
+    free    int64 (slots): a stack of reusable slots; pend int64 (slots): slots started since the last update
+    cnt     int64 (C_ROWS): slots ever used, free slots, next flow id, pending slots
+
+Few, packed arguments and results written into preallocated buffers keep numba's per-call cost down (the step
+simulator makes tens of thousands of calls per step). `_step` runs a whole network update (drain, retire,
+activate, solve) in one dispatch. The arithmetic and its order are those of the per-array kernels it replaced, so
+the simulated step stays bit for bit the same (tests/test_step_digest.py).
 
 Tests: `.venv/bin/pytest -q tests/test_network.py tests/test_step_digest.py`.
 """
@@ -108,48 +118,6 @@ def _resolve(active, size, nhops, hops, caps, capacity, remaining, rate, track):
 
 
 @njit(cache=True)
-def _batch(wire, nhops, lat, now):
-    """Which flows of a batch move bytes over links, how many, when the others are delivered (now + their latency,
-    the latest; now when none), and whether any byte count is negative."""
-    moving = np.empty(wire.shape[0], np.bool_)
-    m = 0
-    deliver = now
-    negative = False
-    for i in range(wire.shape[0]):
-        negative |= wire[i] < 0
-        moving[i] = wire[i] > 0 and nhops[i] > 0
-        if moving[i]:
-            m += 1
-        elif now + lat[i] > deliver:
-            deliver = now + lat[i]
-    return moving, m, deliver, negative
-
-
-@njit(cache=True)
-def _fill_slots(slots, moving, hops, nhops, wire, caps, lat, now, gid, first_flow, s_hops, s_nhops, s_remaining,
-                s_wire, s_rate, s_cap, s_lat, s_start, s_group, s_flow_id):
-    """Write the moving flows of a batch (rows of hops where `moving`) into their slots, in row order."""
-    j = 0
-    for i in range(hops.shape[0]):
-        if not moving[i]:
-            continue
-        s = slots[j]
-        s_hops[s, :] = -1
-        for k in range(hops.shape[1]):
-            s_hops[s, k] = hops[i, k]
-        s_nhops[s] = nhops[i]
-        s_remaining[s] = wire[i]
-        s_wire[s] = wire[i]
-        s_rate[s] = 0.0
-        s_cap[s] = caps[i]
-        s_lat[s] = lat[i]
-        s_start[s] = now
-        s_group[s] = gid
-        s_flow_id[s] = first_flow + j
-        j += 1
-
-
-@njit(cache=True)
 def _finish_slots(slots, flow_id, active, rate, lat, group, now):
     """Retire finished flows: their slots in start order (deactivated, rate 0), their delivery times, and per
     group they belong to (ascending): how many finished and the latest delivery."""
@@ -177,10 +145,114 @@ def _finish_slots(slots, flow_id, active, rate, lat, group, now):
     return slots, deliver, uniq[: n + 1], counts[: n + 1], latest[: n + 1]
 
 
+F_REM, F_RATE, F_CAP, F_LAT, F_START, F_WIRE = range(6)
+F_ROWS = 6
+I_NHOPS, I_FLOW, I_GROUP = range(3)
+I_ROWS = 3
+C_SIZE, C_FREE, C_FLOW, C_PEND = range(4)
+C_ROWS = 4
+
+
 @njit(cache=True)
-def _drain(active, size, remaining, rate, dt, eps, flow_id, lat, group, now):
-    """`_advance` then, for the flows it found finished, `_finish_slots`, in one compiled call. Returns how many
-    finished and `_finish_slots`'s arrays (empty when none finished)."""
-    act, finished, done = _advance(active, size, remaining, rate, dt, eps)
-    slots, deliver, uniq, counts, latest = _finish_slots(act[finished], flow_id, active, rate, lat, group, now)
-    return done, slots, deliver, uniq, counts, latest
+def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, free, pend, cnt):
+    """Start a batch (rows of hops, hop counts, wire bytes, rate caps, route latencies) in free slots, reused ones
+    first (the most recently freed last), then fresh ones, in row order; flows with no bytes or no link are not
+    started. Returns how many were started, when the others are delivered (now + their latency, the latest; now
+    when none) and whether a byte count is negative (nothing is started then). The slot arrays must have room for
+    every row."""
+    m = 0
+    deliver = now
+    negative = False
+    for i in range(wire.shape[0]):
+        negative |= wire[i] < 0
+        if wire[i] > 0 and nhops[i] > 0:
+            m += 1
+        elif now + lat[i] > deliver:
+            deliver = now + lat[i]
+    if negative or m == 0:
+        return m, deliver, negative
+    take = min(m, cnt[C_FREE])
+    first_reused = cnt[C_FREE] - take
+    fresh = cnt[C_SIZE]
+    j = 0
+    for i in range(wire.shape[0]):
+        if not (wire[i] > 0 and nhops[i] > 0):
+            continue
+        if j < take:
+            s = free[first_reused + j]
+        else:
+            s = fresh
+            fresh += 1
+        s_hops[s, :] = -1
+        for k in range(hops.shape[1]):
+            s_hops[s, k] = hops[i, k]
+        ii[I_NHOPS, s] = nhops[i]
+        fl[F_REM, s] = wire[i]
+        fl[F_WIRE, s] = wire[i]
+        fl[F_RATE, s] = 0.0
+        fl[F_CAP, s] = caps[i]
+        fl[F_LAT, s] = lat[i]
+        fl[F_START, s] = now
+        ii[I_GROUP, s] = gid
+        ii[I_FLOW, s] = cnt[C_FLOW] + j
+        pend[cnt[C_PEND]] = s
+        cnt[C_PEND] += 1
+        j += 1
+    cnt[C_FREE] = first_reused
+    cnt[C_SIZE] = fresh
+    cnt[C_FLOW] += m
+    return m, deliver, negative
+
+
+@njit(cache=True)
+def _drain(active, fl, ii, free, cnt, dt, eps, now, out_i, out_f, g_left, g_latest):
+    """Drain the active flows over `dt` seconds at their rates, retire those with (nearly) nothing left
+    (remaining <= rate x eps) onto the free stack, and write into out_i / out_f: row 0 their slots in start order,
+    out_f row 0 their delivery times. Each group (the batch of a `_start`) counts down its flows still moving
+    (g_left) and keeps its latest delivery (g_latest); out_i row 1 and out_f row 1 get the groups whose last flow
+    finished, ascending, and their delivery times. Returns (finished flows, finished groups)."""
+    act, finished, done = _advance(active, cnt[C_SIZE], fl[F_REM], fl[F_RATE], dt, eps)
+    if done == 0:
+        return 0, 0
+    slots, deliver, uniq, counts, latest = _finish_slots(act[finished], ii[I_FLOW], active, fl[F_RATE], fl[F_LAT],
+                                                         ii[I_GROUP], now)
+    n = cnt[C_FREE]
+    for j in range(slots.shape[0]):
+        out_i[0, j] = slots[j]
+        out_f[0, j] = deliver[j]
+        free[n + j] = slots[j]
+    cnt[C_FREE] = n + slots.shape[0]
+    complete = 0
+    for j in range(uniq.shape[0]):
+        g = uniq[j]
+        g_left[g] -= counts[j]
+        if latest[j] > g_latest[g]:
+            g_latest[g] = latest[j]
+        if g_left[g] == 0:
+            out_i[1, complete] = g
+            out_f[1, complete] = g_latest[g]
+            complete += 1
+    return done, complete
+
+
+@njit(cache=True)
+def _activate(active, pend, cnt):
+    for j in range(cnt[C_PEND]):
+        active[pend[j]] = True
+    cnt[C_PEND] = 0
+
+
+@njit(cache=True)
+def _step(active, fl, ii, hops, free, pend, cnt, capacity, dt, eps, now, track, out_i, out_f, load, g_left,
+          g_latest):
+    """One network update in one dispatch: `_drain`, then the flows started since the last update become active,
+    then `_resolve` (gather, solve, write the rates). `load` receives the bytes/s in use per link (zeros when none
+    are active or not tracked). Returns (finished flows, finished groups, active flows, the earliest time one of them
+    finishes from now: inf when none)."""
+    done, groups = _drain(active, fl, ii, free, cnt, dt, eps, now, out_i, out_f, g_left, g_latest)
+    _activate(active, pend, cnt)
+    n_act, t_min, solved = _resolve(active, cnt[C_SIZE], ii[I_NHOPS], hops, fl[F_CAP], capacity, fl[F_REM],
+                                    fl[F_RATE], track)
+    for k in range(load.shape[0]):
+        load[k] = solved[k]
+    return done, groups, n_act, t_min

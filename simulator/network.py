@@ -34,15 +34,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 import simpy
 
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
-from rackcast.simulator.flowslots import (_apply_rates, _batch, _changed, _drain, _fill_slots, _gather_active,
-                                            _resolve)
+from rackcast.simulator.flowslots import (C_PEND, C_ROWS, C_SIZE, F_CAP, F_RATE, F_REM, F_ROWS, F_START, F_WIRE,
+                                            I_FLOW, I_GROUP, I_NHOPS, I_ROWS, _activate, _apply_rates, _changed,
+                                            _drain, _gather_active, _start, _step)
 
 Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
+
+
+def _per_flow(x) -> bool:
+    """Whether x holds one value per flow (else it is one value for all)."""
+    return isinstance(x, (list, tuple)) or (isinstance(x, np.ndarray) and x.ndim > 0)
+
 
 # Flows due to finish within this many seconds (absolute plus relative to the clock) of now finish now: float
 # rounding of `now + remaining / rate` must not leave a flow with a few bytes for a separate, spurious event.
@@ -89,24 +97,21 @@ class Network:
         self._route_cache: dict[tuple[str, str], np.ndarray] = {}
         self._matrix_cache: dict[tuple, tuple] = {}
 
-        # Flows live in slots of these arrays; a slot is reused after its flow finishes.
-        self._size = 0  # slots ever used
+        # Flows live in slots of these arrays (simulator.flowslots); a slot is reused after its flow finishes.
         self._hops = np.full((0, 8), -1, dtype=np.int64)  # link indices per slot, padded with -1
-        self._nhops = np.zeros(0, dtype=np.int64)
-        self._remaining = np.zeros(0)
-        self._rate = np.zeros(0)
-        self._cap = np.zeros(0)
-        self._lat = np.zeros(0)
-        self._start = np.zeros(0)
-        self._wire = np.zeros(0)
+        self._fl = np.zeros((F_ROWS, 0))
+        self._ii = np.zeros((I_ROWS, 0), dtype=np.int64)
         self._active = np.zeros(0, dtype=bool)
-        self._flow_id = np.zeros(0, dtype=np.int64)
-        self._group = np.zeros(0, dtype=np.int64)
-        self._free: list[int] = []
-        self._groups: dict[int, list] = {}  # gid -> [event, flows not yet drained, latest delivery, tag]
+        self._free = np.zeros(0, dtype=np.int64)
+        self._pend = np.zeros(0, dtype=np.int64)
+        self._out_i = np.zeros((2, 0), dtype=np.int64)
+        self._out_f = np.zeros((2, 0))
+        self._cnt = np.zeros(C_ROWS, dtype=np.int64)
+        self._no_caps: dict[int, np.ndarray] = {}
+        self._groups: dict[int, tuple] = {}  # gid -> (event, tag) until its last flow is delivered
+        self._g_left = np.zeros(0, dtype=np.int64)  # per gid: flows still moving (simulator.flowslots._drain)
+        self._g_latest = np.zeros(0)  # per gid: latest delivery so far
         self._next_group = 0
-        self._next_flow = 0
-        self._pending: list[np.ndarray] = []
         self._last = env.now
         self._kick = False
         self._gen = 0
@@ -114,6 +119,7 @@ class Network:
 
         self.track_utilisation = track_utilisation
         self._load = np.zeros(len(self.links))
+        self._scratch_load = np.zeros(len(self.links))
         self._util_t: list[np.ndarray] = []
         self._util_l: list[np.ndarray] = []
         self._util_v: list[np.ndarray] = []
@@ -193,58 +199,64 @@ class Network:
         if not 0.0 < efficiency <= 1.0:
             raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
         k = hops.shape[0]
-        wire = (np.full(k, float(nbytes)) if np.ndim(nbytes) == 0 else np.asarray(nbytes, dtype=np.float64)) / \
-            efficiency
+        wire = np.asarray(nbytes, dtype=np.float64) / efficiency if _per_flow(nbytes) else \
+            np.full(k, float(nbytes) / efficiency)  # the same division, elementwise or once
         nhops = np.asarray(nhops, dtype=np.int64)
         if lat is None:
             lat = self.route_latencies(hops)
         now = self.env.now
+        if _per_flow(rate_cap_Bps):
+            caps = np.asarray(rate_cap_Bps, dtype=np.float64)
+        elif rate_cap_Bps == math.inf:  # the usual case: no cap (the kernels only read the array)
+            caps = self._no_caps.get(k)
+            if caps is None:
+                caps = self._no_caps[k] = np.full(k, math.inf)
+        else:
+            caps = np.full(k, float(rate_cap_Bps))
+        self._reserve(k, hops.shape[1])
+        gid = self._next_group
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
-        moving, m, deliver, negative = _batch(wire, nhops, lat, float(now))
+        m, deliver, negative = _start(hops, nhops, wire, caps, lat, float(now), gid, self._fl, self._ii, self._hops,
+                                      self._free, self._pend, self._cnt)
         if negative:
             raise ValueError("nbytes must be >= 0")
         done = self.env.event()
         if m == 0:
             self._deliver(done, tag, deliver - now)
             return done
-        gid = self._next_group
         self._next_group += 1
-        self._groups[gid] = [done, m, deliver, tag]
-        slots = self._alloc(m, hops.shape[1])
-        caps = np.full(k, float(rate_cap_Bps)) if np.ndim(rate_cap_Bps) == 0 else \
-            np.asarray(rate_cap_Bps, dtype=np.float64)
-        _fill_slots(slots, moving, hops, nhops, wire, caps, lat, float(now), gid, self._next_flow,
-                    self._hops, self._nhops, self._remaining, self._wire, self._rate, self._cap, self._lat,
-                    self._start, self._group, self._flow_id)
-        self._next_flow += m
-        self._pending.append(slots)
+        if gid >= len(self._g_left):
+            grow = max(64, len(self._g_left))
+            self._g_left = np.concatenate([self._g_left, np.zeros(grow, dtype=np.int64)])
+            self._g_latest = np.concatenate([self._g_latest, np.zeros(grow)])
+        self._g_left[gid] = m
+        self._g_latest[gid] = deliver
+        self._groups[gid] = (done, tag)
         self.stats["flows"] += m
         if not self._kick:
             self._kick = True
             self.env.timeout(0).callbacks.append(self._on_kick)
         return done
 
-    def _alloc(self, m: int, width: int) -> np.ndarray:
+    def _reserve(self, k: int, width: int) -> None:
+        """Room for k more flows of up to `width` hops (growing the slot arrays; the slots a flow gets do not
+        depend on how much room there is)."""
         if width > self._hops.shape[1]:
             grown = np.full((self._hops.shape[0], width), -1, dtype=np.int64)
             grown[:, : self._hops.shape[1]] = self._hops
             self._hops = grown
-        take = min(m, len(self._free))
-        reused = self._free[len(self._free) - take:]
-        del self._free[len(self._free) - take:]
-        fresh = m - take
-        if self._size + fresh > len(self._active):
-            grow = max(64, self._size + fresh, 2 * len(self._active)) - len(self._active)
-            self._hops = np.vstack([self._hops, np.full((grow, self._hops.shape[1]), -1, dtype=np.int64)])
-            for name in ("_nhops", "_flow_id", "_group"):
-                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow, dtype=np.int64)]))
-            for name in ("_remaining", "_rate", "_cap", "_lat", "_start", "_wire"):
-                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow)]))
-            self._active = np.concatenate([self._active, np.zeros(grow, dtype=bool)])
-        slots = np.concatenate([np.array(reused, dtype=np.int64),
-                                np.arange(self._size, self._size + fresh, dtype=np.int64)])
-        self._size += fresh
-        return slots
+        n = len(self._active)
+        if self._cnt[C_SIZE] + k <= n:
+            return
+        grow = max(64, int(self._cnt[C_SIZE]) + k, 2 * n) - n
+        self._hops = np.vstack([self._hops, np.full((grow, self._hops.shape[1]), -1, dtype=np.int64)])
+        self._fl = np.concatenate([self._fl, np.zeros((F_ROWS, grow))], axis=1)
+        self._ii = np.concatenate([self._ii, np.zeros((I_ROWS, grow), dtype=np.int64)], axis=1)
+        self._out_i = np.zeros((2, n + grow), dtype=np.int64)
+        self._out_f = np.zeros((2, n + grow))
+        for name in ("_free", "_pend"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow, dtype=np.int64)]))
+        self._active = np.concatenate([self._active, np.zeros(grow, dtype=bool)])
 
     def _deliver(self, event: simpy.Event, tag, delay: float) -> None:
         if delay > 0:
@@ -265,24 +277,28 @@ class Network:
     def _update(self) -> None:
         now = self.env.now
         eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
-        done, *retired = _drain(self._active, self._size, self._remaining, self._rate, now - self._last, eps,
-                                self._flow_id, self._lat, self._group, now)
-        if done:
-            self._finish(now, *retired)
+        dt = now - self._last
         self._last = now
-        if self._pending:
-            new = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
-            self._pending.clear()
-            self._active[new] = True
-        if self._solve is maxmin_rates:  # gather, solve and apply in one compiled call
-            n_act, t_min, load = _resolve(self._active, self._size, self._nhops, self._hops, self._cap,
-                                          self.capacity, self._remaining, self._rate, self.track_utilisation)
+        # a fresh array when tracked (the previous one is kept to compare against), else scratch
+        load = np.zeros(len(self.links)) if self.track_utilisation else self._scratch_load
+        if self._solve is maxmin_rates:  # drain, retire, activate, gather, solve and apply in one compiled call
+            done, groups, n_act, t_min = _step(self._active, self._fl, self._ii, self._hops, self._free, self._pend,
+                                               self._cnt, self.capacity, dt, eps, now, self.track_utilisation,
+                                               self._out_i, self._out_f, load, self._g_left, self._g_latest)
+            if done:
+                self._finish(now, done, groups)
         else:
-            act, indptr, indices, caps = _gather_active(self._active, self._size, self._nhops, self._hops, self._cap)
-            n_act, t_min, load = act.size, math.inf, np.zeros(len(self.links))
+            done, groups = _drain(self._active, self._fl, self._ii, self._free, self._cnt, dt, eps, now, self._out_i,
+                                  self._out_f, self._g_left, self._g_latest)
+            if done:
+                self._finish(now, done, groups)
+            _activate(self._active, self._pend, self._cnt)
+            act, indptr, indices, caps = _gather_active(self._active, self._cnt[C_SIZE], self._ii[I_NHOPS],
+                                                        self._hops, self._fl[F_CAP])
+            n_act, t_min = act.size, math.inf
             if n_act:
                 rates = self._solve(indptr, indices, self.capacity, caps)
-                t_min, load = _apply_rates(act, indptr, indices, rates, self._remaining, self._rate,
+                t_min, load = _apply_rates(act, indptr, indices, rates, self._fl[F_REM], self._fl[F_RATE],
                                            len(self.links), self.track_utilisation)
         self.stats["max_active"] = max(self.stats["max_active"], n_act)
         if n_act == 0:
@@ -300,22 +316,19 @@ class Network:
         self._gen += 1
         gen = self._gen
         self._wake_at = t_next
-        self.env.timeout(max(t_next - now, 0.0)).callbacks.append(lambda ev, g=gen: self._on_wake(g, ev))
+        self.env.timeout(max(t_next - now, 0.0)).callbacks.append(partial(self._on_wake, gen))
 
-    def _finish(self, now: float, slots, deliver, uniq, counts, latest) -> None:
-        """Deliver the groups whose last flow finished (the arrays of `_finish_slots`, which retired the slots)."""
+    def _finish(self, now: float, done: int, groups: int) -> None:
+        """Deliver the groups whose last flow finished (`flowslots._drain` retired `done` flows, completing
+        `groups` groups, and wrote them to the output buffers)."""
         if self.record_flows:
-            for g, s, d, w in zip(self._group[slots].tolist(), self._start[slots].tolist(), deliver.tolist(),
-                                  self._wire[slots].tolist()):
-                self.flow_log.append((self._groups[g][3], s, d, w))
-        for g, c, d in zip(uniq.tolist(), counts.tolist(), latest.tolist()):
-            rec = self._groups[g]
-            rec[1] -= c
-            rec[2] = max(rec[2], d)
-            if rec[1] == 0:
-                del self._groups[g]
-                self._deliver(rec[0], rec[3], rec[2] - now)
-        self._free.extend(slots.tolist())
+            slots = self._out_i[0, :done]
+            for g, s, d, w in zip(self._ii[I_GROUP, slots].tolist(), self._fl[F_START, slots].tolist(),
+                                  self._out_f[0, :done].tolist(), self._fl[F_WIRE, slots].tolist()):
+                self.flow_log.append((self._groups[g][1], s, d, w))
+        for g, d in zip(self._out_i[1, :groups].tolist(), self._out_f[1, :groups].tolist()):
+            event, tag = self._groups.pop(g)
+            self._deliver(event, tag, d - now)
 
     # ---------------------------------------------------------------------------------------- observation
     def _record_load(self, now: float, load: np.ndarray) -> None:
@@ -343,10 +356,11 @@ class Network:
     def active_rates(self) -> dict:
         """tag -> current rate (bytes/s) of each active flow (flows started this instant are not solved yet; flows
         sharing a tag report the last one's rate)."""
-        act = np.flatnonzero(self._active[: self._size])
-        act = act[np.argsort(self._flow_id[act], kind="stable")]
-        return {self._groups[g][3]: float(r) for g, r in zip(self._group[act].tolist(), self._rate[act].tolist())}
+        act = np.flatnonzero(self._active[: self._cnt[C_SIZE]])
+        act = act[np.argsort(self._ii[I_FLOW, act], kind="stable")]
+        return {self._groups[g][1]: float(r) for g, r in zip(self._ii[I_GROUP, act].tolist(),
+                                                               self._fl[F_RATE, act].tolist())}
 
     @property
     def active_flows(self) -> int:
-        return int(self._active[: self._size].sum()) + sum(len(p) for p in self._pending)
+        return int(self._active[: self._cnt[C_SIZE]].sum()) + int(self._cnt[C_PEND])

@@ -65,6 +65,8 @@ class StepNetwork:
         self._plans: dict[tuple, list] = {}
         self._eff_cache: dict[tuple, float] = {}
         self._a2a_routes: dict[int, tuple] = {}
+        self._a2a_used: dict[tuple, tuple] = {}
+        self._p2p: dict[tuple, list] = {}
         graph = self._quotient_graph() if reduce else _full_graph(topo)
         self.graph = graph
         self.net = Network(env, graph, track_utilisation=track_utilisation)
@@ -181,14 +183,12 @@ class StepNetwork:
                      for n in names]
             yield self.env.all_of(procs)
             return
-        for phase_kind, (hops, nhops, lat), n, alpha, span, div in self._ring_plan(stage, axis, kind):
+        for phase_kind, (hops, nhops, lat), span, div, factor, tail in self._ring_plan(stage, axis, kind):
             msg = nbytes / div
             eff = self._eff(phase_kind, span, msg)
-            yield self.net.transfer_many(hops, nhops, float(algo_factor(phase_kind, n)) * msg, tag=tag,
-                                         efficiency=eff, lat=lat)
-            steps = float(latency_steps(phase_kind, n))
-            if steps > 1 and alpha > 0:
-                yield self.env.timeout((steps - 1) * alpha)
+            yield self.net.transfer_many(hops, nhops, factor * msg, tag=tag, efficiency=eff, lat=lat)
+            if tail is not None:
+                yield self.env.timeout(tail)
 
     def _eff(self, kind: str, span: str, nbytes: float) -> float:
         key = (kind, span, nbytes)
@@ -200,7 +200,8 @@ class StepNetwork:
     def _ring_plan(self, stage: int, axis: str, kind: str) -> list[tuple]:
         """The representative's phases of one collective, as simulator.collectives.collective runs it: a flat
         ring, or (group spanning domains with equal ranks > 1 in each) local and cross-domain rings.
-        Each phase: (kind, links of the representative's ring hop, ring size, alpha, span, bytes divisor)."""
+        Each phase: (kind, links of the representative's ring hop, span, bytes divisor, bytes on the busiest link
+        per byte, the latency of the ring's steps after the first: None when there is none)."""
         key = (stage, axis, kind)
         out = self._plans.get(key)
         if out is not None:
@@ -221,7 +222,10 @@ class StepNetwork:
             alpha = max(float(self.net.latency[self.net.links_of(self.path(ring[i], ring[(i + 1) % n]))].sum())
                         for i in range(n))
             hop = self.net.links_of(self.path(ring[0], ring[1 % n]))[None, :]  # one flow: the representative's
-            out.append((k, (hop, np.array([hop.shape[1]]), self.net.route_latencies(hop)), n, alpha, span, div))
+            steps = float(latency_steps(k, n))
+            tail = (steps - 1) * alpha if steps > 1 and alpha > 0 else None
+            out.append((k, (hop, np.array([hop.shape[1]]), self.net.route_latencies(hop)), span, div,
+                        float(algo_factor(k, n)), tail))
         self._plans[key] = out
         return out
 
@@ -251,21 +255,42 @@ class StepNetwork:
     def all_to_all(self, stage: int, send: np.ndarray, recv: np.ndarray, message_bytes: float, tag=None):
         """Per-port all-to-all over every expert group of `stage`. send, recv: (ep, 3) bytes per rank and category
         (A2A_CATEGORIES), self excluded; message_bytes: the nccl-tests size that picks the efficiency."""
+        yield from self.run_a2a(self.a2a_flows(stage, send, recv, message_bytes), tag)
+
+    def a2a_flows(self, stage: int, send: np.ndarray, recv: np.ndarray, message_bytes: float):
+        """The flows `all_to_all` starts (hops, hop counts, bytes, latencies, efficiency, the latency paid after
+        them), or None when nothing moves; a step that repeats an exchange (the backward's) keeps them."""
         groups = self.members(stage, "expert")
         if len(groups[0]) <= 1:
-            return
+            return None
         hops, nhops, tails, span, lat = self._a2a_port_routes(stage)
-        if self.reduce:
-            send, recv = _busiest_ports(send), _busiest_ports(recv)
+        eff = self._eff("all_to_all", span, message_bytes)
+        if self.reduce:  # six flows at most: plain Python, and the routes of each pattern of used ports kept
+            vals = _busiest_port_list(send) + _busiest_port_list(recv)
+            used = tuple(v > 0 for v in vals)
+            if not any(used):
+                return None
+            sel = self._a2a_used.get((stage, used))
+            if sel is None:
+                mask = np.array(used)
+                sel = self._a2a_used[stage, used] = (hops[mask], nhops[mask], lat[mask], float(tails[mask].max()))
+            return sel[0], sel[1], np.array([v for v, u in zip(vals, used) if u]), sel[2], eff, sel[3]
         nbytes = np.concatenate([send, recv], axis=1).ravel()  # per rank: 3 up, then 3 down categories
-        nbytes = np.tile(nbytes, len(groups) if not self.reduce else 1)
+        nbytes = np.tile(nbytes, len(groups))
         used = nbytes > 0
-        if used.any():
-            yield self.net.transfer_many(hops[used], nhops[used], nbytes[used], tag=tag,
-                                         efficiency=self._eff("all_to_all", span, message_bytes), lat=lat[used])
-            tail = float(tails[used].max())
-            if tail > 0:  # the halves paid their own latency; a pair's route pays both
-                yield self.env.timeout(tail)
+        if not used.any():
+            return None
+        # the halves paid their own latency; a pair's route pays both
+        return hops[used], nhops[used], nbytes[used], lat[used], eff, float(tails[used].max())
+
+    def run_a2a(self, flows, tag=None):
+        """Run the flows of `a2a_flows` (a generator)."""
+        if flows is None:
+            return
+        hops, nhops, nbytes, lat, eff, tail = flows
+        yield self.net.transfer_many(hops, nhops, nbytes, tag=tag, efficiency=eff, lat=lat)
+        if tail > 0:
+            yield self.env.timeout(tail)
 
     def _a2a_port_routes(self, stage: int):
         """Per port flow (rank x {up, down} x category): padded link indices, hop counts, and the latency each
@@ -300,14 +325,18 @@ class StepNetwork:
         """Every rank of src_stage sends nbytes to its counterpart in dst_stage (pipeline send/receive)."""
         if nbytes <= 0 or src_stage == dst_stage:
             return
-        offsets = [0] if self.reduce else range(self.stage_ranks)
-        events = []
-        for j in offsets:
-            a, b = self.rep(src_stage) + j, self.rep(dst_stage) + j
-            span = "scale_up" if self.domain(a) == self.domain(b) else "scale_out"
-            events.append(self.net.transfer(self.net.links_of(self.path(a, b)), nbytes, tag=tag,
-                                            efficiency=self.eff("send_recv", span, nbytes)))
-        yield self.env.all_of(events)
+        key = (src_stage, dst_stage, nbytes)
+        flows = self._p2p.get(key)
+        if flows is None:  # per rank pair: links, hop count, latency, efficiency
+            flows = self._p2p[key] = []
+            for j in [0] if self.reduce else range(self.stage_ranks):
+                a, b = self.rep(src_stage) + j, self.rep(dst_stage) + j
+                span = "scale_up" if self.domain(a) == self.domain(b) else "scale_out"
+                hop = self.net.links_of(self.path(a, b))[None, :]
+                flows.append((hop, np.array([hop.shape[1]]), self.net.route_latencies(hop),
+                              self.eff("send_recv", span, nbytes)))
+        yield self.env.all_of([self.net.transfer_many(hop, nhop, nbytes, tag=tag, efficiency=eff, lat=lat)
+                               for hop, nhop, lat, eff in flows])
 
     def host(self, stage: int, nbytes: float, to_host: bool, tag=None):
         """Every rank of `stage` copies nbytes to (or from) its host over the host link."""
@@ -328,12 +357,13 @@ class StepNetwork:
         return self.graph.edges[self.net.links[index]]["kind"]
 
 
-def _busiest_ports(b: np.ndarray) -> np.ndarray:
-    """(1, 3) bytes standing for the group: the largest NVLink total, and the NIC split (same rail, other rail) of
-    the rank with the largest NIC total (both NIC categories leave through the same NIC)."""
-    nic = b[:, 1] + b[:, 2]
-    r = int(np.argmax(nic))
-    return np.array([[b[:, 0].max(), b[r, 1], b[r, 2]]])
+def _busiest_port_list(b: np.ndarray) -> list[float]:
+    """The 3 bytes standing for the group: the largest NVLink total, and the NIC split (same rail, other rail) of
+    the rank with the largest NIC total (the first such rank; both NIC categories leave through the same NIC)."""
+    rows = b.tolist()
+    nic = [row[1] + row[2] for row in rows]
+    r = nic.index(max(nic))
+    return [max(row[0] for row in rows), rows[r][1], rows[r][2]]
 
 
 def _full_graph(topo: Topology) -> nx.DiGraph:

@@ -95,6 +95,7 @@ class Workload:
         self.tokens_mb = plan.tokens_per_microbatch(spec)
         self.gemm_shape = costs.gemm_shape(self.tokens_mb, spec, par.tensor)
         self._expert_time: dict[float, float] = {}
+        self._comms: dict[tuple, object] = {}  # op programs' Comm records (immutable), built once per layer
         self.n_chunks = par.chunks
         owner = par.chunk_ranks(plan.schedule)
         self.chunk_rank = owner
@@ -238,7 +239,10 @@ class Workload:
 
     def _moe_exchange(self, lw, mb, key, first, second, expert_name, factor, shared_name) -> list:
         """Dispatch, experts, combine; half the shared-expert work runs under each all-to-all."""
-        a2a_bytes = costs.a2a_bytes(self.tokens_mb, self.spec, self.plan.parallel.expert_tensor)
+        a2a_bytes = self._comms.get("a2a_bytes")
+        if a2a_bytes is None:
+            a2a_bytes = self._comms["a2a_bytes"] = costs.a2a_bytes(self.tokens_mb, self.spec,
+                                                                   self.plan.parallel.expert_tensor)
         ops: list = []
         for n, direction in enumerate((first, second)):
             name = "dispatch" if direction == "d" else "combine"
@@ -269,19 +273,28 @@ class Workload:
         par = self.plan.parallel
         if par.tensor <= 1:
             return []
-        nbytes = costs.tensor_bytes(self.tokens_mb, self.spec)
-        return [Start(key, Comm("all_reduce", "tensor", nbytes, "tp", "tp all-reduce")),
-                Wait(key, "exposed_tensor_comm")]
+        comm = self._comms.get("tp")
+        if comm is None:
+            comm = self._comms["tp"] = Comm("all_reduce", "tensor", costs.tensor_bytes(self.tokens_mb, self.spec),
+                                            "tp", "tp all-reduce")
+        return [Start(key, comm), Wait(key, "exposed_tensor_comm")]
 
     def _cp_comm(self, lw: LayerWork) -> Comm:
-        par = self.plan.parallel
-        nbytes = float(costs.context_bytes(self.tokens_mb, self.spec, par.tensor, par.context, lw.index))
-        return Comm("shift", "context", nbytes, "cp", "cp kv exchange")
+        comm = self._comms.get(("cp", lw.index))
+        if comm is None:
+            par = self.plan.parallel
+            nbytes = float(costs.context_bytes(self.tokens_mb, self.spec, par.tensor, par.context, lw.index))
+            comm = self._comms["cp", lw.index] = Comm("shift", "context", nbytes, "cp", "cp kv exchange")
+        return comm
 
     def gather_comms(self, lw: LayerWork) -> list[tuple[Comm, float]]:
-        """FSDP all-gathers of one layer's parameters and the bytes of their unsharded buffers."""
+        """FSDP all-gathers of one layer's parameters and the bytes of their unsharded buffers (the list is kept:
+        callers only read it)."""
+        out = self._comms.get(("gather", lw.index))
+        if out is not None:
+            return out
         par = self.plan.parallel
-        out = []
+        out = self._comms["gather", lw.index] = []
         if par.fsdp > 1:
             out.append((Comm("all_gather", "fsdp", lw.dense_params * W_BYTES, "fsdp", "fsdp all-gather"),
                         W_BYTES * lw.dense_params))
