@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from rackcast.backend.calibrate_compute import run_compute, task_count
 from rackcast.units import KIB, MIB
-from rackcast.backend.cpu_runtime import configure_cpu_process, default_threads
+from rackcast.backend.cpu_runtime import DEFAULT_THREADS, configure_cpu_process
 from rackcast.backend.parallel import close_distributed
 
 # torch 2.13 renamed the tensor forms; older versions only have the old names
@@ -184,7 +184,7 @@ def _worker(rank: int, world: int, port: int, quick: bool, q, threads: int = 0) 
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
         else:
-            configure_cpu_process(world, threads, local_rank=rank)
+            configure_cpu_process(threads, local_rank=rank)
         if world > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                     init_method=f"tcp://127.0.0.1:{port}",
@@ -206,7 +206,7 @@ def _worker(rank: int, world: int, port: int, quick: bool, q, threads: int = 0) 
 
 def measure(world: int, quick: bool = False, on_tick=None, threads: int = 0) -> dict:
     """Run every benchmark on `world` processes (CPU: `threads` torch threads each, by default what the trainer
-    takes for as many processes, backend.cpu_runtime.default_threads);
+    takes for as many processes, backend.cpu_runtime.DEFAULT_THREADS);
     on_tick(label, done, total) reports progress."""
     import torch.multiprocessing as mp
 
@@ -245,6 +245,6 @@ def measure(world: int, quick: bool = False, on_tick=None, threads: int = 0) -> 
             if p.is_alive():
                 p.terminate()
     result.update(world=world, quick=quick, device=device.type, machine=_machine(device),
-                  threads=(threads or default_threads(world)) if device.type == "cpu" else 0,
+                  threads=(threads or DEFAULT_THREADS) if device.type == "cpu" else 0,
                   started_utc=started.isoformat(timespec="seconds"), wall_s=time.perf_counter() - t0)
     return result

@@ -16,7 +16,7 @@ and the allocator's treatment of large freed blocks.
   (mallopt(3): M_MMAP_THRESHOLD, M_TRIM_THRESHOLD) makes freed blocks reusable, as jemalloc or tcmalloc would.
 
     from rackcast.backend.cpu_runtime import configure_cpu_process
-    configure_cpu_process(processes=2, local_rank=0)   # or requested_threads=N to force N
+    configure_cpu_process(local_rank=0)   # or requested_threads=N to force N
 """
 
 from __future__ import annotations
@@ -33,11 +33,7 @@ HEAP_BLOCK_LIMIT = 1 << 30  # blocks up to 1 GiB come from the reusable heap, no
 HEAP_KEEP = 1 << 31  # free heap kept before trimming back to the OS
 
 
-def default_threads(processes: int) -> int:
-    """Torch threads per process for `processes` processes on this machine: one (see the module docstring), whatever
-    the count of processes and of usable cores."""
-    del processes  # kept for the callers' sake: the default no longer depends on it
-    return 1
+DEFAULT_THREADS = 1  # torch threads per process, whatever the count of processes and of usable cores (see above)
 
 
 def keep_freed_memory() -> bool:
@@ -65,10 +61,10 @@ def pin_cores(local_rank: int, threads: int) -> list[int]:
     return cores
 
 
-def configure_cpu_process(processes: int, requested_threads: int = 0, local_rank: int = 0) -> int:
-    """Set torch's intra-op threads (requested_threads, or default_threads(processes)), pin the process to that
-    many cores (pin_cores) and keep freed memory; returns the threads set."""
-    threads = requested_threads or default_threads(processes)
+def configure_cpu_process(requested_threads: int = 0, local_rank: int = 0) -> int:
+    """Set torch's intra-op threads (requested_threads, or DEFAULT_THREADS), pin the process to that many cores
+    (pin_cores) and keep freed memory; returns the threads set."""
+    threads = requested_threads or DEFAULT_THREADS
     pin_cores(local_rank, threads)
     torch.set_num_threads(threads)
     keep_freed_memory()

@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end only)")
     ap.add_argument("--log-every", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads per process (0: backend.cpu_runtime.default_threads)")
+                    help="torch threads per process (0: backend.cpu_runtime.DEFAULT_THREADS)")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args(argv)
 
@@ -103,8 +103,7 @@ class Trainer:
         self.rank, self.world, self.device = init_distributed()
         self.threads = 0
         if self.device.type == "cpu":
-            self.threads = configure_cpu_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), args.threads,
-                                                 int(os.environ.get("LOCAL_RANK", "0")))
+            self.threads = configure_cpu_process(args.threads, int(os.environ.get("LOCAL_RANK", "0")))
         self.cuda = self.device.type == "cuda"
         self.layout = lay = Layout.of(self.plan, self.rank)
         self.groups = Groups(lay, self.device) if self.world > 1 else None

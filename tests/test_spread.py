@@ -64,18 +64,16 @@ def test_pin_cores_pins_each_local_rank_to_its_own_cores_and_wraps():
         os.sched_setaffinity(0, usable)
 
 
-@pytest.mark.parametrize("processes", [1, 2, 4])
-def test_a_cpu_process_takes_one_torch_thread_by_default_whatever_the_process_count(processes):
+def test_a_cpu_process_takes_one_torch_thread_by_default():
     """local-cpu prices one process as one core; more intra-op threads oversubscribe a shared machine."""
     import torch
 
-    from rackcast.backend.cpu_runtime import configure_cpu_process, default_threads
+    from rackcast.backend.cpu_runtime import configure_cpu_process
 
     before, affinity = torch.get_num_threads(), os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
-        assert default_threads(processes) == 1
-        assert configure_cpu_process(processes) == 1 and torch.get_num_threads() == 1
-        assert configure_cpu_process(processes, requested_threads=2) == 2  # --threads asks for more
+        assert configure_cpu_process() == 1 and torch.get_num_threads() == 1
+        assert configure_cpu_process(requested_threads=2) == 2 and torch.get_num_threads() == 2  # --threads N
     finally:
         torch.set_num_threads(before)
         if affinity is not None:
