@@ -237,6 +237,13 @@ class ParallelSpec:
         """Tokens one rank processes per micro-batch (its share of the sequence under context parallelism)."""
         return micro_batch * seq_len / self.context
 
+    def routed_tokens_per_microbatch(self, micro_batch: int, seq_len: int) -> float:
+        """Tokens one rank routes to the experts per micro-batch: its tokens, split again over the tensor ranks by
+        sequence parallelism (the norms, router and routed experts run on 1/tensor of the sequence: Megatron-Core,
+        which requires it with tensor x expert, and backend.tensor_parallel); without it every tensor rank routes
+        them all. Array-friendly."""
+        return self.tokens_per_microbatch(micro_batch, seq_len) / self.tensor ** self.sequence_parallel
+
     # -------------------------------------------------------------------------------------------- validity
     def check(self, spec: ModelSpec, gpus_available: int, schedule: str, fail: Callable[[str, str], None]) -> None:
         """Refuse degrees that do not divide the hardware or the model: `fail(field, message)` for the first
