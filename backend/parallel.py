@@ -176,8 +176,8 @@ class Groups:
             if layout.cp > 1:  # tensor with context is refused: no tp dim here
                 self.fsdp_mesh = dense_fsdp_mesh(layout, device)
             else:
-                # with tensor parallelism (tp innermost, experts replicated over it: the trainer refuses expert > 1
-                # with tensor > 1) the FSDP and tp meshes are dims of one root mesh (pp, data, fsdp, tp), so that
+                # with tensor parallelism (tp innermost; the experts replicated over it, or with expert > 1 their
+                # groups folded over it) the FSDP and tp meshes are dims of one root mesh (pp, data, fsdp, tp), so that
                 # FSDP2 shards the tensor-parallel DTensors again over "shard" (2-D placements, torchtitan's FSDP + TP)
                 dense = init_device_mesh(device.type, (layout.pp, layout.data, layout.fsdp, layout.tp),
                                          mesh_dim_names=("pp", "replicate", "shard", "tp"))

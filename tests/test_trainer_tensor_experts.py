@@ -7,12 +7,17 @@ backend.parallel.Groups.expert_mesh), each tp rank dispatching the tokens it hol
   two expert-data replicas (the data ranks), is divided by data x tp (Layout.expert_divide);
 - TP2 x EP4 x data 2 with sequence parallelism (4 processes): one expert group spans tp x data, each rank routing
   its half of the sequence; the routed experts' gradients are then no tp partial sums (backend.tensor_parallel
-  leaves them out) and are divided by the token ranks only.
+  leaves them out) and are divided by the token ranks only;
+- TP2 x EP2 x FSDP2 (4 processes): FSDP2 shards each expert slice over the fsdp ranks holding it (the expert FSDP
+  mesh's ep dim is the tp pair) and divides its reduce-scatter by fsdp x tp;
+- TP2 x EP2 x data 2 under ZeRO-2 (4 processes): backend.zero reduces each expert slice's gradient to its owner
+  among the expert-data replicas and divides it by Layout.expert_divide (data x tp), the dense ones by the token
+  ranks.
 
 The model is tests/test_trainer_tensor.py's (tiny-moe, eight experts, two stored KV heads on every layer, the short
 convolution after K only).
 
-    .venv/bin/pytest -q tests/test_trainer_tensor_experts.py     (4 tests: about 3 min on 2 shared cores)
+    .venv/bin/pytest -q tests/test_trainer_tensor_experts.py     (8 tests: about 6 min on 2 shared cores)
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ STEPS = 5
 LAYOUTS = {  # name: (parallel, processes)
     "t2e2d2": ({"tensor": 2, "expert": 2, "data": 2}, 4),  # expert groups {0, 1}, {2, 3}: the tp pairs
     "t2e4d2sp": ({"tensor": 2, "expert": 4, "data": 2, "sequence_parallel": True}, 4),  # one group: all four
+    "t2e2f2": ({"tensor": 2, "expert": 2, "fsdp": 2}, 4),
+    "t2e2d2z2": ({"tensor": 2, "expert": 2, "data": 2, "zero": 2}, 4),
 }
 
 
