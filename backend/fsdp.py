@@ -58,12 +58,12 @@ def shard_model(chunks: list[nn.Module], groups, layout, plan, device: torch.dev
             experts = getattr(getattr(block, "mlp", None), "experts", None)
             if experts is not None and experts_sharded:
                 fully_shard(experts, mesh=groups.expert_fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-                # tensor ranks (tp > 1, ep 1) shard the experts too (Layout.expert_fsdp = fsdp x tp): without
-                # sequence parallelism each holds the same whole gradient (same tokens), so divide by the token
-                # ranks (dp x cp) x tp; with it each holds its part of the sequence's, a partial sum that this
+                # the fsdp group spans the tensor ranks (Layout.expert_fsdp = fsdp x tp / expert: the experts
+                # replicated over tp with ep 1, the expert groups folded over tp with ep > 1): without sequence
+                # parallelism the tp ranks route the same tokens, each a whole gradient's copy, so divide by the
+                # token ranks (dp x cp) x tp; with it each routes its part of the sequence, a partial sum that this
                 # reduction completes
-                copies = 1 if layout.sequence_parallel else layout.tp
-                experts.set_gradient_divide_factor(float(layout.tokens * copies))
+                experts.set_gradient_divide_factor(float(layout.tokens * layout.tp_copies))
                 if device.type == "cpu":  # gloo has no pre-multiplied sum: sum, then scale after the reduction
                     experts.set_force_sum_reduction_for_comms(True)
             kept = _unsharded(block) | (set(experts.parameters()) if experts is not None and not experts_sharded

@@ -6,19 +6,26 @@ dp = data x fsdp, cp = context and tp = tensor
 Tensor-parallel ranks read the same samples and the same tokens; context ranks read the same sequences (the batch
 splits by dp_rank) and hold different chunks of them (cp_rank, backend.context_parallel), so the ranks that see
 different tokens are the dp x cp "token ranks" of one (stage, tp_rank), u = dp_rank * cp + cp_rank; dense gradients
-average over them, and the expert groups are runs of expert x expert_tensor consecutive token ranks
-(rackcast.layout.ParallelSpec.expert_group / expert_coordinates; the trainer refuses experts with tensor
-parallelism), expert_tensor innermost:
-    edp_rank, ep_rank, etp_rank = ParallelSpec.expert_coordinates(u)   (edp = dp x cp / (expert x expert_tensor)).
+average over them. The expert groups are runs of expert x expert_tensor consecutive ranks of the stage, tp ranks
+included (rackcast.layout.ParallelSpec.expert_group / expert_coordinates: Megatron-Core's MoE parallel folding over
+tensor x context x data), expert_tensor innermost:
+    edp_rank, ep_rank, etp_rank = ParallelSpec.expert_coordinates(r)   (edp = ParallelSpec.expert_data).
+With tp == 1, r = u. With tp > 1 and expert x expert_tensor = 1 the trainer keeps each tp rank's expert replicas
+apart instead (coordinates of u, edp = dp x cp): backend.tensor_parallel sums the tp ranks' partial expert gradients
+first, which completes the same sum (`Layout.expert_folds_tp` tells the two apart).
 The mesh is `init_device_mesh(device, (pipeline, edp, ep, etp, tp), ("pp", "edp", "ep", "etp", "tp"))` with
 ("edp", "ep", "etp") flattened to "dp" (the token ranks) and ("ep", "etp") to "expert" (the expert group, over which
 the expert all-to-all runs; backend.expert_tensor); each axis is one process group, the context ranks of one
-sequence form group "cp", and the tensor-parallel reductions run over "tp" (backend.tensor_parallel).
+sequence form group "cp", and the tensor-parallel reductions run over "tp" (backend.tensor_parallel). When the
+expert groups fold over the tp ranks they are not dims of that mesh: its expert dims are then (dp x cp, 1, 1) and
+the expert axes come from a mesh of their own, (pipeline, edp, ep, etp) over consecutive ranks (Groups.expert_mesh).
 
 Data parallelism: the dense parameters are wrapped in DDP over "dp", the token ranks (with fsdp > 1 FSDP2 shards
 them instead, backend.fsdp; under ZeRO-2 neither, and backend.zero reduces every gradient to its owner instead of all this);
 the expert stacks are left out of DDP and their gradients are summed over "edp" only and divided by dp, because each
-EP rank already holds the gradient contributions of every rank of its EP group (all_to_all's backward brings them).
+EP rank already holds the gradient contributions of every rank of its EP group (all_to_all's backward brings them);
+with the groups folded over tp ranks that route the same tokens (no sequence parallelism) each token's contribution
+arrives tp times, so the divisor is dp x tp (`Layout.expert_divide`).
 DDP's all-reduce runs through a comm hook that times it, so the data-parallel reduction is a measured phase.
 Pipeline stages are not DDP-wrapped (torch 2.13's DDP reducer fails its bucket rebuild when a PipelineStage runs
 several no_sync micro-batch backwards): their dense gradients are averaged over "dp" by one flat all-reduce after
@@ -56,6 +63,12 @@ def validate_trainable(plan: Plan, where: str = "") -> None:
             raise RackcastError(f"compile: {problem}; set compile: false", where=where)
 
 
+def folds_tp(tp: int, expert_group: int) -> bool:
+    """Whether the trainer folds the expert groups over the tp ranks: tp > 1 with a group of more than one rank;
+    otherwise the expert replicas lie among the token ranks of one tp rank (see the module docstring)."""
+    return tp > 1 and expert_group > 1
+
+
 @dataclass(frozen=True)
 class Layout:
     """This process's coordinates in the plan's grid."""
@@ -70,6 +83,7 @@ class Layout:
     ep_rank: int
     edp_rank: int
     virtual: int
+    edp: int = 1  # expert-data replicas of one expert slice (in the stage, or per tp rank unless expert_folds_tp)
     data: int = 1
     fsdp: int = 1
     expert_fsdp: int = 1  # ways FSDP shards the expert stacks (rackcast.layout.ParallelSpec.expert_fsdp; data replicates them)
@@ -82,9 +96,21 @@ class Layout:
     etp_rank: int = 0
 
     @property
-    def edp(self) -> int:
-        """Expert-data replicas of one stage (and tp_rank): token ranks / (expert x expert_tensor)."""
-        return self.tokens // (self.ep * self.etp)
+    def expert_folds_tp(self) -> bool:
+        """Whether this rank's expert group and expert-data replicas span tp ranks (see `folds_tp`)."""
+        return folds_tp(self.tp, self.ep * self.etp)
+
+    @property
+    def tp_copies(self) -> int:
+        """tp ranks that route the same tokens: all of them without sequence parallelism, else one (each routes its
+        1/tp of the sequence)."""
+        return 1 if self.sequence_parallel else self.tp
+
+    @property
+    def expert_divide(self) -> int:
+        """What an expert gradient summed over the expert-data replicas is divided by: the token ranks, times the
+        tp copies of each token when the replicas span the tp ranks."""
+        return self.tokens * (self.tp_copies if self.expert_folds_tp else 1)
 
     @property
     def tokens(self) -> int:
@@ -98,10 +124,12 @@ class Layout:
         stage, r = divmod(rank, p.stage_ranks)  # stage_ranks = dp x cp x tp
         tp_rank = r % tp
         dp_rank, cp_rank = divmod(r // tp, cp)
-        u = dp_rank * cp + cp_rank  # token rank: the expert groups fold over dp x cp
-        edp_rank, ep_rank, etp_rank = p.expert_coordinates(u)
+        u = dp_rank * cp + cp_rank  # token rank
+        folds = folds_tp(tp, p.expert_group)
+        edp_rank, ep_rank, etp_rank = p.expert_coordinates(r if folds else u)
         return cls(rank=rank, world=p.gpus, pp=p.pipeline, dp=dp, ep=p.expert, stage=stage, dp_rank=dp_rank,
-                   ep_rank=ep_rank, edp_rank=edp_rank, virtual=p.chunks_per_rank, data=p.data,
+                   ep_rank=ep_rank, edp_rank=edp_rank, virtual=p.chunks_per_rank,
+                   edp=p.expert_data if folds else p.expert_data // tp, data=p.data,
                    fsdp=p.fsdp, expert_fsdp=p.expert_fsdp, tp=tp, tp_rank=tp_rank,
                    sequence_parallel=p.sequence_parallel, cp=cp, cp_rank=cp_rank, etp=p.expert_tensor,
                    etp_rank=etp_rank)
@@ -113,8 +141,14 @@ class Groups:
     def __init__(self, layout: Layout, device: torch.device):
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.mesh = init_device_mesh(device.type, (layout.pp, layout.edp, layout.ep, layout.etp, layout.tp),
+        folded = layout.expert_folds_tp
+        experts = (layout.tokens, 1, 1) if folded else (layout.edp, layout.ep, layout.etp)
+        self.mesh = init_device_mesh(device.type, (layout.pp, *experts, layout.tp),
                                      mesh_dim_names=("pp", "edp", "ep", "etp", "tp"))
+        # the expert axes: with the groups folded over the tp ranks, runs of ep x etp consecutive ranks of the stage
+        # (rackcast.layout.ParallelSpec.expert_coordinates), a mesh of their own
+        self.expert_mesh = init_device_mesh(device.type, (layout.pp, layout.edp, layout.ep, layout.etp),
+                                            mesh_dim_names=("pp", "edp", "ep", "etp")) if folded else self.mesh
         self.dp_mesh = self.mesh["edp", "ep", "etp"]._flatten("dp")  # the token ranks (data x fsdp x context)
         self.tp_mesh = self.mesh["tp"]  # the tensor-parallel DeviceMesh (backend.tensor_parallel)
         self.tp = self.tp_mesh.get_group() if layout.tp > 1 else None
@@ -124,13 +158,14 @@ class Groups:
         if layout.cp > 1:
             seq = init_device_mesh(device.type, (layout.pp, layout.dp, layout.cp), mesh_dim_names=("pp", "batch", "cp"))
             self.cp = seq.get_group("cp")
-        self.ep = self.mesh.get_group("ep") if layout.ep > 1 else None
-        self.etp = self.mesh.get_group("etp") if layout.etp > 1 else None
-        self.etp_mesh = self.mesh["etp"]  # the expert-tensor DeviceMesh (backend.expert_tensor's DTensors)
+        em = self.expert_mesh
+        self.ep = em.get_group("ep") if layout.ep > 1 else None
+        self.etp = em.get_group("etp") if layout.etp > 1 else None
+        self.etp_mesh = em["etp"]  # the expert-tensor DeviceMesh (backend.expert_tensor's DTensors)
         # the expert group (expert x expert_tensor ranks), over which the expert all-to-all runs
-        self.expert = self.ep if layout.etp == 1 else self.mesh["ep", "etp"]._flatten("expert").get_group()
-        self.edp = self.mesh.get_group("edp") if layout.edp > 1 else None
-        self.edp_mesh = self.mesh["edp"] if layout.edp > 1 else None
+        self.expert = self.ep if layout.etp == 1 else em["ep", "etp"]._flatten("expert").get_group()
+        self.edp = em.get_group("edp") if layout.edp > 1 else None
+        self.edp_mesh = em["edp"] if layout.edp > 1 else None
         # every rank of the stage (dp x tp): sequence-parallel ranks route different tokens, so the balancer pools
         # its statistics over them all
         self.stage = self.mesh["edp", "ep", "etp", "tp"]._flatten("stage").get_group() \
@@ -141,8 +176,8 @@ class Groups:
             if layout.cp > 1:  # tensor with context is refused: no tp dim here
                 self.fsdp_mesh = dense_fsdp_mesh(layout, device)
             else:
-                # with tensor parallelism (tp innermost, experts replicated over it: the trainer refuses expert > 1
-                # with tensor > 1) the FSDP and tp meshes are dims of one root mesh (pp, data, fsdp, tp), so that
+                # with tensor parallelism (tp innermost; the experts replicated over it, or with expert > 1 their
+                # groups folded over it) the FSDP and tp meshes are dims of one root mesh (pp, data, fsdp, tp), so that
                 # FSDP2 shards the tensor-parallel DTensors again over "shard" (2-D placements, torchtitan's FSDP + TP)
                 dense = init_device_mesh(device.type, (layout.pp, layout.data, layout.fsdp, layout.tp),
                                          mesh_dim_names=("pp", "replicate", "shard", "tp"))
@@ -275,11 +310,12 @@ def _allreduce_flat(grads: list[torch.Tensor], group, divide: int) -> None:
 def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer: PhaseTimer,
                  dense: bool = False, experts: bool = True) -> None:
     """Expert gradients (unless experts=False: FSDP2 reduces them): sum over the expert-data replicas, divide by the
-    token ranks (dp x cp); with expert_tensor > 1 the expert parameters each expert-tensor rank holds whole (the
+    token ranks (dp x cp; times the tp ranks routing the same tokens when the replicas span them,
+    Layout.expert_divide); with expert_tensor > 1 the expert parameters each expert-tensor rank holds whole (the
     down-projection bias, backend.expert_tensor) are first summed over the expert-tensor ranks. With dense=True (pipeline stages and tensor-parallel chunks, which are not DDP-wrapped)
     also average the dense gradients over them (the token ranks of this rank's tp_rank). One flat all-reduce per
     kind, timed."""
-    if layout.tokens == 1:
+    if layout.tokens == 1 and layout.expert_divide == 1:  # expert_divide: tp copies of one token rank's tokens
         return
     t0 = timer.now()
     named = [(n, p) for m in modules for n, p in m.named_parameters() if p.grad is not None]
@@ -291,8 +327,8 @@ def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer
             _allreduce_flat(replicated, groups.etp, 1)
     experts = [p.grad for n, p in named if is_expert_param(n)] if experts else []
     if experts:
-        _allreduce_flat(experts, groups.edp, layout.tokens)
-    if dense:
+        _allreduce_flat(experts, groups.edp, layout.expert_divide)
+    if dense and layout.tokens > 1:
         dense_grads = [p.grad for n, p in named if not is_expert_param(n)]
         if dense_grads:
             _allreduce_flat(dense_grads, groups.dp, layout.tokens)

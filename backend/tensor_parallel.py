@@ -10,8 +10,10 @@ Per block:
   (its channels are the rank's K heads), the output projection row-parallel. Learned q/k norm gains (one per head
   dim, shared by the heads) stay whole and their gradients are summed over "tp" (each rank has its heads' part).
 - dense MLP and each shared expert: gate/up (fused, `order_rows`) or up column-parallel, down row-parallel.
-- replicated: embedding, norms and gated norms, the router and routed experts (expert = expert_tensor = 1 here),
-  the block-output short convolutions and the output head.
+- replicated: embedding, norms and gated norms, the router, the block-output short convolutions and the output
+  head; the routed experts too with expert = 1, while with expert > 1 their expert groups fold over the tp ranks
+  (backend.parallel.Groups.expert_mesh, Megatron-Core's MoE parallel folding) and each tp rank dispatches the tokens
+  it holds through backend.expert_parallel.
 The attention and MLP inputs are one DTensor (PrepareModuleInput), so the column-parallel projections reading them
 share one backward reduction: an all-reduce (tensor_bytes per layer output) without sequence parallelism; with it,
 the input is all-gathered along the sequence before and the row-parallel output reduce-scattered after, and the
@@ -161,7 +163,9 @@ def parallelize(chunks: list[nn.Module], groups, layout) -> list[nn.Parameter]:
 def partial_grad_params(chunks: list[nn.Module], layout) -> list[nn.Parameter]:
     """Whole (not sharded) parameters whose gradient on one tp rank is a partial sum: the learned q/k norm gains
     (each rank has its heads' part), and with sequence parallelism every whole parameter of the blocks (norms,
-    router, routed experts, gated norms: each rank has its part of the sequence)."""
+    router, routed experts, gated norms: each rank has its part of the sequence), less the routed experts when
+    their expert groups fold over the tp ranks (backend.parallel.reduce_grads sums those over the expert-data
+    replicas, which span the tp ranks)."""
     from torch.distributed.tensor import DTensor
 
     out: dict[int, nn.Parameter] = {}
@@ -171,9 +175,11 @@ def partial_grad_params(chunks: list[nn.Module], layout) -> list[nn.Parameter]:
                 scope = [block]
             else:
                 scope = [m for m in (getattr(block.attn, "q_norm", None), getattr(block.attn, "k_norm", None)) if m]
+            routed = {id(p) for p in block.mlp.experts.parameters()} \
+                if layout.expert_folds_tp and isinstance(block.mlp, MoE) else set()
             for module in scope:
                 for p in module.parameters():
-                    if p.requires_grad and not isinstance(p, DTensor):
+                    if p.requires_grad and not isinstance(p, DTensor) and id(p) not in routed:
                         out[id(p)] = p
     return list(out.values())
 

@@ -273,7 +273,8 @@ class Trainer:
                     loss, parts = chunk_loss(self._loss, module, x, y, self.cp)
                 (loss / self.microbatches).backward()
                 if self.zero2:  # backend.zero: this micro-batch's gradients to their owners only
-                    self.zero.reduce_to_owners(lay.tokens, self.timer, last=i == self.microbatches - 1)
+                    self.zero.reduce_to_owners(lay.tokens, self.timer, last=i == self.microbatches - 1,
+                                               expert_divide=lay.expert_divide)
                 loss_sum, ce_sum, z_sum = loss_sum + loss.item(), ce_sum + parts["ce"].item(), \
                     z_sum + parts["z_loss"].item()
                 count += 1
@@ -281,7 +282,7 @@ class Trainer:
         if self.tp_partial:
             reduce_partial_grads(self.tp_partial, self.groups, self.timer)
         if self.zero2 and self.pipe is not None:  # backend.zero: the schedule ran every micro-batch
-            self.zero.reduce_to_owners(lay.tokens, self.timer)
+            self.zero.reduce_to_owners(lay.tokens, self.timer, expert_divide=lay.expert_divide)
         elif self.groups is not None and not self.zero2:
             reduce_grads(self.chunks, self.groups, lay, self.timer,
                          dense=(self.pipe is not None or lay.tp > 1) and not self.fsdp, experts=not self.experts_sharded)

@@ -24,7 +24,8 @@ reduce per owner, together a reduce-scatter over the whole-parameter partition);
 the step so far, and every rank drops those local gradients (p.grad = None), so between micro-batches a rank holds
 reduced gradients of its own parameters only. After the last micro-batch the owner divides by the token ranks
 dp x context (the average the replicas' losses need, as backend.parallel does: expert gradients summed over their
-expert-data replicas, divided by the token ranks) and the sums become its parameters' gradients. The reductions
+expert-data replicas, divided by the token ranks, times tp when the replicas span tp ranks that route the same
+tokens, backend.parallel.Layout.expert_divide) and the sums become its parameters' gradients. The reductions
 are timed as the data-parallel phase ("exposed_dp_comm"), inside the forward-backward span as DDP's comm hook is.
 Under pipeline parallelism the schedule runs every micro-batch itself, so one reduction after the schedule step
 replaces the flat all-reduce.
@@ -83,11 +84,13 @@ class Zero:
         self.stage = stage
         trained = [(n, p) for n, p in named if p.requires_grad]
         self.assigned: list[tuple[nn.Parameter, object, int, bool]] = []  # (param, group, owner's global rank, mine)
-        self.unreplicated: list[nn.Parameter] = []  # one replica (e.g. expert slices with edp 1): owned, not reduced
+        # one replica (e.g. expert slices with edp 1): owned, not reduced; (parameter, whether an expert slice)
+        self.unreplicated: list[tuple[nn.Parameter, bool]] = []
+        self.edp_group = edp_group
         for expert, group in ((False, dp_group), (True, edp_group)):
             params = [p for n, p in trained if is_expert(n) == expert]
             if group is None or not params:
-                self.unreplicated += params  # one replica: this rank owns them all
+                self.unreplicated += [(p, expert) for p in params]  # one replica: this rank owns them all
                 continue
             me = dist.get_rank(group)
             owners = assign_owners([p.numel() for p in params], dist.get_world_size(group))
@@ -115,11 +118,12 @@ class Zero:
                 optimizer.state.pop(p, None)
 
     @torch.no_grad()
-    def reduce_to_owners(self, divide: int, timer=None, last: bool = True) -> None:
+    def reduce_to_owners(self, divide: int, timer=None, last: bool = True, expert_divide: int | None = None) -> None:
         """ZeRO-2, after a micro-batch's backward: each owner's bucket of local gradients reduced to it and added to
         what it holds of the step's earlier micro-batches; every rank then drops those local gradients, so between
         micro-batches a rank holds reduced gradients of its own parameters only. With `last`, the owner's sums,
-        divided by `divide` (the token ranks, data x context), become its parameters' gradients. Parameters without
+        divided by `divide` (the token ranks, data x context; the expert slices' by `expert_divide` when given,
+        backend.parallel.Layout.expert_divide), become its parameters' gradients. Parameters without
         a local gradient contribute zeros (every rank must join each reduce). Timed as "exposed_dp_comm" when a
         backend.parallel.PhaseTimer is given."""
         t0 = timer.now() if timer is not None else 0.0
@@ -135,11 +139,13 @@ class Zero:
                 self._sums[key] = flat if held is None else held.add_(flat)
             del flat
         if last:
-            for p in self.unreplicated:  # e.g. expert slices whose expert group is the whole dp group: averaged only
+            per_expert = {False: divide, True: expert_divide or divide}
+            for p, expert in self.unreplicated:  # e.g. expert slices whose expert group is the whole dp group
                 if p.grad is not None:
-                    p.grad.div_(divide)
+                    p.grad.div_(per_expert[expert])
             for key, flat in self._sums.items():
-                flat.div_(divide)
+                group = self._buckets()[key][0]
+                flat.div_(per_expert[self.edp_group is not None and group is self.edp_group])
                 offset = 0
                 for p in self._buckets()[key][1]:
                     local = _local(p)

@@ -47,6 +47,7 @@ class Capabilities:
     balanced_routing: bool  # expert_transport.routing: balanced forces the router's choices (rackcast.vocab)
     compile_processes: int  # largest process count a plan with compile: true may use (0: compile not implemented)
     tensor_with_experts: bool = True  # tensor > 1 together with expert > 1
+    tensor_experts_with_pipeline: bool = True  # tensor > 1 and expert > 1 together with pipeline > 1
     tensor_with_context: bool = True  # tensor > 1 together with context > 1
     tensor_with_sharding: bool = True  # tensor > 1 together with fsdp > 1 or ZeRO
     tensor_with_offload: bool = True  # tensor > 1 with optimizer state in host memory
@@ -88,7 +89,11 @@ TRAINER = Capabilities(
     dropout=False,
     balanced_routing=True,  # backend.moe.balanced_assignment forces the choices; the router's scores weigh them
     compile_processes=1,  # backend.compiled: torch.compile on one-process plans (not tried with parallel layouts)
-    tensor_with_experts=False,  # the expert all-to-all's groups are not folded over the tp ranks yet
+    # backend.parallel.Groups.expert_mesh folds the expert groups over the tp ranks (rackcast.layout's
+    # expert_coordinates) and backend.expert_parallel dispatches each tp rank's tokens over them; with FSDP2
+    # (backend.fsdp) and ZeRO (backend.zero) the expert gradients are divided by Layout.expert_divide too
+    tensor_with_experts=True,
+    tensor_experts_with_pipeline=False,  # TP2 x EP2 x PP2 with sequence parallelism hung on gloo (not resolved)
     tensor_with_context=False,  # not tried: tp and cp meshes are built apart (backend.parallel.Groups)
     tensor_with_sharding=True,  # backend.fsdp (FSDP2 over the tp DTensors, one root mesh) and backend.zero (owners per tp rank)
     tensor_with_offload=True,  # backend.offload (host copies of the tp DTensors on the CPU mesh; CUDA meshes refused there)
@@ -98,7 +103,7 @@ TRAINER = Capabilities(
     context_with_zero=True,  # backend.zero over the token ranks (data x fsdp x context), divided by them
     context_with_pipeline=True,  # backend.train._pipeline_loss: stages on sequence chunks, the loss scaled per chunk
     context_model_features=False,  # MTP; latent attention and the aux loss run (backend.latent_attention, .frontier_routing)
-    expert_tensor_with_tensor=False,  # not tried: the expert group folds over the token ranks of one tp rank only
+    expert_tensor_with_tensor=False,  # not tried: width slices in an expert group folded over the tp ranks
     expert_tensor_with_context=False,  # not tried
     expert_tensor_with_fsdp=False,  # FSDP2 over the ETP DTensor slices not tried
     expert_tensor_with_pipeline=False,  # not tried
@@ -199,6 +204,9 @@ def _tensor_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
     p, out = plan.parallel, []
     if p.expert > 1 and not caps.tensor_with_experts:
         out.append("parallel.tensor: tensor parallelism together with expert > 1 is not implemented by the trainer")
+    elif p.expert > 1 and p.pipeline > 1 and not caps.tensor_experts_with_pipeline:
+        out.append("parallel.tensor: tensor parallelism together with expert > 1 and pipeline > 1 is not "
+                   "implemented by the trainer")
     if p.context > 1 and not caps.tensor_with_context:
         out.append("parallel.tensor: tensor parallelism together with context > 1 is not implemented by the trainer")
     if (p.fsdp > 1 or p.zero > 0) and not caps.tensor_with_sharding:

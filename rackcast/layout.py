@@ -158,12 +158,14 @@ class ParallelSpec:
         over them."""
         return self.expert * self.expert_tensor
 
-    def expert_coordinates(self, token_rank: int) -> tuple[int, int, int]:
-        """(expert-data replica, expert rank, expert-tensor rank) of the stage's `token_rank`-th rank among those
-        that see different tokens: expert groups are runs of expert x expert_tensor consecutive such ranks, each
+    def expert_coordinates(self, stage_rank: int) -> tuple[int, int, int]:
+        """(expert-data replica, expert rank, expert-tensor rank) of the stage's `stage_rank`-th rank (its index in
+        the data x fsdp x context x tensor grid, tensor innermost): expert groups are runs of expert x expert_tensor
+        consecutive ranks of the stage, tensor ranks included (Megatron-Core's MoE parallel folding: the expert
+        group folds over tensor x context x data; simulator.placement.place's expert group, stride 1), each
         `expert` blocks of expert_tensor consecutive ranks (expert_tensor innermost; the block holds one slice of
         the experts, split by width over its ranks), as simulator.workload.ExpertLoads places them."""
-        replica, r = divmod(token_rank, self.expert_group)
+        replica, r = divmod(stage_rank, self.expert_group)
         return replica, r // self.expert_tensor, r % self.expert_tensor
 
     @property
@@ -234,6 +236,13 @@ class ParallelSpec:
     def tokens_per_microbatch(self, micro_batch: int, seq_len: int) -> float:
         """Tokens one rank processes per micro-batch (its share of the sequence under context parallelism)."""
         return micro_batch * seq_len / self.context
+
+    def routed_tokens_per_microbatch(self, micro_batch: int, seq_len: int) -> float:
+        """Tokens one rank routes to the experts per micro-batch: its tokens, split again over the tensor ranks by
+        sequence parallelism (the norms, router and routed experts run on 1/tensor of the sequence: Megatron-Core,
+        which requires it with tensor x expert, and backend.tensor_parallel); without it every tensor rank routes
+        them all. Array-friendly."""
+        return self.tokens_per_microbatch(micro_batch, seq_len) / self.tensor ** self.sequence_parallel
 
     # -------------------------------------------------------------------------------------------- validity
     def check(self, spec: ModelSpec, gpus_available: int, schedule: str, fail: Callable[[str, str], None]) -> None:

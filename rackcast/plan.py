@@ -182,6 +182,10 @@ class Plan:
         """Tokens one rank processes per micro-batch (rackcast.layout.ParallelSpec.tokens_per_microbatch)."""
         return self.parallel.tokens_per_microbatch(self.batch.micro_batch, spec.seq_len)
 
+    def routed_tokens_per_microbatch(self, spec: ModelSpec) -> float:
+        """Tokens one rank routes to the experts per micro-batch (ParallelSpec.routed_tokens_per_microbatch)."""
+        return self.parallel.routed_tokens_per_microbatch(self.batch.micro_batch, spec.seq_len)
+
     def rank_layers(self, spec: ModelSpec, rank: int = 0) -> list[int]:
         """Layers pipeline rank `rank` holds under this plan's schedule (rackcast.layout.ParallelSpec.rank_layers)."""
         return self.parallel.rank_layers(rank, self.schedule, spec.layers)

@@ -160,11 +160,11 @@ def _moe_eager(spec: ModelSpec, plan: Plan, e: float) -> float:
     sp = plan.parallel.tensor if plan.parallel.sequence_parallel else 1
     k = m.top_k
     total = e * d / sp  # input: router, W_down (latent) and the shared experts read it
-    total += FP32 * m.experts  # router logits (fp32), read by gather's backward
-    total += INDEX_BYTES * (k + 1)  # topk(k + 1) indices; gather reads the first k (a view)
-    total += FP32 * (k + 2)  # sigmoid of the chosen logits; 1 / their sum and combine_sum / their sum
+    routed = FP32 * m.experts  # router logits (fp32), read by gather's backward
+    routed += INDEX_BYTES * (k + 1)  # topk(k + 1) indices; gather reads the first k (a view)
+    routed += FP32 * (k + 2)  # sigmoid of the chosen logits; 1 / their sum and combine_sum / their sum
     if m.latent_dim:  # latent_norm (RMSNorm): input, statistic, normalised output; W_up's input
-        total += e * m.latent_dim + FP32 + e * m.latent_dim + e * m.latent_dim
+        routed += e * m.latent_dim + FP32 + e * m.latent_dim + e * m.latent_dim
     # Per routed copy: its token index (index_select), the gathered row (the experts' input), the expert's hidden
     # tensors, its output row (torch.cat), the sort order (weights[order]), its combine weight, the weighted row
     # (index_add_'s source) and index_add_'s token index.
@@ -175,7 +175,8 @@ def _moe_eager(spec: ModelSpec, plan: Plan, e: float) -> float:
         # gathered rows go to the all-to-all, which saves nothing), the returned rows the weighted product's; on top
         # the regrouping index and the experts' output rows, which index_copy's backward keeps.
         per_copy += INDEX_BYTES + e * x
-    total += k * per_copy
+    routed += k * per_copy
+    total += routed / sp  # the router and routed experts run on 1/sp of the tokens (routed_tokens_per_microbatch)
     total += m.shared_experts * e * m.shared_ffn / plan.parallel.tensor * _hidden_tensors(spec, True)
     return total
 
@@ -220,13 +221,14 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layer: int, plan: Plan, dt
         x = spec.expert_input_dim
         et = par.expert_tensor
         total += e * d / sp  # MoE input (router, latent projection, shared experts read it)
-        total += FP32 * m.experts  # router logits in fp32
+        routed = FP32 * m.experts  # router logits in fp32
         if m.latent_dim:
-            total += 2 * e * m.latent_dim  # latent norm input and W_up input
+            routed += 2 * e * m.latent_dim  # latent norm input and W_up input
         # Per routed copy: its input and output rows on each of the et expert-tensor ranks, and the hidden
         # activations (gate, up, act) of width expert_ffn / et on each of them.
         per_copy = et * e * x * 2 + e * m.expert_ffn * _hidden_tensors(spec, False)
-        total += m.top_k * per_copy
+        routed += m.top_k * per_copy
+        total += routed / sp  # the router and routed experts run on 1/sp of the tokens (routed_tokens_per_microbatch)
         total += m.shared_experts * e * m.shared_ffn / t * _hidden_tensors(spec, False)
     else:
         total += e * d / sp  # MLP input

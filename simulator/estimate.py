@@ -115,6 +115,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     par = plan.parallel
     t, cp = par.tensor, par.context
     tokens_mb = plan.tokens_per_microbatch(spec)
+    routed_mb = plan.routed_tokens_per_microbatch(spec)  # what one rank dispatches to the experts
     m = plan.microbatches
     pl = place(plan, np.where(plan.usable > 0, plan.usable, topo.scale_up.usable_gpus) if arrays else
                topo.scale_up.usable_gpus)
@@ -123,15 +124,15 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     rp = rank_params(spec, plan, 0)
     m_imbalance, drop = 1.0, 0.0
     if spec.moe is not None:
-        tokens_group = tokens_mb * par.expert_group  # tokens routed inside one expert group per micro-batch
+        tokens_group = routed_mb * par.expert_group  # tokens routed inside one expert group per micro-batch
         m_imbalance, drop = per_key(plan, ("transport", "expert", tokens_group), lambda p: _load_factor(
             p.expert_transport, spec.moe.experts, spec.moe.top_k, p.parallel.expert,
-            p.tokens_per_microbatch(spec) * p.parallel.expert_group, seed=p.seed))
+            p.routed_tokens_per_microbatch(spec) * p.parallel.expert_group, seed=p.seed))
     full = np.asarray(plan.recompute == "full", dtype=float)
     recomputed_attn = np.asarray(plan.recompute != "none", dtype=float)
     dense_shape = costs.gemm_shape(tokens_mb, spec, t)
     # The most loaded rank's experts: balanced rows x the routing draw's imbalance (capacity: the padded rows).
-    expert_shape = costs.expert_shape(costs.expert_rows(tokens_mb, spec, par.expert_group) * m_imbalance, spec,
+    expert_shape = costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group) * m_imbalance, spec,
                                       par.expert, par.expert_tensor)
 
     # Every stage's work (simulator.stage_work), padded to the deepest pipeline: rows[name][..., stage].
@@ -141,7 +142,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     flat = np.stack(np.broadcast_arrays(*flat), axis=-1)
     rows = dict(zip(_STAGE_ROWS, np.moveaxis(flat.reshape(flat.shape[:-1] + (len(_STAGE_ROWS), width)), -2, 0)))
     col = lambda x: np.asarray(x, dtype=float)[..., None]  # noqa: E731  a per-plan value against the stage axis
-    tok, tt, imb = col(tokens_mb), col(t), col(m_imbalance)
+    tok, tt, imb, routed = col(tokens_mb), col(t), col(m_imbalance), col(routed_mb)
     top = spec.top_param_breakdown()
     embed_end = top.get("embedding", 0) + top.get("positions", 0) + top.get("embed_norm", 0) + \
         top.get("embed_gated_norm", 0)
@@ -152,11 +153,11 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head.
     stage = {
         "gemm_flops": rows["gemm"] * tok / tt, "head_flops": (rows["head"] + rows["embed"]) * tok / tt,
-        "attn_flops": rows["attn"] * tok / tt, "expert_flops": rows["experts"] * tok * imb,
+        "attn_flops": rows["attn"] * tok / tt, "expert_flops": rows["experts"] * routed * imb,
         "shared_flops": rows["shared"] * tok / tt,
         "rec_gemm_flops": rows["gemm"] * tok / tt * col(full),
         "rec_attn_flops": rows["attn"] * tok / tt * col(recomputed_attn),
-        "rec_expert_flops": rows["experts"] * tok * imb * col(full),
+        "rec_expert_flops": rows["experts"] * routed * imb * col(full),
         "elementwise_bytes": rows["elem_bytes"] * tok, "layers": rows["layers"], "moe_layers": rows["moe_layers"],
         "fsdp_bytes": rows["dense_params"] * gathered, "fsdp_embed_bytes": rows["first"] * embed_end * gathered,
         "fsdp_head_bytes": rows["last"] * head_end * gathered,
@@ -206,7 +207,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "cp_layer_s": sum(collective_time(topo, "send_recv", cp, costs.context_bytes(tokens_mb, spec, t, cp, i),
                                           pl.context.span == "scale_out") for i in range(spec.layers)) / spec.layers,
         "ep_n": par.expert_group, "ep_out": pl.expert.span == "scale_out",
-        "a2a_bytes": costs.a2a_bytes(tokens_mb, spec, par.expert_tensor) * m_imbalance,
+        "a2a_bytes": costs.a2a_bytes(routed_mb, spec, par.expert_tensor) * m_imbalance,
         # pipeline hops between neighbouring stages, inside a domain and across (stages are placed outermost)
         "pp_hops_out": pl.pipeline.domains - 1, "pp_hops_up": par.pipeline - pl.pipeline.domains,
         "pp_bytes": costs.pipeline_bytes(tokens_mb, spec),

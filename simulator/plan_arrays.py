@@ -109,6 +109,9 @@ class PlanArrays:
     def tokens_per_microbatch(self, spec) -> np.ndarray:
         return self.parallel.tokens_per_microbatch(self.batch.micro_batch, spec.seq_len)
 
+    def routed_tokens_per_microbatch(self, spec) -> np.ndarray:
+        return self.parallel.routed_tokens_per_microbatch(self.batch.micro_batch, spec.seq_len)
+
     def plan(self, i: int) -> Plan:
         """The i-th plan (built once, kept)."""
         plan = self._plans.get(i)

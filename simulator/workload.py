@@ -93,6 +93,7 @@ class Workload:
 
             self.counts = op_counts(spec, plan.optimizer.name)
         self.tokens_mb = plan.tokens_per_microbatch(spec)
+        self.routed_mb = plan.routed_tokens_per_microbatch(spec)  # what the rank dispatches to the experts
         self.gemm_shape = costs.gemm_shape(self.tokens_mb, spec, par.tensor)
         self._expert_time: dict[float, float] = {}
         self._comms: dict[tuple, object] = {}  # op programs' Comm records (immutable), built once per layer
@@ -241,7 +242,7 @@ class Workload:
         """Dispatch, experts, combine; half the shared-expert work runs under each all-to-all."""
         a2a_bytes = self._comms.get("a2a_bytes")
         if a2a_bytes is None:
-            a2a_bytes = self._comms["a2a_bytes"] = costs.a2a_bytes(self.tokens_mb, self.spec,
+            a2a_bytes = self._comms["a2a_bytes"] = costs.a2a_bytes(self.routed_mb, self.spec,
                                                                    self.plan.parallel.expert_tensor)
         ops: list = []
         for n, direction in enumerate((first, second)):
@@ -356,7 +357,7 @@ class ExpertLoads:
         self.layers = sorted({lw.index for st in work.stages for c in st.chunks.values() for lw in c if lw.moe})
         self.slot = {layer: k for k, layer in enumerate(self.layers)}
         m = plan.microbatches
-        tokens = max(int(round(work.tokens_mb)), 1)
+        tokens = max(int(round(work.routed_mb)), 1)
         rng = np.random.default_rng(seed)
         probs = expert_probabilities(plan.expert_transport, moe.experts, seed)
         size = (m, len(self.layers), group)

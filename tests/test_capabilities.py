@@ -94,7 +94,6 @@ def test_tensor_parallel_layouts_are_offered_and_their_limits_refused(tmp_path):
     plan = load_plan(str(_plan(tmp_path, parallel={"tensor": 2, "expert": 2, "sequence_parallel": True})))
     reasons = refusals(plan, plan.model_spec())
     assert [r.split(": ")[1][:40] for r in reasons] == [
-        "tensor parallelism together with expert ",
         "short convolutions on the block outputs ",  # tiny-moe's conv.sites attn and mlp
         "the trainer splits KV heads over the ten",  # tiny-moe's global layers attend with 1 of 2 stored heads
     ]
@@ -159,3 +158,26 @@ def test_expert_tensor_plans_pass_train_check_and_its_untried_combinations_are_r
     offered = enumerate_space(spec, 1, 4, 4, SpaceOptions(global_batch=8), 1e9).layouts
     etp = [lay.parallel for lay in offered if lay.parallel.expert_tensor > 1]
     assert etp and all(p.tensor == p.context == p.fsdp == p.pipeline == 1 and p.zero == 0 for p in etp)
+
+
+def test_tensor_with_experts_passes_train_check_and_only_its_pipelines_are_refused(tmp_path, cli):
+    """The trainer folds the expert groups over the tensor ranks (backend.parallel.Groups.expert_mesh), so the
+    example TP2 x EP2 plan passes `rackcast train PLAN --check` and nothing refuses tensor with expert, with fsdp or
+    with ZeRO; with a pipeline it is refused, one "parallel.tensor" line, and the simulator prices it."""
+    from dataclasses import replace
+
+    from rackcast.layout import ParallelSpec
+
+    path = PLANS / "tiny-2proc-tp-ep.yaml"
+    proc = cli("train", str(path), "--check")
+    assert proc.returncode == 0, proc.stderr
+    assert "can run this plan (2 processes)" in proc.stdout
+    plan = load_plan(str(path))
+    spec = plan.model_spec()
+    assert plan.parallel.tensor == plan.parallel.expert == 2 and refusals(plan, spec) == []
+    for parallel in (ParallelSpec(tensor=2, expert=2, fsdp=2), ParallelSpec(tensor=2, expert=2, data=2, zero=2)):
+        assert refusals(replace(plan, parallel=parallel), spec) == []
+    piped = replace(plan, parallel=ParallelSpec(tensor=2, expert=2, pipeline=2))
+    assert refusals(piped, spec) == ["parallel.tensor: tensor parallelism together with expert > 1 and pipeline > 1 "
+                                     "is not implemented by the trainer"]
+    assert refusals(piped, spec, EVERYTHING) == []

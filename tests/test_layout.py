@@ -140,3 +140,27 @@ def test_zero_shards_over_the_data_and_context_replicas():
     assert ParallelSpec(data=2, context=2, zero=1).grad_shards == 1
     assert ParallelSpec(data=2, context=2, zero=2).grad_shards == 4
     assert ParallelSpec(fsdp=2, context=2).state_shards == ParallelSpec(fsdp=2, context=2).grad_shards == 2
+
+
+def test_sequence_parallelism_splits_the_tokens_a_rank_routes_and_the_simulator_prices_that():
+    """With tensor x expert the expert groups fold over the tensor ranks, and under sequence parallelism each tensor
+    rank routes its 1/tensor of the sequence (Megatron-Core; backend.tensor_parallel): the estimate's all-to-all
+    bytes and routed-expert FLOPs and the event simulator's dispatch halve at TP2; without it every tensor rank
+    routes all its tokens (balanced routing, so that the draw's expected imbalance does not change with the
+    tokens)."""
+    from dataclasses import replace
+
+    from rackcast.simulator.estimate import plan_features
+    from rackcast.simulator.workload import Workload
+
+    sp = load_plan(str(PLANS / "tiny-2proc-tp-ep.yaml"))
+    sp = replace(sp, expert_transport=replace(sp.expert_transport, routing="balanced"))  # no draw's imbalance
+    whole = replace(sp, parallel=replace(sp.parallel, sequence_parallel=False))
+    spec, topo = sp.model_spec(), sp.topology_spec()
+    assert sp.parallel.tensor == 2 and sp.parallel.sequence_parallel
+    assert sp.routed_tokens_per_microbatch(spec) * 2 == whole.routed_tokens_per_microbatch(spec) == \
+        whole.tokens_per_microbatch(spec)
+    halved, full = plan_features(spec, sp, topo), plan_features(spec, whole, topo)
+    for key in ("a2a_bytes", "expert_flops"):
+        assert halved[key] * 2 == pytest.approx(full[key]), key
+    assert Workload(spec, sp, topo).loads.rows.sum() * 2 == Workload(spec, whole, topo).loads.rows.sum()
