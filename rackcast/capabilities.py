@@ -102,12 +102,13 @@ TRAINER = Capabilities(
     context_with_fsdp=True,  # backend.parallel.dense_fsdp_mesh: sharded over fsdp, replicated over data x context
     context_with_zero=True,  # backend.zero over the token ranks (data x fsdp x context), divided by them
     context_with_pipeline=True,  # backend.train._pipeline_loss: stages on sequence chunks, the loss scaled per chunk
-    context_model_features=False,  # MTP; latent attention and the aux loss run (backend.latent_attention, .frontier_routing)
+    # MTP is refused; latent attention and the aux loss run (backend.latent_attention, backend.frontier_routing)
+    context_model_features=False,
     expert_tensor_with_tensor=False,  # not tried: width slices in an expert group folded over the tp ranks
-    expert_tensor_with_context=False,  # not tried
-    expert_tensor_with_fsdp=False,  # FSDP2 over the ETP DTensor slices not tried
-    expert_tensor_with_pipeline=False,  # not tried
-    expert_tensor_with_zero=False,  # backend.zero's owner shards of ETP DTensors not tried
+    expert_tensor_with_context=True,  # the width slices' gradients averaged over the token ranks data x context
+    expert_tensor_with_fsdp=False,  # runs while expert_fsdp is 1; FSDP2 sharding the ETP slices (fsdp 4 x ETP2) fails
+    expert_tensor_with_pipeline=True,  # each stage's expert stacks sliced as without a pipeline
+    expert_tensor_with_zero=False,  # ZeRO-1 trains like one process; ZeRO-2 ended 1.2e-3 from it (D2 x ETP2, AdamW)
 )
 
 # Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.

@@ -36,7 +36,7 @@ def data_folder(tmp_path_factory):
     ("parallel.tensor", "tiny-1proc", dict(tensor=2)),
     # context runs with fsdp, ZeRO, pipelines and latent attention; with multi-token prediction it is refused
     ("parallel.context", "tiny-deepseek-v3", dict(context=2)),
-    ("parallel.expert_tensor", "tiny-1proc", dict(expert_tensor=2, pipeline=2)),  # with pipeline refused
+    ("parallel.expert_tensor", "tiny-1proc", dict(expert_tensor=2, fsdp=2)),  # with fsdp refused
 ])
 def test_validate_trainable_refuses_unsupported_parallelism_naming_the_field(field, plan_name, change):
     plan = load_plan(PLANS / f"{plan_name}.yaml")
