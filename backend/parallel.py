@@ -307,6 +307,30 @@ def _allreduce_flat(grads: list[torch.Tensor], group, divide: int) -> None:
         offset += g.numel()
 
 
+def expert_tensor_partials(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The expert parameters every expert-tensor rank holds whole (the down-projection bias, backend.expert_tensor):
+    each rank's gradient of them is a partial sum over the expert-tensor ranks."""
+    from rackcast.backend.expert_tensor import is_width_replicated
+
+    return [p for m in modules for n, p in m.named_parameters() if is_expert_param(n) and is_width_replicated(p)]
+
+
+def _sum_grads(params: list[nn.Parameter], group) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        _allreduce_flat(grads, group, 1)
+
+
+def expert_tensor_presum(modules: list[nn.Module], groups: Groups, layout: Layout):
+    """For backend.zero (ZeRO-2, which reduces gradients without reduce_grads): a function that sums, over the
+    expert-tensor ranks, the partial gradients of those of the given parameters that need it (expert_tensor_partials)
+    before they are reduced; None without expert tensor parallelism."""
+    if layout.etp == 1:
+        return None
+    partial = {id(p) for p in expert_tensor_partials(modules)}
+    return lambda params: _sum_grads([p for p in params if id(p) in partial], groups.etp)
+
+
 def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer: PhaseTimer,
                  dense: bool = False, experts: bool = True) -> None:
     """Expert gradients (unless experts=False: FSDP2 reduces them): sum over the expert-data replicas, divide by the
@@ -320,11 +344,7 @@ def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer
     t0 = timer.now()
     named = [(n, p) for m in modules for n, p in m.named_parameters() if p.grad is not None]
     if experts and layout.etp > 1:  # expert parameters every expert-tensor rank holds whole: partial gradients
-        from rackcast.backend.expert_tensor import is_width_replicated
-
-        replicated = [p.grad for n, p in named if is_expert_param(n) and is_width_replicated(p)]
-        if replicated:
-            _allreduce_flat(replicated, groups.etp, 1)
+        _sum_grads(expert_tensor_partials(modules), groups.etp)
     experts = [p.grad for n, p in named if is_expert_param(n)] if experts else []
     if experts:
         _allreduce_flat(experts, groups.edp, layout.expert_divide)

@@ -51,8 +51,8 @@ from rackcast.backend.launch import exit_with_parent
 from rackcast.backend.model import build_model, next_token_loss, shifted_targets
 from rackcast.backend.moe import MoE
 from rackcast.backend.optim import build_optimizer, marin_lr_lambda
-from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, init_distributed, is_expert_param, reduce_grads,
-                                      validate_trainable, wrap_data_parallel)
+from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, expert_tensor_presum, init_distributed,
+                                      is_expert_param, reduce_grads, validate_trainable, wrap_data_parallel)
 from rackcast.backend.fsdp import expert_checkpoint_mesh, set_gradient_sync, shard_model
 from rackcast.backend.tensor_parallel import parallelize, reduce_partial_grads, stored_orders
 from rackcast.backend.offload import HostOptimizer
@@ -169,7 +169,8 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["initial_lr"] = g["lr"]
         self.zero = Zero(self.local.named_parameters(), self.groups.dp, self.groups.edp, is_expert_param,
-                         stage=self.plan.parallel.zero) if self.plan.parallel.zero and self.groups else None
+                         stage=self.plan.parallel.zero, presum=expert_tensor_presum(self.chunks, self.groups, lay)) \
+            if self.plan.parallel.zero and self.groups else None
         self.lr_factor = marin_lr_lambda(args.steps, o.warmup_fraction, o.lr_floor)
         dp_group = self.groups.stage if self.groups else None  # dp, or dp x tp under sequence parallelism
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None

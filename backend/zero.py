@@ -78,10 +78,13 @@ class Zero:
     broadcast that shares the updates (see the module)."""
 
     def __init__(self, named: Iterable[tuple[str, nn.Parameter]], dp_group, edp_group,
-                 is_expert: Callable[[str], bool], stage: int = 1):
+                 is_expert: Callable[[str], bool], stage: int = 1, presum: Callable | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage {stage}: backend.zero runs stages 1 and 2")
         self.stage = stage
+        # ZeRO-2: sums partial local gradients (e.g. over expert-tensor ranks) of the parameters given to it, before
+        # they are reduced or, unreplicated, become gradients (backend.parallel.expert_tensor_presum)
+        self.presum = presum
         trained = [(n, p) for n, p in named if p.requires_grad]
         self.assigned: list[tuple[nn.Parameter, object, int, bool]] = []  # (param, group, owner's global rank, mine)
         # one replica (e.g. expert slices with edp 1): owned, not reduced; (parameter, whether an expert slice)
@@ -129,6 +132,8 @@ class Zero:
         t0 = timer.now() if timer is not None else 0.0
         me = dist.get_rank()
         for key, (group, params) in self._buckets().items():  # insertion order: the same on every rank
+            if self.presum is not None:
+                self.presum(params)
             flat = torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
                               for p in params])
             for p in params:
@@ -139,6 +144,8 @@ class Zero:
                 self._sums[key] = flat if held is None else held.add_(flat)
             del flat
         if last:
+            if self.presum is not None:  # their local gradients accumulated over the micro-batches: summed once
+                self.presum([p for p, _ in self.unreplicated])
             per_expert = {False: divide, True: expert_divide or divide}
             for p, expert in self.unreplicated:  # e.g. expert slices whose expert group is the whole dp group
                 if p.grad is not None:

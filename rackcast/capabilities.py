@@ -108,7 +108,7 @@ TRAINER = Capabilities(
     expert_tensor_with_context=True,  # the width slices' gradients averaged over the token ranks data x context
     expert_tensor_with_fsdp=False,  # runs while expert_fsdp is 1; FSDP2 sharding the ETP slices (fsdp 4 x ETP2) fails
     expert_tensor_with_pipeline=True,  # each stage's expert stacks sliced as without a pipeline
-    expert_tensor_with_zero=False,  # ZeRO-1 trains like one process; ZeRO-2 ended 1.2e-3 from it (D2 x ETP2, AdamW)
+    expert_tensor_with_zero=True,  # backend.zero; ZeRO-2 sums the bias partials first (parallel.expert_tensor_presum)
 )
 
 # Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.
