@@ -85,39 +85,36 @@ def gather_sequence(x: Tensor, ctx: ContextShard, dim: int = 1) -> Tensor:
     return _GatherSequence.apply(x, ctx, dim)
 
 
-class _SumOverContext(torch.autograd.Function):
+def _all_reduced(x: Tensor, group, ctx: ContextShard | None) -> Tensor:
+    """A summed copy of x over `group` (timed as context-parallel communication when a ContextShard is given)."""
+    out = x.contiguous().clone()
+    if ctx is None:
+        dist.all_reduce(out, group=group)
+    else:
+        _timed(ctx, lambda: dist.all_reduce(out, group=group))
+    return out
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the sum over `group`; backward: the gradient summed over it too (`sum_gradients`) or passed through."""
+
     @staticmethod
-    def forward(fctx, x: Tensor, ctx: ContextShard) -> Tensor:
-        fctx.ctx = ctx
-        out = x.clone()
-        _timed(ctx, lambda: dist.all_reduce(out, group=ctx.group))
-        return out
+    def forward(fctx, x: Tensor, group, sum_gradients: bool, ctx: ContextShard | None) -> Tensor:
+        fctx.group, fctx.sum_gradients, fctx.ctx = group, sum_gradients, ctx
+        return _all_reduced(x, group, ctx)
 
     @staticmethod
     def backward(fctx, grad: Tensor):
-        # every rank's loss reads the same sum: each part's gradient is the sum of theirs
-        out = grad.contiguous().clone()
-        _timed(fctx.ctx, lambda: dist.all_reduce(out, group=fctx.ctx.group))
-        return out, None
+        out = _all_reduced(grad, fctx.group, fctx.ctx) if fctx.sum_gradients else grad
+        return out, None, None, None
 
 
 def sum_over_context(x: Tensor, ctx: ContextShard) -> Tensor:
-    """The sum of x over the context ranks, on every rank (differentiable: the backward sums the gradients), for a
-    statistic of whole sequences built from per-chunk parts (e.g. the auxiliary balancing loss's mean router
-    probabilities, backend.frontier_routing.switch_aux_loss)."""
-    return _SumOverContext.apply(x, ctx)
-
-
-class _SumOverShards(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, x: Tensor, group) -> Tensor:
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(fctx, grad: Tensor):
-        return grad, None
+    """The sum of x over the context ranks, on every rank, for a statistic of whole sequences built from per-chunk
+    parts (e.g. the auxiliary balancing loss's f and P, backend.frontier_routing.switch_aux_loss). Differentiable:
+    every rank's loss reads the same sum and the context ranks average their gradients, so each part's gradient is
+    the sum of the ranks' gradients."""
+    return _SumOverRanks.apply(x, ctx.group, True, ctx)
 
 
 def sum_over_sequence_shards(x: Tensor, group) -> Tensor:
@@ -126,7 +123,7 @@ def sum_over_sequence_shards(x: Tensor, group) -> Tensor:
     gradient reaches its own part of the sequence, and the replicated parameters' partial gradients are then summed
     over the group (tensor_parallel.reduce_partial_grads). Context ranks instead average their gradients, each rank's
     loss being one term: sum_over_context."""
-    return _SumOverShards.apply(x, group)
+    return _SumOverRanks.apply(x, group, False, None)
 
 
 def _shift(x: Tensor, ctx: ContextShard, forward: bool) -> Tensor:
@@ -172,8 +169,8 @@ def previous_tail(x: Tensor, n: int, ctx: ContextShard, dim: int = 1) -> Tensor:
 
 
 def context_keys(k: Tensor, v: Tensor, window: int, ctx: ContextShard) -> tuple[Tensor, Tensor, int]:
-    """Keys [B, S_chunk, H, D] and values [B, S_chunk, H, Dv] this rank's queries may attend to, and the position of the first of them:
-    for a window layer whose window - 1 fits in one chunk, the previous rank's last window - 1 (exchanged together)
+    """Keys [B, S_chunk, H, D] and values [B, S_chunk, H, Dv] this rank's queries may attend to, and the position of
+    the first of them: for a window layer whose window - 1 fits in one chunk, the previous rank's last window - 1 (exchanged together)
     before this chunk; otherwise (global layers, long windows) every rank's chunk."""
     chunk = k.shape[1]
     start = ctx.start(chunk)

@@ -38,6 +38,6 @@ def switch_aux_loss(logits: Tensor, expert_ids: Tensor, weight: float, totals=No
     probs = torch.softmax(logits.float(), dim=-1).sum(0)
     counts = torch.bincount(expert_ids.reshape(-1), minlength=experts).float()
     sizes = torch.tensor([float(logits.shape[0]), float(expert_ids.numel())], device=logits.device)  # tokens, picks
-    if totals is not None:
-        probs, counts, sizes = totals(probs), totals(counts), totals(sizes)
+    if totals is not None:  # one collective for the three
+        probs, counts, sizes = totals(torch.cat([probs, counts, sizes])).split([experts, experts, 2])
     return weight * experts * ((counts / sizes[1]) * (probs / sizes[0])).sum()
