@@ -10,11 +10,10 @@ data x context token ranks; the quantile balancer's histogram pools all of them)
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from rackcast.backend.checkpoint import full_model_state, latest_complete
-from rackcast.presets import MODEL_PRESET_DIR
-from trainer_helpers import assert_trains_like, losses, optimizer_cases, reference_run, run_worker, write_plan
+from trainer_helpers import (assert_trains_like, inline_preset, losses, optimizer_cases, reference_run, run_worker,
+                             write_plan)
 
 pytestmark = pytest.mark.slow
 
@@ -46,10 +45,7 @@ def test_context_layout_trains_what_one_process_trains(optimizer, name, tmp_path
 
 def _variant(preset: str, name: str, drop: tuple = (), **moe) -> dict:
     """A preset as a plan's inline model, renamed, less the `drop` fields, with `moe` fields changed."""
-    spec = yaml.safe_load((MODEL_PRESET_DIR / f"{preset}.yaml").read_text())
-    for field in ("recipe", *drop):
-        spec.pop(field, None)
-    spec["name"] = name
+    spec = inline_preset(preset, name, drop)
     spec["moe"].update(moe)
     return spec
 

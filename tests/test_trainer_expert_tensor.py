@@ -22,11 +22,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import yaml
 
 from rackcast.backend.checkpoint import full_model_state, latest_complete, step_dir
-from rackcast.presets import MODEL_PRESET_DIR
-from trainer_helpers import assert_trains_like, losses, optimizer_cases, reference_run, run_worker, write_plan
+from trainer_helpers import (assert_trains_like, inline_preset, losses, optimizer_cases, reference_run, run_worker,
+                             write_plan)
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +34,7 @@ RESUME_AT = 3
 
 
 def _model(**fields) -> dict:
-    spec = yaml.safe_load((MODEL_PRESET_DIR / "tiny-moe.yaml").read_text())
-    spec.pop("recipe", None)
-    spec.update(name="tiny-moe-etp", mlp_bias=True, **fields)
-    return spec
+    return {**inline_preset("tiny-moe", "tiny-moe-etp"), "mlp_bias": True, **fields}
 
 
 CASES = {  # optimizer: other plan fields

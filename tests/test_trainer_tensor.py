@@ -17,11 +17,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import yaml
 
 from rackcast.backend.checkpoint import full_model_state, latest_complete, step_dir
-from rackcast.presets import MODEL_PRESET_DIR
-from trainer_helpers import assert_trains_like, losses, optimizer_cases, reference_run, run_worker, write_plan
+from trainer_helpers import (assert_trains_like, inline_preset, losses, optimizer_cases, reference_run, run_worker,
+                             write_plan)
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +34,7 @@ LAYOUTS = {  # name: (parallel, processes, other plan fields)
 
 
 def _model() -> dict:
-    spec = yaml.safe_load((MODEL_PRESET_DIR / "tiny-moe.yaml").read_text())
-    spec.pop("recipe", None)
-    spec["name"] = "tiny-moe-tp"
+    spec = inline_preset("tiny-moe", "tiny-moe-tp")
     spec["attention"]["kv_heads_global"] = 2
     spec["conv"]["sites"] = ["k"]
     return spec

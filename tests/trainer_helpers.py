@@ -1,6 +1,6 @@
 """The trainer tests' helpers live in rackcast.backend.tiny_runs (the benchmarks use them too); this name stays for
 the tests that import it. `assert_trains_like` is the equivalence check the layout tests share, `reference_run` the
-one-process runs they compare against (once per session), `optimizer_cases` the layouts that also run with Adam."""
+one-process runs they compare against (once per session), `optimizer_cases` the layouts that also run with Adam, `inline_preset` a preset to vary as a plan's model."""
 
 from rackcast.backend.tiny_runs import losses, manifest, routing, run_worker, write_plan  # noqa: F401
 
@@ -18,6 +18,20 @@ def assert_trains_like(run, ref_losses, ref_params) -> None:
     assert params.keys() == ref_params.keys()
     for key, value in ref_params.items():
         torch.testing.assert_close(params[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+def inline_preset(preset: str, name: str, drop: tuple = ()) -> dict:
+    """A model preset as a plan's inline `model:` block, renamed, without its recipe and the `drop` fields; callers
+    change fields of the dict it returns."""
+    import yaml
+
+    from rackcast.presets import MODEL_PRESET_DIR
+
+    spec = yaml.safe_load((MODEL_PRESET_DIR / f"{preset}.yaml").read_text())
+    for field in ("recipe", *drop):
+        spec.pop(field, None)
+    spec["name"] = name
+    return spec
 
 
 _REFERENCE_RUNS: dict = {}
