@@ -1,5 +1,6 @@
 """Short trainer runs of the tiny Marin-shaped MoE on this machine, for the trainer's tests and benchmarks: write a
-tiny-moe plan on local-cpu, run the worker (one process, or torchrun through backend.launch), read what it wrote.
+tiny-moe plan on local-cpu, run the worker (one process; several forked from one import by backend.forkrun, or
+started by torchrun through backend.launch), read what it wrote.
 
     plan = write_plan(Path(tmp) / "dp2.yaml", {"data": 2})
     proc = run_worker(plan, Path(tmp) / "run", steps=4, world=2)
@@ -15,7 +16,10 @@ from pathlib import Path
 import yaml
 
 from rackcast.atomic import write_text_atomic
+from rackcast.backend.forkrun import fork_command
 from rackcast.backend.launch import torchrun_command, worker_command, worker_env
+
+LAUNCHERS = ("fork", "torchrun")  # backend.forkrun (tests: one import shared by the ranks) or torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,11 +43,19 @@ def write_plan(path: Path, parallel: dict, *, global_batch: int = 8, micro_batch
 
 
 def run_worker(plan: Path, out: Path, steps: int, *extra: str, world: int = 1, env: dict | None = None,
-               data_dir: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    """The trainer worker on `plan` for `steps` steps, one thread per process, writing into `out`."""
+               data_dir: Path | None = None, timeout: float = 240, launcher: str = "fork") -> subprocess.CompletedProcess:
+    """The trainer worker on `plan` for `steps` steps, one thread per process, writing into `out`; `world` > 1
+    processes start by `launcher` (LAUNCHERS)."""
     args = ["--steps", str(steps), "--out", str(out), "--quiet", "--threads", "1",
             "--data-dir", str(data_dir or ROOT / "runs" / ".data"), *extra]
-    cmd = torchrun_command(str(plan), world, args) if world > 1 else worker_command(str(plan), args)
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher {launcher!r} is not one of {LAUNCHERS}")
+    if world == 1:
+        cmd = worker_command(str(plan), args)
+    elif launcher == "fork":
+        cmd = fork_command(str(plan), world, args)
+    else:
+        cmd = torchrun_command(str(plan), world, args)
     full_env = worker_env(env, override=True)
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 

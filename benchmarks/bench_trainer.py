@@ -43,7 +43,7 @@ def main() -> int:
             plan = write_plan(Path(tmp) / f"{len(parallel)}-{world}.yaml", parallel, schedule=schedule)
             out = Path(tmp) / f"run-{name.replace(' ', '_')}"
             t0 = time.time()
-            result = run_worker(plan, out, args.steps, world=world, timeout=600)
+            result = run_worker(plan, out, args.steps, world=world, timeout=600, launcher="torchrun")
             if result.returncode != 0:
                 print(f"{name:<22}{world:>6}  failed: {result.stderr.strip().splitlines()[-1]}")
                 continue

@@ -160,3 +160,21 @@ def test_the_two_node_recipe_plan_is_trainable_on_two_nodes_of_8():
     assert _flag(cmd, "--nproc-per-node") == "8"
     for recipe in ("train-2node.sbatch", "torchrun-2node.sh"):
         assert "ladder-d768-2node-h100.yaml" in (ROOT / "examples" / "multinode" / recipe).read_text()
+
+
+def test_forked_ranks_report_the_first_failure_and_stop_their_peers(tmp_path):
+    """backend.forkrun (the tests' launcher): ranks are the trainer's own main, so a plan that does not exist is its
+    one-line error and exit 2 from every rank, and the launcher returns that code rather than hanging."""
+    from rackcast.backend.forkrun import fork_command
+
+    cmd = fork_command(str(tmp_path / "missing.yaml"), 2, ["--steps", "1", "--out", str(tmp_path / "run")])
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert errors and all(line.startswith("rackcast train: error:") and "missing.yaml" in line for line in errors)
+
+
+def test_forkrun_without_a_process_count_prints_usage_and_exits_2():
+    from rackcast.backend.forkrun import main
+
+    assert main([]) == 2 and main(["zero"]) == 2 and main(["0"]) == 2

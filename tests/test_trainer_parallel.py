@@ -1,6 +1,7 @@
 """Multi-process trainer runs on gloo: every layout trains exactly what one process trains; checkpoints resume.
 
-Each run is the real worker (`backend.train`) under torchrun on the tiny MoE, for a few steps.
+Each run is the real worker (`backend.train`) on the tiny MoE for a few steps, its ranks forked after one import
+(backend.forkrun; torchrun's own start is tested in test_launch and test_trainer_multinode).
 
     .venv/bin/pytest -q tests/test_trainer_parallel.py        (about 2 minutes on 2 cores)
 """
