@@ -9,6 +9,7 @@ started by torchrun through backend.launch), read what it wrote.
 
 from __future__ import annotations
 
+import atexit
 import json
 import subprocess
 from pathlib import Path
@@ -16,10 +17,11 @@ from pathlib import Path
 import yaml
 
 from rackcast.atomic import write_text_atomic
-from rackcast.backend.forkrun import fork_command
+from rackcast.backend.forkrun import ForkServer
 from rackcast.backend.launch import torchrun_command, worker_command, worker_env
 
-LAUNCHERS = ("fork", "torchrun")  # backend.forkrun (tests: one import shared by the ranks) or torchrun
+LAUNCHERS = ("fork", "torchrun")  # backend.forkrun.ForkServer (one import for every run) or torchrun
+_SERVER: list[ForkServer] = []  # started by the first forked run, ended with this process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,19 +46,20 @@ def write_plan(path: Path, parallel: dict, *, global_batch: int = 8, micro_batch
 
 def run_worker(plan: Path, out: Path, steps: int, *extra: str, world: int = 1, env: dict | None = None,
                data_dir: Path | None = None, timeout: float = 240, launcher: str = "fork") -> subprocess.CompletedProcess:
-    """The trainer worker on `plan` for `steps` steps, one thread per process, writing into `out`; `world` > 1
-    processes start by `launcher` (LAUNCHERS)."""
-    args = ["--steps", str(steps), "--out", str(out), "--quiet", "--threads", "1",
+    """The trainer worker on `plan` for `steps` steps on `world` processes, one thread each, writing into `out`:
+    forked from the one ForkServer of this process (`launcher="fork"`), or each a fresh interpreter started by
+    torchrun (a plain one for one process) as `rackcast train` starts them."""
+    args = ["--plan", str(plan), "--steps", str(steps), "--out", str(out), "--quiet", "--threads", "1",
             "--data-dir", str(data_dir or ROOT / "runs" / ".data"), *extra]
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r} is not one of {LAUNCHERS}")
-    if world == 1:
-        cmd = worker_command(str(plan), args)
-    elif launcher == "fork":
-        cmd = fork_command(str(plan), world, args)
-    else:
-        cmd = torchrun_command(str(plan), world, args)
     full_env = worker_env(env, override=True)
+    if launcher == "fork":
+        if not (_SERVER and _SERVER[0].alive()):
+            _SERVER[:] = [ForkServer(worker_env(None, override=True), ROOT)]
+            atexit.register(_SERVER[0].close)
+        return _SERVER[0].run(world, args, full_env, ROOT, timeout)
+    cmd = torchrun_command(str(plan), world, args[2:]) if world > 1 else worker_command(str(plan), args[2:])
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

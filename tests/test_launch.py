@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -164,7 +165,7 @@ def test_the_two_node_recipe_plan_is_trainable_on_two_nodes_of_8():
 
 def test_forked_ranks_report_the_first_failure_and_stop_their_peers(tmp_path):
     """backend.forkrun (the tests' launcher): ranks are the trainer's own main, so a plan that does not exist is its
-    one-line error and exit 2 from every rank, and the launcher returns that code rather than hanging."""
+    one-line error and exit 2 from every rank, and the job returns that code rather than hanging."""
     from rackcast.backend.forkrun import fork_command
 
     cmd = fork_command(str(tmp_path / "missing.yaml"), 2, ["--steps", "1", "--out", str(tmp_path / "run")])
@@ -172,6 +173,46 @@ def test_forked_ranks_report_the_first_failure_and_stop_their_peers(tmp_path):
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if line.strip()]
     assert errors and all(line.startswith("rackcast train: error:") and "missing.yaml" in line for line in errors)
+
+
+@pytest.mark.slow
+def test_fork_server_jobs_get_their_own_environment_output_and_exit_code_and_time_out(tmp_path):
+    """ForkServer runs each job in a child with the job's variables and its own captured output; a job past its
+    timeout (here a rank told by RACKCAST_FAIL to stall) is killed with its ranks and reported as
+    subprocess.TimeoutExpired, and the server serves the next job."""
+    from rackcast.backend.forkrun import ForkServer
+    from rackcast.backend.launch import worker_env
+
+    server = ForkServer(worker_env(None, override=True), ROOT)
+    try:
+        missing = ["--plan", str(tmp_path / "missing.yaml"), "--steps", "1", "--out", str(tmp_path / "run")]
+        done = server.run(2, missing, worker_env(None, override=True), ROOT, timeout=120)
+        assert done.returncode == 2 and "missing.yaml: file not found" in done.stderr and done.stdout == ""
+        stalled = tmp_path / "stalled"
+        with pytest.raises(subprocess.TimeoutExpired):
+            server.run(2, ["--plan", EP_PLAN, "--steps", "1", "--out", str(stalled), "--quiet"],
+                       worker_env({"RACKCAST_FAIL": "1:0:stall"}, override=True), ROOT, timeout=40)
+        deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to go
+        while _process_group(server.last_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _process_group(server.last_pid) == []
+        done = server.run(1, missing, worker_env(None, override=True), ROOT, timeout=120)
+        assert done.returncode == 2 and done.stderr.count("missing.yaml") == 1
+    finally:
+        server.close()
+
+
+def _process_group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (field 5 of /proc/PID/stat)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
 
 
 def test_forkrun_without_a_process_count_prints_usage_and_exits_2():
