@@ -390,6 +390,7 @@ class ExpertLoads:
         self.rows = np.repeat(rows, par.expert_tensor, axis=3)
         self._max_rows = self.rows.sum(axis=2).max(axis=2)  # most loaded expert rank
         self.row_bytes = work.x * W_BYTES
+        self.spec = spec
         self._masks: dict[int, tuple] = {}
 
     def max_rows(self, layer: int, mb: int) -> float:
@@ -407,4 +408,14 @@ class ExpertLoads:
         masks = cached[1]  # pair categories are symmetric: (s, d) and (d, s) are alike
         send = np.einsum("sd,csd->sc", b, masks)
         recv = np.einsum("sd,csd->dc", b, masks)
+        # Node-limited routing (costs.cross_domain_a2a_share): only that share of the cross-domain copies crosses
+        # the NICs; the rest is forwarded over the destination domain's scale-up links, each rank relaying as much
+        # as it receives forwarded (balanced, by symmetry).
+        domains = categories.shape[0] / max(int((categories[0] == 0).sum()), 1)
+        share = float(costs.cross_domain_a2a_share(self.spec, domains))
+        if share < 1.0:
+            forwarded = (1.0 - share) * recv[:, 1:].sum(axis=1)
+            send, recv = send * [1.0, share, share], recv * [1.0, share, share]
+            send[:, 0] += forwarded
+            recv[:, 0] += forwarded
         return send, recv

@@ -1,6 +1,8 @@
 """What the estimate and the simulator price for the frontier recipes' features, against closed forms and against
 rackcast's own backend: multi-head latent attention's saved tensors (simulator.activations), the multi-token-
-prediction modules' parameters, optimizer state and activations on the stage holding the head (simulator.memory).
+prediction modules' parameters, optimizer state and activations on the stage holding the head (simulator.memory),
+and node-limited routing's cross-node all-to-all bytes, one formula (simulator.costs.cross_domain_a2a_share) in the
+estimate and the simulator.
 
     .venv/bin/pytest -q tests/test_frontier_pricing.py
 """
@@ -9,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
+import simpy
 import torch
 from torch import nn
 
@@ -21,7 +25,11 @@ from rackcast.plan import Plan, load_plan
 from rackcast.presets import load_model
 from rackcast.simulator.activations import (FP32, latent_attention_bytes_per_token, layer_activation_bytes_per_token,
                                    mtp_activation_bytes_per_token)
+from rackcast.simulator import costs
+from rackcast.simulator.estimate import estimate, plan_features
 from rackcast.simulator.memory import memory_breakdown, rank_params, static_bytes
+from rackcast.simulator.stepnet import StepNetwork
+from rackcast.simulator.workload import Workload
 from rackcast.strict import from_data
 
 
@@ -122,3 +130,59 @@ def test_fused_mtp_bytes_are_one_last_layer_and_the_modules_d_wide_tensors_on_th
     assert memory_breakdown(spec, plan).activations - memory_breakdown(without, plan).activations == \
         pytest.approx(mtp_activation_bytes_per_token(spec, plan) * tokens)
 
+
+# ---------------------------------------------------------------------------------------- node-limited routing
+@pytest.mark.parametrize("domains, reached", [(2, 2), (3, 3), (4, 4), (8, 4), (16, 8), (32, 8)])
+def test_node_limited_copies_are_at_most_node_limit_groups_of_domains_and_top_k(domains, reached):
+    spec = load_model("deepseek-v3")  # top_k 8 of 256 experts in 8 groups, node limit 4
+    # min(top_k, domains, 4 x the domains one group touches): 1 up to 8 domains (3 straddles: 2), 2 at 16, 4 at 32
+    assert costs.node_limited_copies(spec, domains) == reached
+    assert costs.cross_domain_a2a_share(spec, domains) == reached / 8
+    assert costs.cross_domain_a2a_share(spec, 1) == 1.0  # one domain: nothing crosses
+    unlimited = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, node_limit=0))
+    assert costs.node_limited_copies(unlimited, domains) == 8 and costs.cross_domain_a2a_share(unlimited, domains) == 1
+
+
+def _a2a_plan(node_limit: bool) -> tuple:
+    """DeepSeek-V3 with its experts over 64 H100s in 8 HGX nodes (8 domains), force-balanced routing."""
+    plan = from_data(Plan, {"name": "t", "model": "deepseek-v3", "topology": {"name": "h100-hgx", "domains": 8},
+                            "parallel": {"expert": 64, "pipeline": 1}, "batch": {"global_batch": 64, "micro_batch": 1},
+                            "optimizer": {"name": "adamw"}, "expert_transport": {"routing": "balanced"}})
+    spec = plan.model_spec()
+    if not node_limit:
+        spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, node_limit=0))
+    return plan, spec
+
+
+def _port_bytes(plan, spec) -> tuple[np.ndarray, np.ndarray]:
+    """Per-rank (send, recv) bytes by pair category (local, same rail, other rail) of one MoE layer's dispatch."""
+    topo = plan.topology_spec()
+    work = Workload(spec, plan, topo, seed=0)
+    cats = StepNetwork(simpy.Environment(), plan, topo, reduce=False).a2a_categories(0)
+    layer = work.loads.layers[0]
+    return work.loads.port_bytes(layer, 0, "d", cats)
+
+
+def test_simulator_sends_node_limit_copies_across_nodes_and_forwards_the_rest_over_nvlink():
+    plan, limited = _a2a_plan(True)
+    send, recv = _port_bytes(plan, limited)
+    free_send, free_recv = _port_bytes(*_a2a_plan(False))
+    share = costs.cross_domain_a2a_share(limited, 8)
+    assert share == 0.5  # 4 nodes of 8 reached, not top_k = 8 copies
+    np.testing.assert_allclose(send[:, 1:], share * free_send[:, 1:])  # across the NICs
+    np.testing.assert_allclose(recv[:, 1:], share * free_recv[:, 1:])
+    forwarded = (1 - share) * free_recv[:, 1:].sum(axis=1)
+    np.testing.assert_allclose(recv[:, 0], free_recv[:, 0] + forwarded)  # inside the node
+    np.testing.assert_allclose(recv.sum(), free_recv.sum())  # every routed row still arrives
+
+
+def test_estimate_and_simulator_price_the_same_cross_node_a2a_share():
+    plan, limited = _a2a_plan(True)
+    free = _a2a_plan(False)[1]
+    topo = plan.topology_spec()
+    est = plan_features(limited, plan, topo)["a2a_bytes"] / plan_features(free, plan, topo)["a2a_bytes"]
+    send, _ = _port_bytes(plan, limited)
+    free_send, _ = _port_bytes(plan, free)
+    sim = send[:, 1:].sum() / free_send[:, 1:].sum()
+    assert est == pytest.approx(sim) == 0.5
+    assert estimate(plan, spec=limited).step_time_s < estimate(plan, spec=free).step_time_s
