@@ -31,6 +31,7 @@ from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs
 from rackcast.simulator.host_overhead import layer_forward_ops, optimizer_ops
+from rackcast.simulator.activations import mtp_activation_bytes_per_token
 from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, layer_activation_bytes_per_token,
                                        rank_params, static_bytes)
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Start, Wait
@@ -71,7 +72,7 @@ class StageWork:
     embed_params: float  # the embedding end's part of top_params (first chunk)
     head_params: float  # the head end's part of top_params (last chunk)
     static_bytes: dict[str, float]  # weights, gradients, master, optimizer
-    io_bytes: float  # embedding output and head input (kept once)
+    io_bytes: float  # embedding output and head input (kept once); the MTP modules' saved tensors on the head's stage
     optimizer_s: float
     host_bytes: float  # optimizer state + master moved each way between host and GPU
     reduction_comms: list = None  # the stage's whole gradient reduction, when it runs after the backward
@@ -147,6 +148,10 @@ class Workload:
             else 0.0
         embed_s = self._gemm_s(spec.embed_flops_fwd()) if 0 in chunks else 0.0
         static = static_bytes(rp, plan)
+        # The multi-token-prediction modules' saved tensors, held on the head's stage for the step (as the memory
+        # model's one in-flight micro-batch of the last chunk under 1F1B; not allocated and freed per micro-batch).
+        mtp_bytes = mtp_activation_bytes_per_token(spec, plan) * self.tokens_mb if (self.n_chunks - 1) in chunks \
+            else 0.0
         host_bytes = static.pop("host")  # resident on the host; the step moves it in and back out
         opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
         ns = newton_schulz_flops(spec, plan, layers)
@@ -162,7 +167,7 @@ class Workload:
                          embed_params=rp.embed_end, head_params=rp.head_end, static_bytes=static,
                          reduction_comms=self.reduction_comms(rp.dense, rp.expert),
                          gather_comms=self.parameter_gather_comms(rp.dense, rp.expert),
-                         io_bytes=2 * W_BYTES * spec.d_model * self.tokens_mb, optimizer_s=optimizer_s,
+                         io_bytes=2 * W_BYTES * spec.d_model * self.tokens_mb + mtp_bytes, optimizer_s=optimizer_s,
                          host_bytes=host_bytes, embed_ops=embed_ops, head_ops=head_ops)
 
     def _balancing_s(self, layers: list[int]) -> float:
