@@ -110,9 +110,41 @@ def conv_bytes_per_token(spec: ModelSpec, width: float, e: float, activations: A
     return e * width * sum((s + lag) / s for lag in range(taps))
 
 
+def latent_attention_bytes_per_token(spec: ModelSpec, plan: Plan, e: float, activations: Activations = "fused") -> float:
+    """What one multi-head latent attention (attention.mla) saves per token, its input included; the latents are
+    whole on every tensor rank (the down-projections are replicated, as in Megatron-Core's MLA), the per-head
+    tensors split `tensor` ways. Fused: the input (read by W_qa and W_kva), the query latent (its RMSNorm's input)
+    and its normalised copy (W_qb's input), the W_kva output [c_kv | k_rope] (the KV norm's input, of which the
+    decoupled RoPE key is the tail) and the normalised c_kv (W_kvb's input), the expanded Q and K (heads x
+    (nope + rope)) and V (heads x v_head_dim), flash attention's fp32 log-sum-exp per head, and the output
+    projection's input (heads x v_head_dim). Eager (backend.latent_attention.LatentAttention.forward run op by op):
+    each latent RMSNorm also keeps its fp32 statistic and normalised output. SDPA's flash kernel needs one head
+    width for Q, K and V: then it keeps Q, K, V (a view of the W_kvb output [k_nope | v], kept whole), its output (O's
+    input: the reshape is a view) and log-sum-exp; when qk_head_dim != v_head_dim (DeepSeek's 192 / 128) PyTorch's
+    CPU SDPA takes its math path, which keeps the scaled Q, K and V as copies and the softmax probabilities (heads x
+    seq_len per token, the causal mask applied to the full square), and O its own input."""
+    a, d, mla = spec.attention, spec.d_model, spec.attention.mla
+    t = plan.parallel.tensor
+    sp = t if plan.parallel.sequence_parallel else 1
+    qk, v = a.heads * mla.qk_head_dim / t, a.heads * mla.v_head_dim / t
+    eager = check_mode(activations) == "eager"
+    norm_copies, stat = (2, FP32) if eager else (1, 0.0)  # per latent norm: input, [statistic, normalised], output
+    total = e * d / sp
+    if mla.q_lora_rank:
+        total += e * mla.q_lora_rank * (1 + norm_copies) + stat
+    total += e * (mla.kv_lora_rank + mla.qk_rope_head_dim) + e * mla.kv_lora_rank * norm_copies + stat
+    if eager and mla.qk_head_dim != mla.v_head_dim:  # SDPA's math path: Q, K, V copies, the probabilities
+        return total + e * (2 * qk + v) + e * a.heads * spec.seq_len / t + e * v
+    values = a.heads * (mla.qk_nope_head_dim + mla.v_head_dim) / t if eager else v
+    total += e * 2 * qk + e * values  # SDPA's Q, K, V
+    return total + FP32 * a.heads / t + e * v  # log-sum-exp; the output (O's input)
+
+
 def _attention_eager(spec: ModelSpec, layer: int, plan: Plan, e: float) -> float:
     """backend.attention.Attention.forward's saved tensors per token (its input included), without the conv sites."""
     a, d = spec.attention, spec.d_model
+    if a.mla is not None:
+        return latent_attention_bytes_per_token(spec, plan, e, "eager")
     t = plan.parallel.tensor
     sp = t if plan.parallel.sequence_parallel else 1
     q_dim = a.heads * a.head_dim
@@ -181,41 +213,13 @@ def _moe_eager(spec: ModelSpec, plan: Plan, e: float) -> float:
     return total
 
 
-def layer_activation_bytes_per_token(spec: ModelSpec, layer: int, plan: Plan, dtype: str | None = None,
-                                     activations: Activations = "fused") -> float:
-    """Bytes one layer saves for backward per token of a micro-batch on one rank (no recomputation); activations
-    in `dtype` when given, else bf16; `activations`: "fused" or "eager" (see the module docstring)."""
+def _mlp_block_fused(spec: ModelSpec, layer: int, plan: Plan, e: float) -> float:
+    """The fused count of a layer's MLP block: its pre-norm, the MLP or MoE, its dropout mask."""
     par = plan.parallel
     t = par.tensor
-    sp = t if par.sequence_parallel else 1  # sequence parallelism shards the d-wide tensors too
-    e = activation_bytes(dtype)
-    a, d = spec.attention, spec.d_model
-    q_dim, kv_dim = a.heads * a.head_dim, spec.kv_heads_stored(layer) * a.head_dim
-    widths = {"k": kv_dim / t, "v": kv_dim / t, "attn": d / sp, "mlp": d / sp}
-    convs = sum(conv_bytes_per_token(spec, widths[s], e, activations) for s in spec.conv.sites) if spec.conv else 0.0
-    if check_mode(activations) == "eager":
-        total = 2 * pre_norm_bytes_per_token(spec, e, sp, "eager") + _attention_eager(spec, layer, plan, e) + convs
-        if spec.is_moe(layer):
-            return total + _moe_eager(spec, plan, e)
-        return total + e * d / sp + e * spec.ffn / t * _hidden_tensors(spec, True)  # MLP input, hidden
-    # Attention block.
+    sp = t if par.sequence_parallel else 1
+    d = spec.d_model
     total = pre_norm_bytes_per_token(spec, e, sp)
-    total += e * d / sp  # QKV projection input
-    total += e * (q_dim + 2 * kv_dim) / t  # Q, K, V
-    if plan.attention_kernel == "materialized":
-        ctx = spec.context(layer)
-        total += (e + MASK_BYTES * plan.dropout + e * plan.dropout) * a.heads * ctx / t  # softmax, mask, out
-    else:
-        total += FP32 * a.heads / t  # flash attention keeps only its log-sum-exp (the output is the O input)
-    if a.exclusive:
-        total += e * q_dim / t  # output before the exclusive projection
-    if a.output_gate:
-        total += e * a.heads / t  # the per-head gate
-    total += e * q_dim / t  # output projection input
-    total += MASK_BYTES * d / sp if plan.dropout else 0.0
-    total += convs
-    # MLP block.
-    total += pre_norm_bytes_per_token(spec, e, sp)
     if spec.is_moe(layer):
         m = spec.moe
         x = spec.expert_input_dim
@@ -235,6 +239,48 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layer: int, plan: Plan, dt
         total += e * spec.ffn / t * _hidden_tensors(spec, False)  # hidden: gate/up/act (SwiGLU) or GELU in/out
     total += MASK_BYTES * d / sp if plan.dropout else 0.0
     return total
+
+
+def layer_activation_bytes_per_token(spec: ModelSpec, layer: int, plan: Plan, dtype: str | None = None,
+                                     activations: Activations = "fused") -> float:
+    """Bytes one layer saves for backward per token of a micro-batch on one rank (no recomputation); activations
+    in `dtype` when given, else bf16; `activations`: "fused" or "eager" (see the module docstring)."""
+    par = plan.parallel
+    t = par.tensor
+    sp = t if par.sequence_parallel else 1  # sequence parallelism shards the d-wide tensors too
+    e = activation_bytes(dtype)
+    a, d = spec.attention, spec.d_model
+    q_dim, kv_dim = a.heads * a.head_dim, spec.kv_heads_stored(layer) * a.head_dim
+    widths = {"k": kv_dim / t, "v": kv_dim / t, "attn": d / sp, "mlp": d / sp}
+    convs = sum(conv_bytes_per_token(spec, widths[s], e, activations) for s in spec.conv.sites) if spec.conv else 0.0
+    if check_mode(activations) == "eager":
+        total = 2 * pre_norm_bytes_per_token(spec, e, sp, "eager") + _attention_eager(spec, layer, plan, e) + convs
+        if spec.is_moe(layer):
+            return total + _moe_eager(spec, plan, e)
+        return total + e * d / sp + e * spec.ffn / t * _hidden_tensors(spec, True)  # MLP input, hidden
+    # Attention block.
+    total = pre_norm_bytes_per_token(spec, e, sp)
+    if a.mla is not None:
+        total += latent_attention_bytes_per_token(spec, plan, e)
+        if plan.attention_kernel == "materialized":  # the softmax (and dropout) replace flash's log-sum-exp
+            total += attention_core_bytes_per_token(spec, layer, plan, dtype) - FP32 * a.heads / t
+        total += convs + (MASK_BYTES * d / sp if plan.dropout else 0.0)
+        return total + _mlp_block_fused(spec, layer, plan, e)
+    total += e * d / sp  # QKV projection input
+    total += e * (q_dim + 2 * kv_dim) / t  # Q, K, V
+    if plan.attention_kernel == "materialized":
+        ctx = spec.context(layer)
+        total += (e + MASK_BYTES * plan.dropout + e * plan.dropout) * a.heads * ctx / t  # softmax, mask, out
+    else:
+        total += FP32 * a.heads / t  # flash attention keeps only its log-sum-exp (the output is the O input)
+    if a.exclusive:
+        total += e * q_dim / t  # output before the exclusive projection
+    if a.output_gate:
+        total += e * a.heads / t  # the per-head gate
+    total += e * q_dim / t  # output projection input
+    total += MASK_BYTES * d / sp if plan.dropout else 0.0
+    total += convs
+    return total + _mlp_block_fused(spec, layer, plan, e)
 
 
 def attention_core_bytes_per_token(spec: ModelSpec, layer: int, plan: Plan, dtype: str | None = None) -> float:
@@ -273,6 +319,27 @@ def edge_activation_bytes_per_token(spec: ModelSpec, plan: Plan, first: bool = T
         total += FP32 * spec.vocab * valid  # z-loss: flat[valid], the logits with a target, copied for logsumexp
         total += FP32 * valid + MASK_BYTES  # logsumexp's output (read by pow too); the boolean `valid` mask
     return total
+
+
+def mtp_activation_bytes_per_token(spec: ModelSpec, plan: Plan, dtype: str | None = None,
+                                   activations: Activations = "fused") -> float:
+    """Bytes the multi-token-prediction modules (spec.mtp, on the stage holding the head) save per token of a
+    micro-batch, as backend.mtp runs them: module k (1..depth) on the seq_len - k positions that have a target k + 1
+    ahead. Per module: the two norms' inputs (the hidden state's is already kept, as the main final norm's or the
+    previous module's; the embedding's is new), the projection's input (2 d_model), one layer shaped like the last
+    (layer_activation_bytes_per_token), the final norm's input and the head's input; eager adds the norms' fp32
+    statistics and normalised outputs (pre_norm_bytes_per_token) and the loss: log_softmax's fp32 output over the
+    vocabulary and the int64 targets (the sliced targets are a copy)."""
+    if spec.mtp is None:
+        return 0.0
+    e, d, s = activation_bytes(dtype), spec.d_model, spec.seq_len
+    eager = check_mode(activations) == "eager"
+    norm = pre_norm_bytes_per_token(spec, e, activations=activations)
+    hidden_norm = norm - e * d  # its input is kept already
+    block = layer_activation_bytes_per_token(spec, spec.layers - 1, plan, dtype, activations)
+    module = hidden_norm + norm + 2 * e * d + block + norm + e * d
+    loss = FP32 * spec.vocab + INDEX_BYTES if eager else 0.0
+    return sum(module * (s - k) / s + loss * (s - k - 1) / s for k in range(1, spec.mtp.depth + 1))
 
 
 def eager_loss_backward_bytes_per_token(spec: ModelSpec) -> float:

@@ -89,6 +89,35 @@ def a2a_bytes(tokens_mb, spec: ModelSpec, expert_tensor):
     return tokens_mb * top_k * x * W_BYTES * expert_tensor
 
 
+def node_limited_copies(spec: ModelSpec, domains):
+    """Copies of a token that cross into other scale-up domains' NICs, as a count before the remote share (arrays
+    broadcast): top_k without node-limited routing (every routed row is sent), and with it (moe.node_limit M over
+    moe.expert_groups G) at most one per domain the token reaches: R = min(top_k, domains, M x the domains one
+    expert group touches). DeepSeek-V3 (arXiv:2412.19437, sections 2.1.2 and 3.2.2) sends each token across
+    InfiniBand once per target node, to at most M nodes, and forwards it over NVLink to the experts there. The
+    experts lie contiguously over the expert group's `domains`, so a group touches D/G domains when G divides D,
+    one when D divides G, and may straddle one more otherwise."""
+    moe = spec.moe
+    d = np.asarray(domains, dtype=float)
+    if moe is None or not moe.node_limit:
+        return moe.top_k + 0.0 * d if moe is not None else 0.0 * d
+    g = moe.expert_groups
+    aligned = (np.mod(d, g) == 0) | (np.mod(g, d) == 0)
+    spans = np.ceil(d / g) + np.where(aligned, 0.0, 1.0)
+    return np.minimum(np.minimum(moe.top_k, d), moe.node_limit * spans)
+
+
+def cross_domain_a2a_share(spec: ModelSpec, domains):
+    """Share of an all-to-all's cross-domain bytes that go over the NICs: node_limited_copies / top_k (1 without
+    node-limited routing, or within one domain); the rest of those copies are forwarded inside the destination
+    domain (scale-up). The one formula both the estimate (its a2a bytes) and the simulator (ExpertLoads.port_bytes)
+    price node-limited routing with."""
+    d = np.asarray(domains, dtype=float)
+    if spec.moe is None:
+        return 1.0 + 0.0 * d
+    return np.where(d > 1, node_limited_copies(spec, d) / spec.moe.top_k, 1.0)
+
+
 def tensor_bytes(tokens_mb, spec: ModelSpec):
     """Tensor-parallel all-reduce of one layer output (tokens x d_model)."""
     return tokens_mb * spec.d_model * W_BYTES

@@ -207,7 +207,9 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "cp_layer_s": sum(collective_time(topo, "send_recv", cp, costs.context_bytes(tokens_mb, spec, t, cp, i),
                                           pl.context.span == "scale_out") for i in range(spec.layers)) / spec.layers,
         "ep_n": par.expert_group, "ep_out": pl.expert.span == "scale_out",
-        "a2a_bytes": costs.a2a_bytes(routed_mb, spec, par.expert_tensor) * m_imbalance,
+        # node-limited routing sends only part of the cross-domain copies over the NICs (costs.cross_domain_a2a_share)
+        "a2a_bytes": costs.a2a_bytes(routed_mb, spec, par.expert_tensor) * m_imbalance *
+        costs.cross_domain_a2a_share(spec, pl.expert.domains),
         # pipeline hops between neighbouring stages, inside a domain and across (stages are placed outermost)
         "pp_hops_out": pl.pipeline.domains - 1, "pp_hops_up": par.pipeline - pl.pipeline.domains,
         "pp_bytes": costs.pipeline_bytes(tokens_mb, spec),

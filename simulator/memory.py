@@ -42,7 +42,8 @@ from rackcast.plan import Plan
 from rackcast.simulator.activations import (BYTES, FP32, Activations, activation_bytes,  # noqa: F401
                                    attention_core_bytes_per_token, check_mode, eager_loss_backward_bytes_per_token,
                                    eager_pipeline_bytes_per_token, eager_step_bytes_per_token,
-                                   edge_activation_bytes_per_token, layer_activation_bytes_per_token)
+                                   edge_activation_bytes_per_token, layer_activation_bytes_per_token,
+                                   mtp_activation_bytes_per_token)
 from rackcast.simulator.plan_arrays import LAYER_SET, PlanArrays, is_arrays, per_key, state_location
 from rackcast.simulator.schedule_formulas import peak_in_flight
 from rackcast.vocab import SPLIT_BACKWARD_SCHEDULES
@@ -128,17 +129,21 @@ def _biases(spec: ModelSpec, d_in: int, width: int) -> int:
 
 
 def _frozen_part(spec: ModelSpec, layer: int) -> int:
-    """Parameters of a layer without a gradient: the router's balancing bias, set by quantile balancing."""
+    """Parameters of a layer without a gradient: the router's balancing bias where the balancer sets it (quantile
+    balancing, the auxiliary-loss-free bias: MoESpec.sets_router_bias); a learned router bias (GPT-OSS) trains."""
     m = spec.moe
-    return m.experts if spec.is_moe(layer) and m.router_bias else 0
+    return m.experts if spec.is_moe(layer) and m.sets_router_bias else 0
 
 
 def _adam_part(spec: ModelSpec, layer: int) -> tuple[int, int]:
     """(dense, expert) parameters of a layer that MuonH leaves to Adam: everything but the matrices (the router
     weight, attention gate, norm gains, convolutions, the latent norm's gain and all biases), as backend.optim
-    groups them. The gated norms' low-rank matrices are MuonH matrices; the balancing bias has no state."""
+    groups them, the learned q/k norms' gains, attention sinks and latent attention's norm gains included. The gated
+    norms' low-rank matrices are MuonH matrices; the balancing bias has no state."""
     parts, a, d = spec.layer_param_breakdown(layer), spec.attention, spec.d_model
-    dense = sum(parts.get(k, 0) for k in ("attn_gate", "attn_norm", "mlp_norm", "conv"))
+    dense = sum(parts.get(k, 0) for k in ("attn_gate", "attn_norm", "mlp_norm", "conv", "attn_qk_norm", "attn_sinks"))
+    if a.mla is not None:  # the latent RMSNorms' gains
+        dense += a.mla.q_lora_rank + a.mla.kv_lora_rank
     dense += parts.get("router", 0) - _frozen_part(spec, layer)
     if a.bias:
         dense += a.heads * a.head_dim + 2 * spec.kv_heads_stored(layer) * a.head_dim + d
@@ -165,6 +170,19 @@ def _layer_set_params(spec: ModelSpec, layers) -> tuple:
         frozen += _frozen_part(spec, i)
         dense_max, expert_max = max(dense_max, d), max(expert_max, e)
     return len(layers), dense, expert, adam, expert_adam, frozen, dense_max, expert_max
+
+
+def _mtp_params(spec: ModelSpec) -> tuple[int, int, int, int, int]:
+    """(dense, expert, adam-only dense, adam-only expert, frozen) parameters of the multi-token-prediction modules
+    (ModelSpec.mtp_param_breakdown): per depth two input norms, the 2 d -> d projection, one layer shaped like the
+    last, a final norm; the norms' gains are Adam parameters."""
+    if spec.mtp is None:
+        return 0, 0, 0, 0, 0
+    parts, depth = spec.mtp_param_breakdown(), spec.mtp.depth
+    _, dense, expert, adam, expert_adam, frozen, _, _ = _layer_set_params(spec, [spec.layers - 1])
+    norms = parts.get("mtp_norms", 0)
+    return (depth * dense + parts.get("mtp_proj", 0) + norms, depth * expert, depth * adam + norms,
+            depth * expert_adam, depth * frozen)
 
 
 def rank_params(spec: ModelSpec, plan: Plan | PlanArrays, rank: Rank = 0) -> RankParams:
@@ -194,6 +212,11 @@ def rank_params(spec: ModelSpec, plan: Plan | PlanArrays, rank: Rank = 0) -> Ran
     gated = np.where(first, top.get("embed_gated_norm", 0), 0) + np.where(last, top.get("final_gated_norm", 0), 0)
     embed_end = embed + np.where(first, top.get("embed_norm", 0) + top.get("embed_gated_norm", 0), 0) / t
     head_end = head + np.where(last, top.get("final_norm", 0) + top.get("final_gated_norm", 0), 0) / t
+    mtp = _mtp_params(spec)  # the multi-token-prediction modules live with the head
+    dense = dense + np.where(last, mtp[0], 0)
+    expert = expert + np.where(last, mtp[1], 0)
+    adam, expert_adam = adam + np.where(last, mtp[2], 0), expert_adam + np.where(last, mtp[3], 0)
+    frozen = frozen + np.where(last, mtp[4], 0)
     dense = dense / t + embed + head + (gains + gated) / t
     adam = adam / t + embed + gains / t
     out = dict(dense=dense, expert=expert / experts_split, adam_only=adam, head=head, layers=n,
@@ -342,10 +365,14 @@ def _rank_breakdown(spec: ModelSpec, plan: Plan | PlanArrays, dtype: str | None,
         chunks = p.parallel.rank_chunks(_rank(p, rank), p.schedule)
         first, last = 0 in chunks, p.parallel.chunks - 1 in chunks
         edge = edge_activation_bytes_per_token(spec, p, first=first, last=last, dtype=dtype, activations=activations)
-        return len(chunks), first, last, edge
+        mtp = mtp_activation_bytes_per_token(spec, p, dtype, activations) if last else 0.0
+        return len(chunks), first, last, edge, mtp
 
-    n_chunks, _, last, edge = per_key(plan, LAYER_SET + (("micro_batch",) if eager else ()), edges)
+    reads_mtp = reads if spec.mtp is not None else ()  # the MTP block's count reads what a layer's does
+    n_chunks, _, last, edge, mtp = per_key(plan, LAYER_SET + (("micro_batch",) if eager else ()) + reads_mtp, edges)
     saved = saved + edge * tokens_mb * (inflight / n_chunks if eager else 1.0)
+    # The multi-token-prediction modules run after the head, for each in-flight micro-batch of the last chunk.
+    saved = saved + mtp * tokens_mb * inflight / n_chunks
     if eager:
         moe_layers, = per_key(plan, LAYER_SET, lambda p: sum(spec.is_moe(i) for i in p.rank_layers(spec, _rank(p, rank))))
         saved = saved + eager_step_bytes_per_token(spec, moe_layers) * tokens_mb * m

@@ -31,6 +31,7 @@ from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs
 from rackcast.simulator.host_overhead import layer_forward_ops, optimizer_ops
+from rackcast.simulator.activations import mtp_activation_bytes_per_token
 from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, layer_activation_bytes_per_token,
                                        rank_params, static_bytes)
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Start, Wait
@@ -71,7 +72,7 @@ class StageWork:
     embed_params: float  # the embedding end's part of top_params (first chunk)
     head_params: float  # the head end's part of top_params (last chunk)
     static_bytes: dict[str, float]  # weights, gradients, master, optimizer
-    io_bytes: float  # embedding output and head input (kept once)
+    io_bytes: float  # embedding output and head input (kept once); the MTP modules' saved tensors on the head's stage
     optimizer_s: float
     host_bytes: float  # optimizer state + master moved each way between host and GPU
     reduction_comms: list = None  # the stage's whole gradient reduction, when it runs after the backward
@@ -147,6 +148,10 @@ class Workload:
             else 0.0
         embed_s = self._gemm_s(spec.embed_flops_fwd()) if 0 in chunks else 0.0
         static = static_bytes(rp, plan)
+        # The multi-token-prediction modules' saved tensors, held on the head's stage for the step (as the memory
+        # model's one in-flight micro-batch of the last chunk under 1F1B; not allocated and freed per micro-batch).
+        mtp_bytes = mtp_activation_bytes_per_token(spec, plan) * self.tokens_mb if (self.n_chunks - 1) in chunks \
+            else 0.0
         host_bytes = static.pop("host")  # resident on the host; the step moves it in and back out
         opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
         ns = newton_schulz_flops(spec, plan, layers)
@@ -162,7 +167,7 @@ class Workload:
                          embed_params=rp.embed_end, head_params=rp.head_end, static_bytes=static,
                          reduction_comms=self.reduction_comms(rp.dense, rp.expert),
                          gather_comms=self.parameter_gather_comms(rp.dense, rp.expert),
-                         io_bytes=2 * W_BYTES * spec.d_model * self.tokens_mb, optimizer_s=optimizer_s,
+                         io_bytes=2 * W_BYTES * spec.d_model * self.tokens_mb + mtp_bytes, optimizer_s=optimizer_s,
                          host_bytes=host_bytes, embed_ops=embed_ops, head_ops=head_ops)
 
     def _balancing_s(self, layers: list[int]) -> float:
@@ -390,6 +395,7 @@ class ExpertLoads:
         self.rows = np.repeat(rows, par.expert_tensor, axis=3)
         self._max_rows = self.rows.sum(axis=2).max(axis=2)  # most loaded expert rank
         self.row_bytes = work.x * W_BYTES
+        self.spec = spec
         self._masks: dict[int, tuple] = {}
 
     def max_rows(self, layer: int, mb: int) -> float:
@@ -407,4 +413,14 @@ class ExpertLoads:
         masks = cached[1]  # pair categories are symmetric: (s, d) and (d, s) are alike
         send = np.einsum("sd,csd->sc", b, masks)
         recv = np.einsum("sd,csd->dc", b, masks)
+        # Node-limited routing (costs.cross_domain_a2a_share): only that share of the cross-domain copies crosses
+        # the NICs; the rest is forwarded over the destination domain's scale-up links, each rank relaying as much
+        # as it receives forwarded (balanced, by symmetry).
+        domains = categories.shape[0] / max(int((categories[0] == 0).sum()), 1)
+        share = float(costs.cross_domain_a2a_share(self.spec, domains))
+        if share < 1.0:
+            forwarded = (1.0 - share) * recv[:, 1:].sum(axis=1)
+            send, recv = send * [1.0, share, share], recv * [1.0, share, share]
+            send[:, 0] += forwarded
+            recv[:, 0] += forwarded
         return send, recv

@@ -205,7 +205,7 @@ def test_the_default_dtype_is_the_plans_precision_and_fp32_only_widens_it():
     assert 1.9 < fp32.activations / default.activations < 2.0  # router logits and lse were fp32 already
 
 
-@pytest.mark.parametrize("plan_name", ["tiny-1proc", "tiny-2proc-pp"])
+@pytest.mark.parametrize("plan_name", ["tiny-1proc", "tiny-2proc-pp", "tiny-qwen3", "tiny-gpt-oss", "tiny-mixtral"])
 def test_optimizer_state_and_gradients_equal_what_the_backend_keeps(plan_name):
     import torch
     from torch import nn
