@@ -29,6 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import simpy
+from simpy.events import URGENT
 
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
@@ -114,21 +115,17 @@ class _Rank:
 
     # ------------------------------------------------------------------------------------------ communication
     def start(self, comm: Comm) -> simpy.Event:
-        prev = self.tails.get(comm.stream)
-        proc = self.env.process(self._comm(comm, prev))
-        self.tails[comm.stream] = proc
-        return proc
-
-    def _comm(self, comm: Comm, prev):
-        if prev is not None and not prev.triggered:
-            yield prev
-        self.active += 1
-        t0 = self.env.now
-        yield from self.sim.run_comm(self.stage, comm)
-        self.active -= 1
-        if self.sim.record:
-            self.sim.timeline.slices.append((self.stage, self.sim.thread(comm), comm.name, t0, self.env.now))
-        return self.env.now
+        """Start `comm` after the previous op of its stream; the returned event succeeds (value: the time) when it
+        ends. Run as callbacks (_CommRun), with the events a SimPy process would schedule, in the same order."""
+        env = self.env
+        done = simpy.Event(env)
+        run = _CommRun(self, comm, self.tails.get(comm.stream), done)
+        self.tails[comm.stream] = done
+        begin = simpy.Event(env)  # what env.process schedules: its start, at URGENT priority
+        begin._ok, begin._value = True, None
+        begin.callbacks.append(run.begin)
+        env.schedule(begin, URGENT)
+        return done
 
     # --------------------------------------------------------------------------------------------------- ops
     def run(self, ops, handles: dict):
@@ -237,6 +234,47 @@ class _Rank:
             yield self.start(comm)
         self.phases["exposed_dp_comm"] += env.now - t0
         self.finish = env.now
+
+
+class _CommRun:
+    """One communication op of a rank as callbacks rather than a SimPy process (no generator to resume per event):
+    it waits for the previous op of its stream, counts as active on its rank while it runs the network generator
+    of simulator.stepnet, records its slice and triggers `done`, each at the moment the process did."""
+
+    __slots__ = ("rank", "comm", "prev", "done", "gen", "t0")
+
+    def __init__(self, rank: _Rank, comm: Comm, prev, done: simpy.Event):
+        self.rank, self.comm, self.prev, self.done = rank, comm, prev, done
+        self.gen = None
+        self.t0 = 0.0
+
+    def begin(self, _event) -> None:
+        prev = self.prev
+        if prev is not None and not prev.triggered:
+            prev.callbacks.append(self.run)
+        else:
+            self.run(None)
+
+    def run(self, _event) -> None:
+        rank = self.rank
+        rank.active += 1
+        self.t0 = rank.env.now
+        self.gen = rank.sim.run_comm(rank.stage, self.comm)
+        self.resume(None)
+
+    def resume(self, _event) -> None:
+        for event in self.gen:
+            if event.callbacks is not None:  # not processed yet: come back when it is
+                event.callbacks.append(self.resume)
+                return
+        rank = self.rank
+        rank.active -= 1
+        env, sim = rank.env, rank.sim
+        if sim.record:
+            sim.timeline.slices.append((rank.stage, sim.thread(self.comm), self.comm.name, self.t0, env.now))
+        done = self.done
+        done._ok, done._value = True, env.now
+        env.schedule(done)
 
 
 class _StepSim:
