@@ -24,17 +24,16 @@ micro-batch, FSDP gather and gradient buffers, the recomputed layer).
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import simpy
-from simpy.events import URGENT
 
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import PredictedBand, Plan, Predicted
 from rackcast.simulator import costs, metrics
+from rackcast.simulator.eventloop import StepEnvironment, run_to_end
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Reduce, Start, Wait
 from rackcast.simulator.schedules import pipeline_orders
 from rackcast.simulator.stepnet import StepNetwork
@@ -121,10 +120,7 @@ class _Rank:
         done = simpy.Event(env)
         run = _CommRun(self, comm, self.tails.get(comm.stream), done)
         self.tails[comm.stream] = done
-        begin = simpy.Event(env)  # what env.process schedules: its start, at URGENT priority
-        begin._ok, begin._value = True, None
-        begin.callbacks.append(run.begin)
-        env.schedule(begin, URGENT)
+        env.start_soon(run.begin)
         return done
 
     # --------------------------------------------------------------------------------------------------- ops
@@ -280,7 +276,7 @@ class _CommRun:
 class _StepSim:
     def __init__(self, plan: Plan, spec: ModelSpec, topo: Topology, seed: int, reduce: bool, record: bool):
         self.plan, self.spec, self.topo = plan, spec, topo
-        self.env = simpy.Environment()
+        self.env = StepEnvironment()
         self.record = record
         self.work = Workload(spec, plan, topo, seed)
         self.net = StepNetwork(self.env, plan, topo, reduce=reduce, track_utilisation=record)
@@ -408,25 +404,7 @@ class _StepSim:
         ranks = [_Rank(self, s) for s in range(par.pipeline)]
         for r, order in zip(ranks, orders):
             self.env.process(r.process(order))
-        return ranks, _run_to_end(self.env)
-
-
-def _run_to_end(env: simpy.Environment) -> int:
-    """Process every event of env, as repeated `env.step()` calls do (the same order and effects), and return how
-    many: SimPy 4's step inlined, one Python call less per event; a failed event that nothing defused raises."""
-    queue, pop = env._queue, heapq.heappop
-    events = 0
-    while queue:
-        env._now, _, _, event = pop(queue)
-        callbacks, event.callbacks = event.callbacks, None
-        for callback in callbacks:
-            callback(event)
-        if not event._ok and not hasattr(event, "_defused"):
-            exc = type(event._value)(*event._value.args)
-            exc.__cause__ = event._value
-            raise exc
-        events += 1
-    return events
+        return ranks, run_to_end(self.env)
 
 
 # Work bounds, checked before a simulation starts (simulate's cost grows with the step it simulates): about 40-100
