@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import numpy as np
 import simpy
@@ -104,6 +103,7 @@ class Network:
         self._ii = np.zeros((I_ROWS, 0), dtype=np.int64)
         self._cnt = np.zeros(C_ROWS, dtype=np.int64)
         self._no_caps: dict[int, np.ndarray] = {}
+        self._wire: dict[int, np.ndarray] = {}
         self._groups: dict[int, tuple] = {}  # gid -> (event, tag) until its last flow is delivered
         self._grp = np.zeros((G_ROWS, 0))  # per gid: flows still moving, latest delivery so far (flowslots._drain)
         self._links = np.zeros((L_ROWS, len(self.links)))  # capacity, bytes/s in use after the last update
@@ -111,7 +111,9 @@ class Network:
         self._next_group = 0
         self._last = env.now
         self._kick = False
-        self._gen = 0
+        self._wake = None  # the pending wake-up (a timeout), None when none is needed
+        self._on_wake_callback = self._on_wake  # bound once
+        self._compiled = self._solve is maxmin_rates
         self._wake_at = math.inf
 
         self.track_utilisation = track_utilisation
@@ -195,13 +197,19 @@ class Network:
         if not 0.0 < efficiency <= 1.0:
             raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
         k = hops.shape[0]
-        wire = np.asarray(nbytes, dtype=np.float64) / efficiency if _per_flow(nbytes) else \
-            np.full(k, float(nbytes) / efficiency)  # the same division, elementwise or once
+        if type(nbytes) is float or not _per_flow(nbytes):  # the same division, once (into a kept buffer: _start
+            wire = self._wire.get(k)                          # copies it) or elementwise
+            if wire is None:
+                wire = self._wire[k] = np.empty(k)
+            wire.fill(float(nbytes) / efficiency)
+        else:
+            wire = np.asarray(nbytes, dtype=np.float64) / efficiency
         nhops = np.asarray(nhops, dtype=np.int64)
         if lat is None:
             lat = self.route_latencies(hops)
-        now = self.env.now
-        if _per_flow(rate_cap_Bps):
+        now = self.env._now
+        per_flow_caps = type(rate_cap_Bps) is not float and _per_flow(rate_cap_Bps)
+        if per_flow_caps:
             caps = np.asarray(rate_cap_Bps, dtype=np.float64)
         elif rate_cap_Bps == math.inf:  # the usual case: no cap (the kernels only read the array)
             caps = self._no_caps.get(k)
@@ -209,14 +217,15 @@ class Network:
                 caps = self._no_caps[k] = np.full(k, math.inf)
         else:
             caps = np.full(k, float(rate_cap_Bps))
-        self._reserve(k, hops.shape[1])
+        if self._cnt[C_SIZE] + k > self._ii.shape[1] or hops.shape[1] > self._hops.shape[1]:
+            self._reserve(k, hops.shape[1])
         gid = self._next_group
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
         m, deliver, negative = _start(hops, nhops, wire, caps, lat, float(now), gid, self._fl, self._ii, self._hops,
                                       self._cnt)
         if negative:
             raise ValueError("nbytes must be >= 0")
-        done = self.env.event()
+        done = simpy.Event(self.env)
         if m == 0:
             self._deliver(done, tag, deliver - now)
             return done
@@ -249,8 +258,8 @@ class Network:
         self._ii = np.concatenate([self._ii, np.zeros((I_ROWS, grow), dtype=np.int64)], axis=1)
 
     def _deliver(self, event: simpy.Event, tag, delay: float) -> None:
-        if delay > 0:
-            self.env.timeout(delay).callbacks.append(lambda _e: event.succeed(tag))
+        if delay > 0:  # the timeout carries the tag: event.trigger(timeout) is event.succeed(tag) then
+            self.env.timeout(delay, tag).callbacks.append(event.trigger)
         else:
             event.succeed(tag)
 
@@ -259,17 +268,18 @@ class Network:
         self._kick = False
         self._update()
 
-    def _on_wake(self, gen: int, _event) -> None:
-        if gen == self._gen:
+    def _on_wake(self, event) -> None:
+        if event is self._wake:  # else superseded
+            self._wake = None
             self._wake_at = math.inf
             self._update()
 
     def _update(self) -> None:
-        now = self.env.now
+        now = self.env._now
         eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
         dt = now - self._last
         self._last = now
-        if self._solve is maxmin_rates:  # drain, retire, activate, gather, solve and apply in one compiled call
+        if self._compiled:  # drain, retire, activate, gather, solve and apply in one compiled call
             done, groups, n_act, t_min = _step(self._fl, self._ii, self._hops, self._cnt, self._links, self._grp, dt,
                                                eps, now, self.track_utilisation)
             load = self._links[L_LOAD]
@@ -288,23 +298,24 @@ class Network:
                 rates = self._solve(indptr, indices, self.capacity, caps)
                 t_min, load = _apply_rates(act, indptr, indices, rates, self._fl[F_REM], self._fl[F_RATE],
                                            len(self.links), self.track_utilisation)
-        self.stats["max_active"] = max(self.stats["max_active"], n_act)
-        if n_act == 0:
-            self._gen += 1  # no wake-up is needed any more
-            self._wake_at = math.inf
+        stats = self.stats
+        if n_act > stats["max_active"]:
+            stats["max_active"] = n_act
+        if self.track_utilisation:
             self._record_load(now, load)
+        if n_act == 0:
+            self._wake = None  # no wake-up is needed any more
+            self._wake_at = math.inf
             return
-        self.stats["solves"] += 1
-        self._record_load(now, load)
+        stats["solves"] += 1
         t_next = now + t_min
         if t_next == self._wake_at:
             return  # the pending wake-up is still the right one
         # SimPy cannot cancel a timeout: the superseded wake-up stays queued and is ignored when it fires (it may
         # still advance env.now past the last delivery, so time collectives by their process, not env.now).
-        self._gen += 1
-        gen = self._gen
         self._wake_at = t_next
-        self.env.timeout(max(t_next - now, 0.0)).callbacks.append(partial(self._on_wake, gen))
+        self._wake = self.env.timeout(max(t_next - now, 0.0))
+        self._wake.callbacks.append(self._on_wake_callback)
 
     def _finish(self, now: float, done: int, groups: int) -> None:
         """Deliver the groups whose last flow finished (`flowslots._drain` retired `done` flows, completing
@@ -314,9 +325,13 @@ class Network:
             for g, s, d, w in zip(self._ii[I_GROUP, slots].tolist(), self._fl[F_START, slots].tolist(),
                                   self._fl[F_OUT, :done].tolist(), self._fl[F_WIRE, slots].tolist()):
                 self.flow_log.append((self._groups[g][1], s, d, w))
+        pop, timeout = self._groups.pop, self.env.timeout
         for g, d in zip(self._ii[I_OUT_GROUP, :groups].tolist(), self._fl[F_OUT_GROUP, :groups].tolist()):
-            event, tag = self._groups.pop(g)
-            self._deliver(event, tag, d - now)
+            event, tag = pop(g)
+            if d > now:  # as _deliver
+                timeout(d - now, tag).callbacks.append(event.trigger)
+            else:
+                event.succeed(tag)
 
     # ---------------------------------------------------------------------------------------- observation
     def _record_load(self, now: float, load: np.ndarray) -> None:
