@@ -5,6 +5,8 @@ order (tests/test_step_digest.py holds the simulated step bit for bit).
   the same (time, NORMAL, event id) queue entry);
 - `StepEnvironment.start_soon` schedules a callback the way `env.process` schedules a process's start (an event at
   URGENT priority), for work run as callbacks rather than as a generator process;
+- `StepEnvironment.drive` runs a generator of events as `env.process` would (the same start, resumptions and end
+  event) without simpy.Process's per-resumption work (it does not send event values into the generator);
 - `run_to_end` processes every event as repeated `env.step()` calls do, with SimPy 4's step inlined.
 
     env = StepEnvironment()
@@ -41,6 +43,29 @@ class StepEnvironment(simpy.Environment):
         ev._ok, ev._value = True, None
         ev.callbacks.append(callback)
         _push(self._queue, (self._now, URGENT, next(self._eid), ev))
+
+    def drive(self, generator) -> simpy.Event:
+        """Run `generator` (it yields events, ignoring what the yield returns) as a process; the returned event is
+        scheduled when it ends, as a process's own event is."""
+        driven = _Driven(self, generator)
+        self.start_soon(driven.resume)
+        return driven.end
+
+
+class _Driven:
+    __slots__ = ("env", "generator", "end")
+
+    def __init__(self, env: StepEnvironment, generator):
+        self.env, self.generator, self.end = env, generator, simpy.Event(env)
+
+    def resume(self, _event) -> None:
+        for event in self.generator:
+            if event.callbacks is not None:  # not processed yet: come back when it is
+                event.callbacks.append(self.resume)
+                return
+        end = self.end
+        end._ok, end._value = True, None
+        _push(self.env._queue, (self.env._now, NORMAL, next(self.env._eid), end))
 
 
 def run_to_end(env: simpy.Environment) -> int:

@@ -28,6 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import simpy
+from simpy.events import PENDING
 
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
@@ -126,8 +127,8 @@ class _Rank:
     # --------------------------------------------------------------------------------------------------- ops
     def run(self, ops, handles: dict):
         """Run a list of simulator.ops records (see that module for what each kind does)."""
-        env, slow, record = self.env, self.sim.slowdown, self.sim.record
-        timeout = env.timeout
+        env, slow, record, phases = self.env, self.sim.slowdown, self.sim.record, self.phases
+        timeout, slices = env.timeout, self.sim.timeline.slices
         for op in ops:
             kind = type(op)
             if kind is Compute:
@@ -136,27 +137,31 @@ class _Rank:
                     continue
                 if self.active and slow:
                     d *= 1.0 + slow
-                t0 = env.now
+                t0 = env._now
                 yield timeout(d)
-                self.phases["compute"] += d
+                phases["compute"] += d
                 if record:
-                    self.sim.timeline.slices.append((self.stage, "compute", op.name, t0, env.now))
-            elif kind is Memory:  # the most frequent kind after Compute
-                self.alloc(op.nbytes)
+                    slices.append((self.stage, "compute", op.name, t0, env._now))
+            elif kind is Memory:  # the most frequent kind after Compute; as alloc()
+                mem = self.mem = self.mem + op.nbytes
+                if mem > self.peak:
+                    self.peak = mem
+                if record:
+                    self.mem_points.append((env._now, mem))
             elif kind is Host:
-                t0 = env.now
+                t0 = env._now
                 yield timeout(op.seconds)
-                self.phases["compute"] += op.seconds
+                phases["compute"] += op.seconds
                 if record:
-                    self.sim.timeline.slices.append((self.stage, "compute", op.name, t0, env.now))
+                    slices.append((self.stage, "compute", op.name, t0, env._now))
             elif kind is Start:
                 handles[op.key] = self.start(op.comm)
             elif kind is Wait:
                 ev = handles.pop(op.key)
-                if not ev.triggered:
-                    t0 = env.now
+                if ev._value is PENDING:  # not triggered
+                    t0 = env._now
                     yield ev
-                    self.phases[op.phase] += env.now - t0
+                    phases[op.phase] += env._now - t0
             elif kind is Reduce:
                 self.pending.append(self.start(op.comm))
             else:
@@ -246,7 +251,7 @@ class _CommRun:
 
     def begin(self, _event) -> None:
         prev = self.prev
-        if prev is not None and not prev.triggered:
+        if prev is not None and prev._value is PENDING:  # not triggered
             prev.callbacks.append(self.run)
         else:
             self.run(None)
@@ -254,7 +259,7 @@ class _CommRun:
     def run(self, _event) -> None:
         rank = self.rank
         rank.active += 1
-        self.t0 = rank.env.now
+        self.t0 = rank.env._now
         self.gen = rank.sim.run_comm(rank.stage, self.comm)
         self.resume(None)
 
@@ -267,9 +272,9 @@ class _CommRun:
         rank.active -= 1
         env, sim = rank.env, rank.sim
         if sim.record:
-            sim.timeline.slices.append((rank.stage, sim.thread(self.comm), self.comm.name, self.t0, env.now))
+            sim.timeline.slices.append((rank.stage, sim.thread(self.comm), self.comm.name, self.t0, env._now))
         done = self.done
-        done._ok, done._value = True, env.now
+        done._ok, done._value = True, env._now
         env.schedule(done)
 
 
@@ -403,7 +408,7 @@ class _StepSim:
         orders = pipeline_orders(self.plan.schedule, par.pipeline, self.plan.microbatches, par.chunks_per_rank)
         ranks = [_Rank(self, s) for s in range(par.pipeline)]
         for r, order in zip(ranks, orders):
-            self.env.process(r.process(order))
+            self.env.drive(r.process(order))
         return ranks, run_to_end(self.env)
 
 
