@@ -264,11 +264,24 @@ class Workload:
         rows = self.loads.max_rows(lw.index, mb)
         per_flop = self._expert_time.get(rows)
         if per_flop is None:
+            if not self._expert_time and not self.topo.efficiency.grouped_gemm:
+                self._expert_time = self._expert_times(np.unique(self.loads.max_rows_all()))
+                return self._expert_s(lw, mb)
             par = self.plan.parallel
             shape = costs.expert_shape(rows * par.expert / self.spec.moe.experts, self.spec, par.expert,
                                        par.expert_tensor)
             per_flop = self._expert_time[rows] = float(costs.grouped_gemm_time(1.0, shape, self.topo))
         return lw.expert_flops_per_row * rows * per_flop
+
+    def _expert_times(self, rows: np.ndarray) -> dict[float, float]:
+        """Seconds per FLOP of the grouped expert GEMM (costs.grouped_gemm_time) at each of these most-loaded-rank
+        row counts, priced together: without a measured curve the shape model is elementwise arithmetic (ceil,
+        maximum, + - x /), so each value has the bits it has priced alone."""
+        par = self.plan.parallel
+        shape = costs.expert_shape(rows * par.expert / self.spec.moe.experts, self.spec, par.expert,
+                                   par.expert_tensor)
+        seconds = np.broadcast_to(costs.grouped_gemm_time(1.0, shape, self.topo), rows.shape)
+        return dict(zip(rows.tolist(), seconds.tolist()))
 
     def _tp(self, key: str) -> list:
         par = self.plan.parallel
@@ -394,6 +407,10 @@ class ExpertLoads:
 
     def max_rows(self, layer: int, mb: int) -> float:
         return float(self._max_rows[mb, self.slot[layer]])
+
+    def max_rows_all(self) -> np.ndarray:
+        """max_rows of every (micro-batch, MoE layer), as an array."""
+        return self._max_rows.ravel()
 
     def port_bytes(self, layer: int, mb: int, direction: str, categories: np.ndarray):
         """(send, recv): (ep, 3) bytes per rank and pair category (stepnet.A2A_CATEGORIES), self excluded."""
