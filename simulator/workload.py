@@ -96,6 +96,7 @@ class Workload:
         self.routed_mb = plan.routed_tokens_per_microbatch(spec)  # what the rank dispatches to the experts
         self.gemm_shape = costs.gemm_shape(self.tokens_mb, spec, par.tensor)
         self._expert_time: dict[float, float] = {}
+        self._placed = None
         self._comms: dict[tuple, object] = {}  # op programs' Comm records (immutable), built once per layer
         self.n_chunks = par.chunks
         owner = par.chunk_ranks(plan.schedule)
@@ -167,28 +168,32 @@ class Workload:
 
     def _balancing_s(self, layers: list[int]) -> float:
         """Quantile balancing's reductions for these layers (costs.balancing_time)."""
-        from rackcast.simulator.placement import place
-
         count, hist, extremes = balancing_reductions(self.spec, layers)
         if not count:
             return 0.0
         f = {"bal_count": count, "bal_hist_bytes": hist, "bal_max_bytes": extremes,
-             **costs.reduction_groups(self.plan, place(self.plan, self.topo.scale_up.usable_gpus))}
+             **costs.reduction_groups(self.plan, self._placement())}
         return float(costs.balancing_time(f, self.topo))
 
     def _muon_gather_s(self, layers: list[int]) -> float:
         """MuonH's gathers of fsdp- and tensor-sharded matrices for these layers (costs.muon_gather_time)."""
-        from rackcast.simulator.placement import place
-
         gathered, norms, tp_gathered, tp_norms = muon_gather(self.spec, self.plan, layers)
         if not gathered and not tp_gathered:
             return 0.0
-        pl = place(self.plan, self.topo.scale_up.usable_gpus)
+        pl = self._placement()
         f = {"muon_gather_bytes": gathered, "muon_norm_count": norms, "fsdp_n": self.plan.parallel.fsdp,
              "fsdp_out": pl.fsdp.span == "scale_out", "fsdp_pd": costs.group_per_domain(pl.fsdp),
              "muon_tp_gather_bytes": tp_gathered, "muon_tp_norm_count": tp_norms, "tp_n": self.plan.parallel.tensor,
              "tp_out": pl.tensor.span == "scale_out", "tp_pd": costs.group_per_domain(pl.tensor)}
         return float(costs.muon_gather_time(f, self.topo))
+
+    def _placement(self):
+        """The plan's placement (simulator.placement.place), worked out once for all stages."""
+        if self._placed is None:
+            from rackcast.simulator.placement import place
+
+            self._placed = place(self.plan, self.topo.scale_up.usable_gpus)
+        return self._placed
 
     def host_forward_s(self, forward_ops: float) -> float:
         """Host time of `forward_ops` framework ops in a forward pass."""
