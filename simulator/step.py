@@ -24,11 +24,12 @@ micro-batch, FSDP gather and gradient buffers, the recomputed layer).
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import simpy
-from simpy.events import PENDING
+from simpy.events import NORMAL, PENDING, Timeout
 
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
@@ -129,6 +130,7 @@ class _Rank:
         """Run a list of simulator.ops records (see that module for what each kind does)."""
         env, slow, record, phases = self.env, self.sim.slowdown, self.sim.record, self.phases
         timeout, slices = env.timeout, self.sim.timeline.slices
+        queue, eid, push, new_timeout = env._queue, env._eid, heapq.heappush, Timeout.__new__
         for op in ops:
             kind = type(op)
             if kind is Compute:
@@ -138,7 +140,10 @@ class _Rank:
                 if self.active and slow:
                     d *= 1.0 + slow
                 t0 = env._now
-                yield timeout(d)
+                ev = new_timeout(Timeout)  # env.timeout(d) inlined (StepEnvironment.timeout: the same event)
+                ev.env, ev.callbacks, ev._value, ev._delay, ev._ok = env, [], None, d, True
+                push(queue, (t0 + d, NORMAL, next(eid), ev))
+                yield ev
                 phases["compute"] += d
                 if record:
                     slices.append((self.stage, "compute", op.name, t0, env._now))

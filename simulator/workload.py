@@ -252,7 +252,10 @@ class Workload:
         ops: list = []
         for n, direction in enumerate((first, second)):
             name = "dispatch" if direction == "d" else "combine"
-            comm = Comm("all_to_all", "expert", a2a_bytes, "ep", name, (lw.index, mb, direction))
+            comm = self._comms.get(("a2a", lw.index, mb, direction))  # the backward (and a recompute) repeats it
+            if comm is None:
+                comm = self._comms["a2a", lw.index, mb, direction] = Comm("all_to_all", "expert", a2a_bytes, "ep",
+                                                                          name, (lw.index, mb, direction))
             ops.append(Start(key + name, comm))
             if lw.shared_s:
                 ops.append(Compute(shared_name, factor * lw.shared_s / 2))
