@@ -47,15 +47,18 @@ class StepEnvironment(simpy.Environment):
     def drive(self, generator) -> simpy.Event:
         """Run `generator` (it yields events, ignoring what the yield returns) as a process; the returned event is
         scheduled when it ends, as a process's own event is."""
-        driven = _Driven(self, generator)
+        driven = Driven(self, generator)
         self.start_soon(driven.resume)
         return driven.end
 
 
-class _Driven:
+class Driven:
+    """A generator of events resumed as simpy.Process resumes one (at once past events already processed, else
+    when the event it waits for is processed); `finish` schedules `end` (value None; subclasses add to it)."""
+
     __slots__ = ("env", "generator", "end")
 
-    def __init__(self, env: StepEnvironment, generator):
+    def __init__(self, env: simpy.Environment, generator=None):
         self.env, self.generator, self.end = env, generator, simpy.Event(env)
 
     def resume(self, _event) -> None:
@@ -63,9 +66,12 @@ class _Driven:
             if event.callbacks is not None:  # not processed yet: come back when it is
                 event.callbacks.append(self.resume)
                 return
-        end = self.end
-        end._ok, end._value = True, None
-        _push(self.env._queue, (self.env._now, NORMAL, next(self.env._eid), end))
+        self.finish()
+
+    def finish(self, value=None) -> None:
+        end, env = self.end, self.env
+        end._ok, end._value = True, value
+        _push(env._queue, (env._now, NORMAL, next(env._eid), end))
 
 
 def run_to_end(env: simpy.Environment) -> int:

@@ -35,7 +35,7 @@ from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import PredictedBand, Plan, Predicted
 from rackcast.simulator import costs, metrics
-from rackcast.simulator.eventloop import StepEnvironment, run_to_end
+from rackcast.simulator.eventloop import Driven, StepEnvironment, run_to_end
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Reduce, Start, Wait
 from rackcast.simulator.schedules import pipeline_orders
 from rackcast.simulator.stepnet import StepNetwork
@@ -118,12 +118,10 @@ class _Rank:
     def start(self, comm: Comm) -> simpy.Event:
         """Start `comm` after the previous op of its stream; the returned event succeeds (value: the time) when it
         ends. Run as callbacks (_CommRun), with the events a SimPy process would schedule, in the same order."""
-        env = self.env
-        done = simpy.Event(env)
-        run = _CommRun(self, comm, self.tails.get(comm.stream), done)
-        self.tails[comm.stream] = done
-        env.start_soon(run.begin)
-        return done
+        run = _CommRun(self, comm, self.tails.get(comm.stream))
+        self.tails[comm.stream] = run.end
+        self.env.start_soon(run.begin)
+        return run.end
 
     # --------------------------------------------------------------------------------------------------- ops
     def run(self, ops, handles: dict):
@@ -242,16 +240,17 @@ class _Rank:
         self.finish = env.now
 
 
-class _CommRun:
-    """One communication op of a rank as callbacks rather than a SimPy process (no generator to resume per event):
-    it waits for the previous op of its stream, counts as active on its rank while it runs the network generator
-    of simulator.stepnet, records its slice and triggers `done`, each at the moment the process did."""
+class _CommRun(Driven):
+    """One communication op of a rank as callbacks rather than a SimPy process (no generator of its own to resume
+    per event): it waits for the previous op of its stream, counts as active on its rank while it runs the network
+    generator of simulator.stepnet, records its slice and triggers `end` (value: the time), each at the moment the
+    process did."""
 
-    __slots__ = ("rank", "comm", "prev", "done", "gen", "t0")
+    __slots__ = ("rank", "comm", "prev", "t0")
 
-    def __init__(self, rank: _Rank, comm: Comm, prev, done: simpy.Event):
-        self.rank, self.comm, self.prev, self.done = rank, comm, prev, done
-        self.gen = None
+    def __init__(self, rank: _Rank, comm: Comm, prev):
+        super().__init__(rank.env)
+        self.rank, self.comm, self.prev = rank, comm, prev
         self.t0 = 0.0
 
     def begin(self, _event) -> None:
@@ -265,22 +264,16 @@ class _CommRun:
         rank = self.rank
         rank.active += 1
         self.t0 = rank.env._now
-        self.gen = rank.sim.run_comm(rank.stage, self.comm)
+        self.generator = rank.sim.run_comm(rank.stage, self.comm)
         self.resume(None)
 
-    def resume(self, _event) -> None:
-        for event in self.gen:
-            if event.callbacks is not None:  # not processed yet: come back when it is
-                event.callbacks.append(self.resume)
-                return
+    def finish(self, value=None) -> None:
         rank = self.rank
         rank.active -= 1
-        env, sim = rank.env, rank.sim
+        sim, now = rank.sim, rank.env._now
         if sim.record:
-            sim.timeline.slices.append((rank.stage, sim.thread(self.comm), self.comm.name, self.t0, env._now))
-        done = self.done
-        done._ok, done._value = True, env._now
-        env.schedule(done)
+            sim.timeline.slices.append((rank.stage, sim.thread(self.comm), self.comm.name, self.t0, now))
+        super().finish(now)
 
 
 class _StepSim:
