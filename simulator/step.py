@@ -39,7 +39,7 @@ from rackcast.simulator.eventloop import Driven, StepEnvironment, run_to_end
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Reduce, Start, Wait
 from rackcast.simulator.schedules import pipeline_orders
 from rackcast.simulator.stepnet import StepNetwork
-from rackcast.simulator.workload import StageWork, Workload
+from rackcast.simulator.workload import PerMicrobatch, StageWork, Workload
 from rackcast.topologies.spec import Topology
 from rackcast.vocab import PHASES
 
@@ -289,6 +289,7 @@ class _StepSim:
         self._events: dict = {}
         self._cats = {}
         self._a2a: dict = {}
+        self._templates: dict[tuple, tuple] = {}  # chunk_ops's templates
 
     def event(self, key) -> simpy.Event:
         ev = self._events.get(key)
@@ -330,12 +331,28 @@ class _StepSim:
 
     # ------------------------------------------------------------------------------------------ chunk programs
     def chunk_ops(self, st: StageWork, a, reduce: bool, top: bool) -> list:
-        """The ops of one schedule action (F, B, W or BW of one chunk and micro-batch) on stage `st`."""
+        """The ops of one schedule action (F, B, W or BW of one chunk and micro-batch) on stage `st`: its kind's
+        template (built once) with the ops that depend on the micro-batch filled in."""
+        key = (st.stage, a.stage, a.kind, reduce, top)
+        template = self._templates.get(key)
+        if template is None:
+            ops = self._chunk_template(st, a, reduce, top)
+            template = self._templates[key] = (ops, [(i, op.make) for i, op in enumerate(ops)
+                                                     if type(op) is PerMicrobatch])
+        ops, per_mb = template
+        if per_mb:  # else the template itself: run() only reads it
+            ops = ops.copy()
+            for i, make in per_mb:
+                ops[i] = make(a.microbatch)
+        return ops
+
+    def _chunk_template(self, st: StageWork, a, reduce: bool, top: bool) -> list:
+        """chunk_ops with PerMicrobatch records where an op depends on a.microbatch."""
         wl, plan = self.work, self.plan
         layers = st.chunks[a.stage]
         last = a.stage == wl.n_chunks - 1
         rc = plan.recompute
-        mb = a.microbatch
+        mb = None
         ops: list = []
         seq = layers if a.kind == "F" else layers[::-1]
         gathers = [wl.gather_comms(lw) for lw in seq] if a.kind in ("F", "BW", "B") else [[] for _ in seq]

@@ -23,7 +23,10 @@ simulator.step. Expert all-to-all token counts come from simulator.routing (see 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 
@@ -205,8 +208,9 @@ class Workload:
         return share * self.counts["bwd_over_fwd"] * forward_ops * self.host.backward if self.counts else 0.0
 
     # ------------------------------------------------------------------------------------------ op programs
-    def layer_forward(self, lw: LayerWork, mb: int, key: str, recompute: bool = False) -> list:
-        """Ops of one layer's forward (or its recomputation) for micro-batch mb."""
+    def layer_forward(self, lw: LayerWork, mb: int | None, key: str, recompute: bool = False) -> list:
+        """Ops of one layer's forward (or its recomputation) for micro-batch mb (None: a template, where the ops
+        that depend on the micro-batch are PerMicrobatch records)."""
         par = self.plan.parallel
         pre = "recompute " if recompute else ""
         ops: list = []
@@ -225,11 +229,12 @@ class Workload:
         ops += self._tp(key + "tpm")
         return ops
 
-    def layer_backward(self, lw: LayerWork, mb: int, key: str, kind: str) -> list:
-        """Ops of one layer's backward: kind "BW" (input and weight gradients), "B" (inputs) or "W" (weights)."""
+    def layer_backward(self, lw: LayerWork, mb: int | None, key: str, kind: str) -> list:
+        """Ops of one layer's backward: kind "BW" (input and weight gradients), "B" (inputs) or "W" (weights); mb as
+        in layer_forward."""
         host = [Host("backward host ops", self.host_backward_s(lw.host_ops, kind))] if lw.host_ops > 0.0 else []
         if kind == "W":
-            return host + [Compute("weight grads", lw.attn_s + lw.router_s + lw.shared_s + self._expert_s(lw, mb))]
+            return host + [_per_mb(partial(self._weight_grads, lw), mb)]
         f = 2.0 if kind == "BW" else 1.0
         ops = host + self._tp(key + "tpm")
         if lw.moe:
@@ -252,17 +257,26 @@ class Workload:
         ops: list = []
         for n, direction in enumerate((first, second)):
             name = "dispatch" if direction == "d" else "combine"
-            comm = self._comms.get(("a2a", lw.index, mb, direction))  # the backward (and a recompute) repeats it
-            if comm is None:
-                comm = self._comms["a2a", lw.index, mb, direction] = Comm("all_to_all", "expert", a2a_bytes, "ep",
-                                                                          name, (lw.index, mb, direction))
-            ops.append(Start(key + name, comm))
+            ops.append(_per_mb(partial(self._a2a_start, lw.index, direction, key + name, name, a2a_bytes), mb))
             if lw.shared_s:
                 ops.append(Compute(shared_name, factor * lw.shared_s / 2))
             ops.append(Wait(key + name, "exposed_expert_a2a"))
             if n == 0:
-                ops.append(Compute(expert_name, factor * self._expert_s(lw, mb)))
+                ops.append(_per_mb(partial(self._expert_compute, lw, expert_name, factor), mb))
         return ops
+
+    def _a2a_start(self, layer: int, direction: str, key: str, name: str, nbytes: float, mb: int) -> Start:
+        comm = self._comms.get(("a2a", layer, mb, direction))  # the backward (and a recompute) repeats it
+        if comm is None:
+            comm = self._comms["a2a", layer, mb, direction] = Comm("all_to_all", "expert", nbytes, "ep", name,
+                                                                   (layer, mb, direction))
+        return Start(key, comm)
+
+    def _expert_compute(self, lw: LayerWork, name: str, factor: float, mb: int) -> Compute:
+        return Compute(name, factor * self._expert_s(lw, mb))
+
+    def _weight_grads(self, lw: LayerWork, mb: int) -> Compute:
+        return Compute("weight grads", lw.attn_s + lw.router_s + lw.shared_s + self._expert_s(lw, mb))
 
     def _expert_s(self, lw: LayerWork, mb: int) -> float:
         """The grouped expert GEMM of the most loaded rank of the routing draw: its rows over its local experts set
@@ -355,6 +369,17 @@ class Workload:
         return [Comm(c.kind, c.axis, c.nbytes, c.stream, c.name)
                 for c in costs.parameter_gathers(dense_params * W_BYTES, expert_params * W_BYTES,
                                                  par.reduction_inner, par.expert_fsdp, par.zero) if c.nbytes > 0]
+
+
+class PerMicrobatch(NamedTuple):
+    """A template's op that depends on the micro-batch: make(mb) is the op (see Workload.layer_forward)."""
+
+    make: Callable[[int], object]
+
+
+def _per_mb(make: Callable[[int], object], mb: int | None):
+    """The op make(mb), or a PerMicrobatch record when building a template (mb None)."""
+    return PerMicrobatch(make) if mb is None else make(mb)
 
 
 class ExpertLoads:
