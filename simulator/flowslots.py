@@ -2,15 +2,18 @@
 over a time step, retiring finished ones, gathering the active flows as a CSR incidence for the max-min fair solve
 (simulator.fairshare) and writing their rates back. Each kernel works on the Network's slot arrays in place:
 
-    fl      float64 (F_ROWS, slots): remaining wire bytes, rate, rate cap, route latency, start time, wire bytes
-    ii      int64 (I_ROWS, slots): hop count, flow id (start order), group (the batch a flow belongs to)
+    fl      float64 (F_ROWS, slots): remaining wire bytes, rate, rate cap, route latency, start time, wire bytes;
+            F_OUT, F_OUT_GROUP: output rows (delivery times of the flows, then of the groups, that finished)
+    ii      int64 (I_ROWS, slots): hop count, flow id (start order), group (the batch a flow belongs to), active
+            (0/1), a stack of reusable slots (I_FREE), slots started since the last update (I_PEND); I_OUT,
+            I_OUT_GROUP: output rows (the slots, then the groups, that finished)
     hops    int64 (slots, width): link indices, -1 padded
-    active  bool (slots)
-    free    int64 (slots): a stack of reusable slots; pend int64 (slots): slots started since the last update
     cnt     int64 (C_ROWS): slots ever used, free slots, next flow id, pending slots
+    links   float64 (L_ROWS, links): capacity, bytes/s in use (L_LOAD, written by `_step`)
+    groups  float64 (G_ROWS, groups): per batch, flows still moving and its latest delivery so far
 
-Few, packed arguments and results written into preallocated buffers keep numba's per-call cost down (the step
-simulator makes tens of thousands of calls per step). `_step` runs a whole network update (drain, retire,
+Few, packed arguments (numba unboxes each array argument on every call, ~0.2 us each) and results written into
+preallocated rows keep numba's per-call cost down (the step simulator makes tens of thousands of calls per step). `_step` runs a whole network update (drain, retire,
 activate, solve) in one dispatch. The arithmetic and its order are those of the per-array kernels it replaced, so
 the simulated step stays bit for bit the same (tests/test_step_digest.py).
 
@@ -125,7 +128,7 @@ def _finish_slots(slots, flow_id, active, rate, lat, group, now):
     deliver = np.empty(slots.shape[0])
     for j in range(slots.shape[0]):
         s = slots[j]
-        active[s] = False
+        active[s] = 0
         rate[s] = 0.0
         deliver[j] = now + lat[s]
     gids = group[slots]
@@ -145,16 +148,20 @@ def _finish_slots(slots, flow_id, active, rate, lat, group, now):
     return slots, deliver, uniq[: n + 1], counts[: n + 1], latest[: n + 1]
 
 
-F_REM, F_RATE, F_CAP, F_LAT, F_START, F_WIRE = range(6)
-F_ROWS = 6
-I_NHOPS, I_FLOW, I_GROUP = range(3)
-I_ROWS = 3
+F_REM, F_RATE, F_CAP, F_LAT, F_START, F_WIRE, F_OUT, F_OUT_GROUP = range(8)
+F_ROWS = 8
+I_NHOPS, I_FLOW, I_GROUP, I_ACTIVE, I_FREE, I_PEND, I_OUT, I_OUT_GROUP = range(8)
+I_ROWS = 8
 C_SIZE, C_FREE, C_FLOW, C_PEND = range(4)
 C_ROWS = 4
+L_CAP, L_LOAD = range(2)
+L_ROWS = 2
+G_LEFT, G_LATEST = range(2)
+G_ROWS = 2
 
 
 @njit(cache=True)
-def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, free, pend, cnt):
+def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
     """Start a batch (rows of hops, hop counts, wire bytes, rate caps, route latencies) in free slots, reused ones
     first (the most recently freed last), then fresh ones, in row order; flows with no bytes or no link are not
     started. Returns how many were started, when the others are delivered (now + their latency, the latest; now
@@ -171,6 +178,7 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, free, pend, c
             deliver = now + lat[i]
     if negative or m == 0:
         return m, deliver, negative
+    free, pend = ii[I_FREE], ii[I_PEND]
     take = min(m, cnt[C_FREE])
     first_reused = cnt[C_FREE] - take
     fresh = cnt[C_SIZE]
@@ -205,12 +213,14 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, free, pend, c
 
 
 @njit(cache=True)
-def _drain(active, fl, ii, free, cnt, dt, eps, now, out_i, out_f, g_left, g_latest):
+def _drain(fl, ii, cnt, dt, eps, now, groups):
     """Drain the active flows over `dt` seconds at their rates, retire those with (nearly) nothing left
-    (remaining <= rate x eps) onto the free stack, and write into out_i / out_f: row 0 their slots in start order,
-    out_f row 0 their delivery times. Each group (the batch of a `_start`) counts down its flows still moving
-    (g_left) and keeps its latest delivery (g_latest); out_i row 1 and out_f row 1 get the groups whose last flow
-    finished, ascending, and their delivery times. Returns (finished flows, finished groups)."""
+    (remaining <= rate x eps) onto the free stack, and write their slots in start order (ii row I_OUT) and delivery
+    times (fl row F_OUT). Each group (the batch of a `_start`) counts down its flows still moving (G_LEFT) and keeps
+    its latest delivery (G_LATEST); rows I_OUT_GROUP and F_OUT_GROUP get the groups whose last flow finished,
+    ascending, and their delivery times. Returns (finished flows, finished groups)."""
+    active, free = ii[I_ACTIVE], ii[I_FREE]
+    g_left, g_latest = groups[G_LEFT], groups[G_LATEST]
     act, finished, done = _advance(active, cnt[C_SIZE], fl[F_REM], fl[F_RATE], dt, eps)
     if done == 0:
         return 0, 0
@@ -218,8 +228,8 @@ def _drain(active, fl, ii, free, cnt, dt, eps, now, out_i, out_f, g_left, g_late
                                                          ii[I_GROUP], now)
     n = cnt[C_FREE]
     for j in range(slots.shape[0]):
-        out_i[0, j] = slots[j]
-        out_f[0, j] = deliver[j]
+        ii[I_OUT, j] = slots[j]
+        fl[F_OUT, j] = deliver[j]
         free[n + j] = slots[j]
     cnt[C_FREE] = n + slots.shape[0]
     complete = 0
@@ -229,30 +239,31 @@ def _drain(active, fl, ii, free, cnt, dt, eps, now, out_i, out_f, g_left, g_late
         if latest[j] > g_latest[g]:
             g_latest[g] = latest[j]
         if g_left[g] == 0:
-            out_i[1, complete] = g
-            out_f[1, complete] = g_latest[g]
+            ii[I_OUT_GROUP, complete] = g
+            fl[F_OUT_GROUP, complete] = g_latest[g]
             complete += 1
     return done, complete
 
 
 @njit(cache=True)
-def _activate(active, pend, cnt):
+def _activate(ii, cnt):
+    """The flows started since the last update become active."""
+    active, pend = ii[I_ACTIVE], ii[I_PEND]
     for j in range(cnt[C_PEND]):
-        active[pend[j]] = True
+        active[pend[j]] = 1
     cnt[C_PEND] = 0
 
 
 @njit(cache=True)
-def _step(active, fl, ii, hops, free, pend, cnt, capacity, dt, eps, now, track, out_i, out_f, load, g_left,
-          g_latest):
-    """One network update in one dispatch: `_drain`, then the flows started since the last update become active,
-    then `_resolve` (gather, solve, write the rates). `load` receives the bytes/s in use per link (zeros when none
-    are active or not tracked). Returns (finished flows, finished groups, active flows, the earliest time one of them
-    finishes from now: inf when none)."""
-    done, groups = _drain(active, fl, ii, free, cnt, dt, eps, now, out_i, out_f, g_left, g_latest)
-    _activate(active, pend, cnt)
-    n_act, t_min, solved = _resolve(active, cnt[C_SIZE], ii[I_NHOPS], hops, fl[F_CAP], capacity, fl[F_REM],
-                                    fl[F_RATE], track)
+def _step(fl, ii, hops, cnt, links, groups, dt, eps, now, track):
+    """One network update in one dispatch: `_drain`, `_activate`, then `_resolve` (gather, solve, write the rates).
+    links row L_LOAD receives the bytes/s in use per link (zeros when none are active or not tracked). Returns
+    (finished flows, finished groups, active flows, the earliest time one of them finishes from now: inf when none)."""
+    done, complete = _drain(fl, ii, cnt, dt, eps, now, groups)
+    _activate(ii, cnt)
+    n_act, t_min, solved = _resolve(ii[I_ACTIVE], cnt[C_SIZE], ii[I_NHOPS], hops, fl[F_CAP], links[L_CAP],
+                                    fl[F_REM], fl[F_RATE], track)
+    load = links[L_LOAD]
     for k in range(load.shape[0]):
         load[k] = solved[k]
-    return done, groups, n_act, t_min
+    return done, complete, n_act, t_min

@@ -34,15 +34,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import numpy as np
 import simpy
 
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
-from rackcast.simulator.flowslots import (C_PEND, C_ROWS, C_SIZE, F_CAP, F_RATE, F_REM, F_ROWS, F_START, F_WIRE,
-                                            I_FLOW, I_GROUP, I_NHOPS, I_ROWS, _activate, _apply_rates, _changed,
-                                            _drain, _gather_active, _start, _step)
+from rackcast.simulator.flowslots import (C_PEND, C_ROWS, C_SIZE, F_CAP, F_OUT, F_OUT_GROUP, F_RATE, F_REM, F_ROWS,
+                                            F_START, F_WIRE, G_LATEST, G_LEFT, G_ROWS, I_ACTIVE, I_FLOW, I_GROUP,
+                                            I_NHOPS, I_OUT, I_OUT_GROUP, I_ROWS, L_CAP, L_LOAD, L_ROWS, _activate,
+                                            _apply_rates, _changed, _drain, _gather_active, _start, _step)
 
 Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 
@@ -101,25 +101,23 @@ class Network:
         self._hops = np.full((0, 8), -1, dtype=np.int64)  # link indices per slot, padded with -1
         self._fl = np.zeros((F_ROWS, 0))
         self._ii = np.zeros((I_ROWS, 0), dtype=np.int64)
-        self._active = np.zeros(0, dtype=bool)
-        self._free = np.zeros(0, dtype=np.int64)
-        self._pend = np.zeros(0, dtype=np.int64)
-        self._out_i = np.zeros((2, 0), dtype=np.int64)
-        self._out_f = np.zeros((2, 0))
         self._cnt = np.zeros(C_ROWS, dtype=np.int64)
         self._no_caps: dict[int, np.ndarray] = {}
+        self._wire: dict[int, np.ndarray] = {}
         self._groups: dict[int, tuple] = {}  # gid -> (event, tag) until its last flow is delivered
-        self._g_left = np.zeros(0, dtype=np.int64)  # per gid: flows still moving (simulator.flowslots._drain)
-        self._g_latest = np.zeros(0)  # per gid: latest delivery so far
+        self._grp = np.zeros((G_ROWS, 0))  # per gid: flows still moving, latest delivery so far (flowslots._drain)
+        self._links = np.zeros((L_ROWS, len(self.links)))  # capacity, bytes/s in use after the last update
+        self._links[L_CAP] = self.capacity
         self._next_group = 0
         self._last = env.now
         self._kick = False
-        self._gen = 0
+        self._wake = None  # the pending wake-up (a timeout), None when none is needed
+        self._on_wake_callback = self._on_wake  # bound once
+        self._compiled = self._solve is maxmin_rates
         self._wake_at = math.inf
 
         self.track_utilisation = track_utilisation
         self._load = np.zeros(len(self.links))
-        self._scratch_load = np.zeros(len(self.links))
         self._util_t: list[np.ndarray] = []
         self._util_l: list[np.ndarray] = []
         self._util_v: list[np.ndarray] = []
@@ -199,13 +197,19 @@ class Network:
         if not 0.0 < efficiency <= 1.0:
             raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
         k = hops.shape[0]
-        wire = np.asarray(nbytes, dtype=np.float64) / efficiency if _per_flow(nbytes) else \
-            np.full(k, float(nbytes) / efficiency)  # the same division, elementwise or once
+        if type(nbytes) is float or not _per_flow(nbytes):  # the same division, once (into a kept buffer: _start
+            wire = self._wire.get(k)                          # copies it) or elementwise
+            if wire is None:
+                wire = self._wire[k] = np.empty(k)
+            wire.fill(float(nbytes) / efficiency)
+        else:
+            wire = np.asarray(nbytes, dtype=np.float64) / efficiency
         nhops = np.asarray(nhops, dtype=np.int64)
         if lat is None:
             lat = self.route_latencies(hops)
-        now = self.env.now
-        if _per_flow(rate_cap_Bps):
+        now = self.env._now
+        per_flow_caps = type(rate_cap_Bps) is not float and _per_flow(rate_cap_Bps)
+        if per_flow_caps:
             caps = np.asarray(rate_cap_Bps, dtype=np.float64)
         elif rate_cap_Bps == math.inf:  # the usual case: no cap (the kernels only read the array)
             caps = self._no_caps.get(k)
@@ -213,24 +217,24 @@ class Network:
                 caps = self._no_caps[k] = np.full(k, math.inf)
         else:
             caps = np.full(k, float(rate_cap_Bps))
-        self._reserve(k, hops.shape[1])
+        if self._cnt[C_SIZE] + k > self._ii.shape[1] or hops.shape[1] > self._hops.shape[1]:
+            self._reserve(k, hops.shape[1])
         gid = self._next_group
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
         m, deliver, negative = _start(hops, nhops, wire, caps, lat, float(now), gid, self._fl, self._ii, self._hops,
-                                      self._free, self._pend, self._cnt)
+                                      self._cnt)
         if negative:
             raise ValueError("nbytes must be >= 0")
-        done = self.env.event()
+        done = simpy.Event(self.env)
         if m == 0:
             self._deliver(done, tag, deliver - now)
             return done
         self._next_group += 1
-        if gid >= len(self._g_left):
-            grow = max(64, len(self._g_left))
-            self._g_left = np.concatenate([self._g_left, np.zeros(grow, dtype=np.int64)])
-            self._g_latest = np.concatenate([self._g_latest, np.zeros(grow)])
-        self._g_left[gid] = m
-        self._g_latest[gid] = deliver
+        grp = self._grp
+        if gid >= grp.shape[1]:
+            grp = self._grp = np.concatenate([grp, np.zeros((G_ROWS, max(64, grp.shape[1])))], axis=1)
+        grp[G_LEFT, gid] = m
+        grp[G_LATEST, gid] = deliver
         self._groups[gid] = (done, tag)
         self.stats["flows"] += m
         if not self._kick:
@@ -245,22 +249,17 @@ class Network:
             grown = np.full((self._hops.shape[0], width), -1, dtype=np.int64)
             grown[:, : self._hops.shape[1]] = self._hops
             self._hops = grown
-        n = len(self._active)
+        n = self._ii.shape[1]
         if self._cnt[C_SIZE] + k <= n:
             return
         grow = max(64, int(self._cnt[C_SIZE]) + k, 2 * n) - n
         self._hops = np.vstack([self._hops, np.full((grow, self._hops.shape[1]), -1, dtype=np.int64)])
         self._fl = np.concatenate([self._fl, np.zeros((F_ROWS, grow))], axis=1)
         self._ii = np.concatenate([self._ii, np.zeros((I_ROWS, grow), dtype=np.int64)], axis=1)
-        self._out_i = np.zeros((2, n + grow), dtype=np.int64)
-        self._out_f = np.zeros((2, n + grow))
-        for name in ("_free", "_pend"):
-            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow, dtype=np.int64)]))
-        self._active = np.concatenate([self._active, np.zeros(grow, dtype=bool)])
 
     def _deliver(self, event: simpy.Event, tag, delay: float) -> None:
-        if delay > 0:
-            self.env.timeout(delay).callbacks.append(lambda _e: event.succeed(tag))
+        if delay > 0:  # the timeout carries the tag: event.trigger(timeout) is event.succeed(tag) then
+            self.env.timeout(delay, tag).callbacks.append(event.trigger)
         else:
             event.succeed(tag)
 
@@ -269,66 +268,70 @@ class Network:
         self._kick = False
         self._update()
 
-    def _on_wake(self, gen: int, _event) -> None:
-        if gen == self._gen:
+    def _on_wake(self, event) -> None:
+        if event is self._wake:  # else superseded
+            self._wake = None
             self._wake_at = math.inf
             self._update()
 
     def _update(self) -> None:
-        now = self.env.now
+        now = self.env._now
         eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
         dt = now - self._last
         self._last = now
-        # a fresh array when tracked (the previous one is kept to compare against), else scratch
-        load = np.zeros(len(self.links)) if self.track_utilisation else self._scratch_load
-        if self._solve is maxmin_rates:  # drain, retire, activate, gather, solve and apply in one compiled call
-            done, groups, n_act, t_min = _step(self._active, self._fl, self._ii, self._hops, self._free, self._pend,
-                                               self._cnt, self.capacity, dt, eps, now, self.track_utilisation,
-                                               self._out_i, self._out_f, load, self._g_left, self._g_latest)
+        if self._compiled:  # drain, retire, activate, gather, solve and apply in one compiled call
+            done, groups, n_act, t_min = _step(self._fl, self._ii, self._hops, self._cnt, self._links, self._grp, dt,
+                                               eps, now, self.track_utilisation)
+            load = self._links[L_LOAD]
             if done:
                 self._finish(now, done, groups)
         else:
-            done, groups = _drain(self._active, self._fl, self._ii, self._free, self._cnt, dt, eps, now, self._out_i,
-                                  self._out_f, self._g_left, self._g_latest)
+            load = np.zeros(len(self.links))
+            done, groups = _drain(self._fl, self._ii, self._cnt, dt, eps, now, self._grp)
             if done:
                 self._finish(now, done, groups)
-            _activate(self._active, self._pend, self._cnt)
-            act, indptr, indices, caps = _gather_active(self._active, self._cnt[C_SIZE], self._ii[I_NHOPS],
+            _activate(self._ii, self._cnt)
+            act, indptr, indices, caps = _gather_active(self._ii[I_ACTIVE], self._cnt[C_SIZE], self._ii[I_NHOPS],
                                                         self._hops, self._fl[F_CAP])
             n_act, t_min = act.size, math.inf
             if n_act:
                 rates = self._solve(indptr, indices, self.capacity, caps)
                 t_min, load = _apply_rates(act, indptr, indices, rates, self._fl[F_REM], self._fl[F_RATE],
                                            len(self.links), self.track_utilisation)
-        self.stats["max_active"] = max(self.stats["max_active"], n_act)
-        if n_act == 0:
-            self._gen += 1  # no wake-up is needed any more
-            self._wake_at = math.inf
+        stats = self.stats
+        if n_act > stats["max_active"]:
+            stats["max_active"] = n_act
+        if self.track_utilisation:
             self._record_load(now, load)
+        if n_act == 0:
+            self._wake = None  # no wake-up is needed any more
+            self._wake_at = math.inf
             return
-        self.stats["solves"] += 1
-        self._record_load(now, load)
+        stats["solves"] += 1
         t_next = now + t_min
         if t_next == self._wake_at:
             return  # the pending wake-up is still the right one
         # SimPy cannot cancel a timeout: the superseded wake-up stays queued and is ignored when it fires (it may
         # still advance env.now past the last delivery, so time collectives by their process, not env.now).
-        self._gen += 1
-        gen = self._gen
         self._wake_at = t_next
-        self.env.timeout(max(t_next - now, 0.0)).callbacks.append(partial(self._on_wake, gen))
+        self._wake = self.env.timeout(max(t_next - now, 0.0))
+        self._wake.callbacks.append(self._on_wake_callback)
 
     def _finish(self, now: float, done: int, groups: int) -> None:
         """Deliver the groups whose last flow finished (`flowslots._drain` retired `done` flows, completing
         `groups` groups, and wrote them to the output buffers)."""
         if self.record_flows:
-            slots = self._out_i[0, :done]
+            slots = self._ii[I_OUT, :done]
             for g, s, d, w in zip(self._ii[I_GROUP, slots].tolist(), self._fl[F_START, slots].tolist(),
-                                  self._out_f[0, :done].tolist(), self._fl[F_WIRE, slots].tolist()):
+                                  self._fl[F_OUT, :done].tolist(), self._fl[F_WIRE, slots].tolist()):
                 self.flow_log.append((self._groups[g][1], s, d, w))
-        for g, d in zip(self._out_i[1, :groups].tolist(), self._out_f[1, :groups].tolist()):
-            event, tag = self._groups.pop(g)
-            self._deliver(event, tag, d - now)
+        pop, timeout = self._groups.pop, self.env.timeout
+        for g, d in zip(self._ii[I_OUT_GROUP, :groups].tolist(), self._fl[F_OUT_GROUP, :groups].tolist()):
+            event, tag = pop(g)
+            if d > now:  # as _deliver
+                timeout(d - now, tag).callbacks.append(event.trigger)
+            else:
+                event.succeed(tag)
 
     # ---------------------------------------------------------------------------------------- observation
     def _record_load(self, now: float, load: np.ndarray) -> None:
@@ -340,7 +343,7 @@ class Network:
             self._util_t.append(np.full(changed.size, now))
             self._util_l.append(changed)
             self._util_v.append(load[changed])
-        self._load = load
+        self._load = load.copy()  # load may be the row the next update overwrites
 
     def utilisation_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Change points as arrays (times, link indices into `links`, bytes/s in use from that time on)."""
@@ -356,11 +359,11 @@ class Network:
     def active_rates(self) -> dict:
         """tag -> current rate (bytes/s) of each active flow (flows started this instant are not solved yet; flows
         sharing a tag report the last one's rate)."""
-        act = np.flatnonzero(self._active[: self._cnt[C_SIZE]])
+        act = np.flatnonzero(self._ii[I_ACTIVE, : self._cnt[C_SIZE]])
         act = act[np.argsort(self._ii[I_FLOW, act], kind="stable")]
         return {self._groups[g][1]: float(r) for g, r in zip(self._ii[I_GROUP, act].tolist(),
                                                                self._fl[F_RATE, act].tolist())}
 
     @property
     def active_flows(self) -> int:
-        return int(self._active[: self._cnt[C_SIZE]].sum()) + int(self._cnt[C_PEND])
+        return int(self._ii[I_ACTIVE, : self._cnt[C_SIZE]].sum()) + int(self._cnt[C_PEND])

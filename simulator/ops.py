@@ -14,12 +14,10 @@ Every kind, in the order a rank meets them:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Comm:
+class Comm(NamedTuple):  # immutable; a NamedTuple is cheaper to build than a frozen dataclass (thousands per step)
     """One communication op: a collective over a parallel axis, an all-to-all, a pipeline send or a host copy."""
 
     kind: str  # all_reduce | reduce_scatter | all_gather | shift | all_to_all | p2p | to_host | from_host

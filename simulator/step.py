@@ -29,15 +29,17 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import simpy
+from simpy.events import NORMAL, PENDING, Timeout
 
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import PredictedBand, Plan, Predicted
 from rackcast.simulator import costs, metrics
+from rackcast.simulator.eventloop import Driven, StepEnvironment, run_to_end
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Reduce, Start, Wait
 from rackcast.simulator.schedules import pipeline_orders
 from rackcast.simulator.stepnet import StepNetwork
-from rackcast.simulator.workload import StageWork, Workload
+from rackcast.simulator.workload import PerMicrobatch, StageWork, Workload
 from rackcast.topologies.spec import Topology
 from rackcast.vocab import PHASES
 
@@ -114,27 +116,19 @@ class _Rank:
 
     # ------------------------------------------------------------------------------------------ communication
     def start(self, comm: Comm) -> simpy.Event:
-        prev = self.tails.get(comm.stream)
-        proc = self.env.process(self._comm(comm, prev))
-        self.tails[comm.stream] = proc
-        return proc
-
-    def _comm(self, comm: Comm, prev):
-        if prev is not None and not prev.triggered:
-            yield prev
-        self.active += 1
-        t0 = self.env.now
-        yield from self.sim.run_comm(self.stage, comm)
-        self.active -= 1
-        if self.sim.record:
-            self.sim.timeline.slices.append((self.stage, self.sim.thread(comm), comm.name, t0, self.env.now))
-        return self.env.now
+        """Start `comm` after the previous op of its stream; the returned event succeeds (value: the time) when it
+        ends. Run as callbacks (_CommRun), with the events a SimPy process would schedule, in the same order."""
+        run = _CommRun(self, comm, self.tails.get(comm.stream))
+        self.tails[comm.stream] = run.end
+        self.env.start_soon(run.begin)
+        return run.end
 
     # --------------------------------------------------------------------------------------------------- ops
     def run(self, ops, handles: dict):
         """Run a list of simulator.ops records (see that module for what each kind does)."""
-        env, slow, record = self.env, self.sim.slowdown, self.sim.record
-        timeout = env.timeout
+        env, slow, record, phases = self.env, self.sim.slowdown, self.sim.record, self.phases
+        timeout, slices = env.timeout, self.sim.timeline.slices
+        queue, eid, push, new_timeout = env._queue, env._eid, heapq.heappush, Timeout.__new__
         for op in ops:
             kind = type(op)
             if kind is Compute:
@@ -143,27 +137,34 @@ class _Rank:
                     continue
                 if self.active and slow:
                     d *= 1.0 + slow
-                t0 = env.now
-                yield timeout(d)
-                self.phases["compute"] += d
+                t0 = env._now
+                ev = new_timeout(Timeout)  # env.timeout(d) inlined (StepEnvironment.timeout: the same event)
+                ev.env, ev.callbacks, ev._value, ev._delay, ev._ok = env, [], None, d, True
+                push(queue, (t0 + d, NORMAL, next(eid), ev))
+                yield ev
+                phases["compute"] += d
                 if record:
-                    self.sim.timeline.slices.append((self.stage, "compute", op.name, t0, env.now))
-            elif kind is Memory:  # the most frequent kind after Compute
-                self.alloc(op.nbytes)
+                    slices.append((self.stage, "compute", op.name, t0, env._now))
+            elif kind is Memory:  # the most frequent kind after Compute; as alloc()
+                mem = self.mem = self.mem + op.nbytes
+                if mem > self.peak:
+                    self.peak = mem
+                if record:
+                    self.mem_points.append((env._now, mem))
             elif kind is Host:
-                t0 = env.now
+                t0 = env._now
                 yield timeout(op.seconds)
-                self.phases["compute"] += op.seconds
+                phases["compute"] += op.seconds
                 if record:
-                    self.sim.timeline.slices.append((self.stage, "compute", op.name, t0, env.now))
+                    slices.append((self.stage, "compute", op.name, t0, env._now))
             elif kind is Start:
                 handles[op.key] = self.start(op.comm)
             elif kind is Wait:
                 ev = handles.pop(op.key)
-                if not ev.triggered:
-                    t0 = env.now
+                if ev._value is PENDING:  # not triggered
+                    t0 = env._now
                     yield ev
-                    self.phases[op.phase] += env.now - t0
+                    phases[op.phase] += env._now - t0
             elif kind is Reduce:
                 self.pending.append(self.start(op.comm))
             else:
@@ -239,10 +240,46 @@ class _Rank:
         self.finish = env.now
 
 
+class _CommRun(Driven):
+    """One communication op of a rank as callbacks rather than a SimPy process (no generator of its own to resume
+    per event): it waits for the previous op of its stream, counts as active on its rank while it runs the network
+    generator of simulator.stepnet, records its slice and triggers `end` (value: the time), each at the moment the
+    process did."""
+
+    __slots__ = ("rank", "comm", "prev", "t0")
+
+    def __init__(self, rank: _Rank, comm: Comm, prev):
+        super().__init__(rank.env)
+        self.rank, self.comm, self.prev = rank, comm, prev
+        self.t0 = 0.0
+
+    def begin(self, _event) -> None:
+        prev = self.prev
+        if prev is not None and prev._value is PENDING:  # not triggered
+            prev.callbacks.append(self.run)
+        else:
+            self.run(None)
+
+    def run(self, _event) -> None:
+        rank = self.rank
+        rank.active += 1
+        self.t0 = rank.env._now
+        self.generator = rank.sim.run_comm(rank.stage, self.comm)
+        self.resume(None)
+
+    def finish(self, value=None) -> None:
+        rank = self.rank
+        rank.active -= 1
+        sim, now = rank.sim, rank.env._now
+        if sim.record:
+            sim.timeline.slices.append((rank.stage, sim.thread(self.comm), self.comm.name, self.t0, now))
+        super().finish(now)
+
+
 class _StepSim:
     def __init__(self, plan: Plan, spec: ModelSpec, topo: Topology, seed: int, reduce: bool, record: bool):
         self.plan, self.spec, self.topo = plan, spec, topo
-        self.env = simpy.Environment()
+        self.env = StepEnvironment()
         self.record = record
         self.work = Workload(spec, plan, topo, seed)
         self.net = StepNetwork(self.env, plan, topo, reduce=reduce, track_utilisation=record)
@@ -252,6 +289,7 @@ class _StepSim:
         self._events: dict = {}
         self._cats = {}
         self._a2a: dict = {}
+        self._templates: dict[tuple, tuple] = {}  # chunk_ops's templates
 
     def event(self, key) -> simpy.Event:
         ev = self._events.get(key)
@@ -293,12 +331,28 @@ class _StepSim:
 
     # ------------------------------------------------------------------------------------------ chunk programs
     def chunk_ops(self, st: StageWork, a, reduce: bool, top: bool) -> list:
-        """The ops of one schedule action (F, B, W or BW of one chunk and micro-batch) on stage `st`."""
+        """The ops of one schedule action (F, B, W or BW of one chunk and micro-batch) on stage `st`: its kind's
+        template (built once) with the ops that depend on the micro-batch filled in."""
+        key = (st.stage, a.stage, a.kind, reduce, top)
+        template = self._templates.get(key)
+        if template is None:
+            ops = self._chunk_template(st, a, reduce, top)
+            template = self._templates[key] = (ops, [(i, op.make) for i, op in enumerate(ops)
+                                                     if type(op) is PerMicrobatch])
+        ops, per_mb = template
+        if per_mb:  # else the template itself: run() only reads it
+            ops = ops.copy()
+            for i, make in per_mb:
+                ops[i] = make(a.microbatch)
+        return ops
+
+    def _chunk_template(self, st: StageWork, a, reduce: bool, top: bool) -> list:
+        """chunk_ops with PerMicrobatch records where an op depends on a.microbatch."""
         wl, plan = self.work, self.plan
         layers = st.chunks[a.stage]
         last = a.stage == wl.n_chunks - 1
         rc = plan.recompute
-        mb = a.microbatch
+        mb = None
         ops: list = []
         seq = layers if a.kind == "F" else layers[::-1]
         gathers = [wl.gather_comms(lw) for lw in seq] if a.kind in ("F", "BW", "B") else [[] for _ in seq]
@@ -369,26 +423,8 @@ class _StepSim:
         orders = pipeline_orders(self.plan.schedule, par.pipeline, self.plan.microbatches, par.chunks_per_rank)
         ranks = [_Rank(self, s) for s in range(par.pipeline)]
         for r, order in zip(ranks, orders):
-            self.env.process(r.process(order))
-        return ranks, _run_to_end(self.env)
-
-
-def _run_to_end(env: simpy.Environment) -> int:
-    """Process every event of env, as repeated `env.step()` calls do (the same order and effects), and return how
-    many: SimPy 4's step inlined, one Python call less per event; a failed event that nothing defused raises."""
-    queue, pop = env._queue, heapq.heappop
-    events = 0
-    while queue:
-        env._now, _, _, event = pop(queue)
-        callbacks, event.callbacks = event.callbacks, None
-        for callback in callbacks:
-            callback(event)
-        if not event._ok and not hasattr(event, "_defused"):
-            exc = type(event._value)(*event._value.args)
-            exc.__cause__ = event._value
-            raise exc
-        events += 1
-    return events
+            self.env.drive(r.process(order))
+        return ranks, run_to_end(self.env)
 
 
 # Work bounds, checked before a simulation starts (simulate's cost grows with the step it simulates): about 40-100

@@ -23,7 +23,10 @@ simulator.step. Expert all-to-all token counts come from simulator.routing (see 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 
@@ -97,6 +100,7 @@ class Workload:
         self.routed_mb = plan.routed_tokens_per_microbatch(spec)  # what the rank dispatches to the experts
         self.gemm_shape = costs.gemm_shape(self.tokens_mb, spec, par.tensor)
         self._expert_time: dict[float, float] = {}
+        self._placed = None
         self._comms: dict[tuple, object] = {}  # op programs' Comm records (immutable), built once per layer
         self.n_chunks = par.chunks
         owner = par.chunk_ranks(plan.schedule)
@@ -172,28 +176,32 @@ class Workload:
 
     def _balancing_s(self, layers: list[int]) -> float:
         """Quantile balancing's reductions for these layers (costs.balancing_time)."""
-        from rackcast.simulator.placement import place
-
         count, hist, extremes = balancing_reductions(self.spec, layers)
         if not count:
             return 0.0
         f = {"bal_count": count, "bal_hist_bytes": hist, "bal_max_bytes": extremes,
-             **costs.reduction_groups(self.plan, place(self.plan, self.topo.scale_up.usable_gpus))}
+             **costs.reduction_groups(self.plan, self._placement())}
         return float(costs.balancing_time(f, self.topo))
 
     def _muon_gather_s(self, layers: list[int]) -> float:
         """MuonH's gathers of fsdp- and tensor-sharded matrices for these layers (costs.muon_gather_time)."""
-        from rackcast.simulator.placement import place
-
         gathered, norms, tp_gathered, tp_norms = muon_gather(self.spec, self.plan, layers)
         if not gathered and not tp_gathered:
             return 0.0
-        pl = place(self.plan, self.topo.scale_up.usable_gpus)
+        pl = self._placement()
         f = {"muon_gather_bytes": gathered, "muon_norm_count": norms, "fsdp_n": self.plan.parallel.fsdp,
              "fsdp_out": pl.fsdp.span == "scale_out", "fsdp_pd": costs.group_per_domain(pl.fsdp),
              "muon_tp_gather_bytes": tp_gathered, "muon_tp_norm_count": tp_norms, "tp_n": self.plan.parallel.tensor,
              "tp_out": pl.tensor.span == "scale_out", "tp_pd": costs.group_per_domain(pl.tensor)}
         return float(costs.muon_gather_time(f, self.topo))
+
+    def _placement(self):
+        """The plan's placement (simulator.placement.place), worked out once for all stages."""
+        if self._placed is None:
+            from rackcast.simulator.placement import place
+
+            self._placed = place(self.plan, self.topo.scale_up.usable_gpus)
+        return self._placed
 
     def host_forward_s(self, forward_ops: float) -> float:
         """Host time of `forward_ops` framework ops in a forward pass."""
@@ -205,8 +213,9 @@ class Workload:
         return share * self.counts["bwd_over_fwd"] * forward_ops * self.host.backward if self.counts else 0.0
 
     # ------------------------------------------------------------------------------------------ op programs
-    def layer_forward(self, lw: LayerWork, mb: int, key: str, recompute: bool = False) -> list:
-        """Ops of one layer's forward (or its recomputation) for micro-batch mb."""
+    def layer_forward(self, lw: LayerWork, mb: int | None, key: str, recompute: bool = False) -> list:
+        """Ops of one layer's forward (or its recomputation) for micro-batch mb (None: a template, where the ops
+        that depend on the micro-batch are PerMicrobatch records)."""
         par = self.plan.parallel
         pre = "recompute " if recompute else ""
         ops: list = []
@@ -225,11 +234,12 @@ class Workload:
         ops += self._tp(key + "tpm")
         return ops
 
-    def layer_backward(self, lw: LayerWork, mb: int, key: str, kind: str) -> list:
-        """Ops of one layer's backward: kind "BW" (input and weight gradients), "B" (inputs) or "W" (weights)."""
+    def layer_backward(self, lw: LayerWork, mb: int | None, key: str, kind: str) -> list:
+        """Ops of one layer's backward: kind "BW" (input and weight gradients), "B" (inputs) or "W" (weights); mb as
+        in layer_forward."""
         host = [Host("backward host ops", self.host_backward_s(lw.host_ops, kind))] if lw.host_ops > 0.0 else []
         if kind == "W":
-            return host + [Compute("weight grads", lw.attn_s + lw.router_s + lw.shared_s + self._expert_s(lw, mb))]
+            return host + [_per_mb(partial(self._weight_grads, lw), mb)]
         f = 2.0 if kind == "BW" else 1.0
         ops = host + self._tp(key + "tpm")
         if lw.moe:
@@ -252,14 +262,26 @@ class Workload:
         ops: list = []
         for n, direction in enumerate((first, second)):
             name = "dispatch" if direction == "d" else "combine"
-            comm = Comm("all_to_all", "expert", a2a_bytes, "ep", name, (lw.index, mb, direction))
-            ops.append(Start(key + name, comm))
+            ops.append(_per_mb(partial(self._a2a_start, lw.index, direction, key + name, name, a2a_bytes), mb))
             if lw.shared_s:
                 ops.append(Compute(shared_name, factor * lw.shared_s / 2))
             ops.append(Wait(key + name, "exposed_expert_a2a"))
             if n == 0:
-                ops.append(Compute(expert_name, factor * self._expert_s(lw, mb)))
+                ops.append(_per_mb(partial(self._expert_compute, lw, expert_name, factor), mb))
         return ops
+
+    def _a2a_start(self, layer: int, direction: str, key: str, name: str, nbytes: float, mb: int) -> Start:
+        comm = self._comms.get(("a2a", layer, mb, direction))  # the backward (and a recompute) repeats it
+        if comm is None:
+            comm = self._comms["a2a", layer, mb, direction] = Comm("all_to_all", "expert", nbytes, "ep", name,
+                                                                   (layer, mb, direction))
+        return Start(key, comm)
+
+    def _expert_compute(self, lw: LayerWork, name: str, factor: float, mb: int) -> Compute:
+        return Compute(name, factor * self._expert_s(lw, mb))
+
+    def _weight_grads(self, lw: LayerWork, mb: int) -> Compute:
+        return Compute("weight grads", lw.attn_s + lw.router_s + lw.shared_s + self._expert_s(lw, mb))
 
     def _expert_s(self, lw: LayerWork, mb: int) -> float:
         """The grouped expert GEMM of the most loaded rank of the routing draw: its rows over its local experts set
@@ -269,11 +291,24 @@ class Workload:
         rows = self.loads.max_rows(lw.index, mb)
         per_flop = self._expert_time.get(rows)
         if per_flop is None:
+            if not self._expert_time and not self.topo.efficiency.grouped_gemm:
+                self._expert_time = self._expert_times(np.unique(self.loads.max_rows_all()))
+                return self._expert_s(lw, mb)
             par = self.plan.parallel
             shape = costs.expert_shape(rows * par.expert / self.spec.moe.experts, self.spec, par.expert,
                                        par.expert_tensor)
             per_flop = self._expert_time[rows] = float(costs.grouped_gemm_time(1.0, shape, self.topo))
         return lw.expert_flops_per_row * rows * per_flop
+
+    def _expert_times(self, rows: np.ndarray) -> dict[float, float]:
+        """Seconds per FLOP of the grouped expert GEMM (costs.grouped_gemm_time) at each of these most-loaded-rank
+        row counts, priced together: without a measured curve the shape model is elementwise arithmetic (ceil,
+        maximum, + - x /), so each value has the bits it has priced alone."""
+        par = self.plan.parallel
+        shape = costs.expert_shape(rows * par.expert / self.spec.moe.experts, self.spec, par.expert,
+                                   par.expert_tensor)
+        seconds = np.broadcast_to(costs.grouped_gemm_time(1.0, shape, self.topo), rows.shape)
+        return dict(zip(rows.tolist(), seconds.tolist()))
 
     def _tp(self, key: str) -> list:
         par = self.plan.parallel
@@ -341,6 +376,17 @@ class Workload:
                                                  par.reduction_inner, par.expert_fsdp, par.zero) if c.nbytes > 0]
 
 
+class PerMicrobatch(NamedTuple):
+    """A template's op that depends on the micro-batch: make(mb) is the op (see Workload.layer_forward)."""
+
+    make: Callable[[int], object]
+
+
+def _per_mb(make: Callable[[int], object], mb: int | None):
+    """The op make(mb), or a PerMicrobatch record when building a template (mb None)."""
+    return PerMicrobatch(make) if mb is None else make(mb)
+
+
 class ExpertLoads:
     """Routed rows per (micro-batch, layer, source rank, expert), drawn from the plan's routing distribution.
 
@@ -400,6 +446,10 @@ class ExpertLoads:
 
     def max_rows(self, layer: int, mb: int) -> float:
         return float(self._max_rows[mb, self.slot[layer]])
+
+    def max_rows_all(self) -> np.ndarray:
+        """max_rows of every (micro-batch, MoE layer), as an array."""
+        return self._max_rows.ravel()
 
     def port_bytes(self, layer: int, mb: int, direction: str, categories: np.ndarray):
         """(send, recv): (ep, 3) bytes per rank and pair category (stepnet.A2A_CATEGORIES), self excluded."""

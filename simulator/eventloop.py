@@ -1,0 +1,92 @@
+"""The step simulator's SimPy environment, made cheaper per event without changing which events run or in what
+order (tests/test_step_digest.py holds the simulated step bit for bit).
+
+- `StepEnvironment.timeout` builds a `simpy.Timeout` without its constructor's call chain (the same attributes,
+  the same (time, NORMAL, event id) queue entry);
+- `StepEnvironment.start_soon` schedules a callback the way `env.process` schedules a process's start (an event at
+  URGENT priority), for work run as callbacks rather than as a generator process;
+- `StepEnvironment.drive` runs a generator of events as `env.process` would (the same start, resumptions and end
+  event) without simpy.Process's per-resumption work (it does not send event values into the generator);
+- `run_to_end` processes every event as repeated `env.step()` calls do, with SimPy 4's step inlined.
+
+    env = StepEnvironment()
+    env.timeout(1.5).callbacks.append(lambda _e: print(env.now))
+    events = run_to_end(env)
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+import simpy
+from simpy.events import NORMAL, URGENT, Timeout
+
+_new_timeout = Timeout.__new__
+_push = heapq.heappush
+
+
+class StepEnvironment(simpy.Environment):
+    """A simpy.Environment whose timeouts and URGENT starts cost fewer Python calls (see the module docstring)."""
+
+    def timeout(self, delay: float, value=None) -> Timeout:
+        if delay < 0:
+            raise ValueError(f"Negative delay {delay}")
+        ev = _new_timeout(Timeout)
+        ev.env, ev.callbacks, ev._value, ev._delay, ev._ok = self, [], value, delay, True
+        _push(self._queue, (self._now + delay, NORMAL, next(self._eid), ev))
+        return ev
+
+    def start_soon(self, callback: Callable[[simpy.Event], None]) -> None:
+        """Run callback(event) at the point where a process created now would start (SimPy's Initialize)."""
+        ev = simpy.Event(self)
+        ev._ok, ev._value = True, None
+        ev.callbacks.append(callback)
+        _push(self._queue, (self._now, URGENT, next(self._eid), ev))
+
+    def drive(self, generator) -> simpy.Event:
+        """Run `generator` (it yields events, ignoring what the yield returns) as a process; the returned event is
+        scheduled when it ends, as a process's own event is."""
+        driven = Driven(self, generator)
+        self.start_soon(driven.resume)
+        return driven.end
+
+
+class Driven:
+    """A generator of events resumed as simpy.Process resumes one (at once past events already processed, else
+    when the event it waits for is processed); `finish` schedules `end` (value None; subclasses add to it)."""
+
+    __slots__ = ("env", "generator", "end")
+
+    def __init__(self, env: simpy.Environment, generator=None):
+        self.env, self.generator, self.end = env, generator, simpy.Event(env)
+
+    def resume(self, _event) -> None:
+        for event in self.generator:
+            if event.callbacks is not None:  # not processed yet: come back when it is
+                event.callbacks.append(self.resume)
+                return
+        self.finish()
+
+    def finish(self, value=None) -> None:
+        end, env = self.end, self.env
+        end._ok, end._value = True, value
+        _push(env._queue, (env._now, NORMAL, next(env._eid), end))
+
+
+def run_to_end(env: simpy.Environment) -> int:
+    """Process every event of env, as repeated `env.step()` calls do (the same order and effects), and return how
+    many: SimPy 4's step inlined, one Python call less per event; a failed event that nothing defused raises."""
+    queue, pop = env._queue, heapq.heappop
+    events = 0
+    while queue:
+        env._now, _, _, event = pop(queue)
+        callbacks, event.callbacks = event.callbacks, None
+        for callback in callbacks:
+            callback(event)
+        if not event._ok and not hasattr(event, "_defused"):
+            exc = type(event._value)(*event._value.args)
+            exc.__cause__ = event._value
+            raise exc
+        events += 1
+    return events

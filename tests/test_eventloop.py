@@ -1,0 +1,57 @@
+"""simulator.eventloop runs the same events in the same order as plain SimPy: generators driven by
+StepEnvironment.drive against the same generators as simpy processes, on a schedule full of ties (equal times, zero
+delays, events triggered by others, events already processed when yielded)."""
+
+from __future__ import annotations
+
+import simpy
+
+from rackcast.simulator.eventloop import StepEnvironment, run_to_end
+
+DELAYS = (0.0, 0.5, 0.25, 0.0, 0.25, 1.0, 0.5)
+
+
+def _scenario(env, spawn) -> list:
+    """Five workers yielding timeouts (many ending at the same instant), a shared event one of them triggers, and
+    a worker started by another; returns the trace (time, worker, step) filled in as the run goes."""
+    trace, gate = [], env.event()
+
+    def worker(name: int):
+        for step, d in enumerate(DELAYS[name:] + DELAYS[:name]):
+            trace.append((env.now, name, step))
+            if step == 2 and name == 0:
+                gate.succeed()
+                spawn(child(name))
+            if step == 3:
+                yield gate  # already triggered (or processed) for some workers, pending for others
+            yield env.timeout(d)
+        trace.append((env.now, name, "end"))
+
+    def child(parent: int):
+        trace.append((env.now, "child of", parent))
+        yield env.timeout(0.0)
+        trace.append((env.now, "child", "end"))
+
+    for name in range(5):
+        spawn(worker(name))
+    return trace
+
+
+def test_driven_generators_run_their_steps_in_simpy_process_order_with_the_same_event_count():
+    plain = simpy.Environment()
+    plain_trace = _scenario(plain, plain.process)
+    plain_events = run_to_end(plain)
+    lean = StepEnvironment()
+    lean_trace = _scenario(lean, lean.drive)
+    lean_events = run_to_end(lean)
+    assert lean_trace == plain_trace
+    assert lean_events == plain_events
+
+
+def test_step_environment_timeouts_fire_at_their_time_with_their_value():
+    env = StepEnvironment()
+    seen = []
+    env.timeout(2.0, "b").callbacks.append(lambda e: seen.append((env.now, e.value)))
+    env.timeout(1.0, "a").callbacks.append(lambda e: seen.append((env.now, e.value)))
+    assert run_to_end(env) == 2
+    assert seen == [(1.0, "a"), (2.0, "b")]
