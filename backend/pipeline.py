@@ -11,7 +11,7 @@ chunk 0 keeps its own copy of it, registered as `embed.tok` (the first stage's n
 embedding, the two ranks' identical tensors saved once) and equal to the first stage's at the start (every rank
 builds the model from the plan's seed, backend.model). After each step's backward the two copies' gradients are
 summed over the embedding group, {rank holding chunk 0, rank holding the last chunk} of each pipeline
-(`embedding_group`, `sum_embedding_grads`; Megatron-LM's _allreduce_word_embedding_grads), so both take the
+(`embedding_group`, `Pipeline.sum_embedding_grads`; Megatron-LM's _allreduce_word_embedding_grads), so both take the
 gradient the one-process model's single matrix gets and the same optimizer update. The V-shaped schedules hold
 chunk 0 and the last chunk on one rank, which shares the one matrix instead. The last stage's MTP modules read the
 micro-batch's tokens, which the schedule passes to this rank's stages as the keyword argument `tokens`. Chunks go to ranks loop-style (chunk v*P + stage on stage `stage`) for
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from rackcast.backend.attached_loss import AttachedLoss
 from rackcast.backend.parallel import Layout, PhaseTimer
 from rackcast.layout import ParallelSpec, chunk_ranks, rank_chunks
 from rackcast.vocab import TORCH_SCHEDULE_CLASSES
@@ -58,10 +59,11 @@ class StageChunk(nn.Module):
         super().__init__()
         self.chunk, self.chunks = chunk, chunks
         self.first, last = chunk == 0, chunk == chunks - 1
-        self.embed = model.embed if self.first else EmbeddingCopy(model.embed.tok) if copy_embedding and last else None
+        self.embed = model.embed if self.first else EmbeddingCopy(model.embed.tok) if copy_embedding else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
         self.head = model.head if last else None
         self.mtp = model.mtp if last else None
+        self.last_reads_embedding = last_stage_reads_embedding(model)
         self._tok = [model.embed.tok]  # a list: registered by `embed` above where this chunk owns it
 
     def forward(self, x: Tensor, tokens: Tensor | None = None) -> Tensor:
@@ -87,18 +89,18 @@ def chunk_ids(layout: Layout, schedule: str) -> list[int]:
 def build_chunks(model: nn.Module, layout: Layout, par: ParallelSpec, schedule: str) -> list[StageChunk]:
     """This process's stage chunks, each with the layers the plan's layout `par` assigns it."""
     ids = chunk_ids(layout, schedule)
-    copy = 0 not in ids and last_stage_reads_embedding(model)
-    return [StageChunk(model, c, par.chunks, par.chunk_layer_range(c, len(model.layers)), copy_embedding=copy)
-            for c in ids]
+    copy = 0 not in ids and last_stage_reads_embedding(model)  # on the last chunk, below
+    return [StageChunk(model, c, par.chunks, par.chunk_layer_range(c, len(model.layers)),
+                       copy_embedding=copy and c == par.chunks - 1) for c in ids]
 
 
-def embedding_group(groups, layout: Layout, schedule: str, model: nn.Module):
+def embedding_group(groups, layout: Layout, schedule: str, last_reads_embedding: bool):
     """This rank's embedding group: the pair {rank of the stage holding chunk 0, rank of the stage holding the last
     chunk} with this rank's place in the stage, or None (this rank is in no pair, the two chunks share a rank, or the
     last chunk does not read the embedding). Collective: every rank creates every pair's group."""
     holders = chunk_ranks(schedule, layout.pp, layout.virtual)
     first, last = holders[0], holders[-1]
-    if first == last or not last_stage_reads_embedding(model):
+    if first == last or not last_reads_embedding:
         return None
     by_stage = groups.mesh.mesh.reshape(layout.pp, -1)  # the mesh's ranks, pipeline stage first
     mine = None
@@ -106,18 +108,6 @@ def embedding_group(groups, layout: Layout, schedule: str, model: nn.Module):
         group = dist.new_group(list(pair))
         mine = group if layout.rank in pair else mine
     return mine
-
-
-def sum_embedding_grads(chunks: list[nn.Module], group, timer: PhaseTimer) -> None:
-    """Sum the token embedding's gradient over the embedding group (`embedding_group`): the first stage's and the
-    last stage's copy then hold the one-process model's gradient. A no-op without a group."""
-    if group is None:
-        return
-    t0 = timer.now()
-    grads = [c.embed.tok.weight.grad for c in chunks if c.embed is not None and c.embed.tok.weight.grad is not None]
-    for grad in grads:  # FSDP2's sharded gradient: the two stages shard the matrix alike, so their shards pair up
-        dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
-    timer.add("exposed_dp_comm", timer.now() - t0)
 
 
 def _timed(fn, timer: PhaseTimer, name: str):
@@ -154,17 +144,23 @@ def _without_statistics(fn, module: nn.Module):
 
 
 class Pipeline:
-    """The plan's schedule over this rank's stage chunks (each possibly DDP-wrapped)."""
+    """The plan's schedule over this rank's stage chunks (each possibly FSDP-wrapped), and the sum of the token
+    embedding's gradients over the embedding group (`sum_embedding_grads`, after the step's backward)."""
 
     def __init__(self, modules: list[nn.Module], chunk_index: list[int], layout: Layout, schedule: str,
-                 microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor], group, device: torch.device,
+                 microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor], groups, device: torch.device,
                  timer: PhaseTimer):
         from torch.distributed.pipelining import PipelineStage, schedules
 
         total = layout.pp * layout.virtual
+        self.modules, self.timer = modules, timer
+        self.embedding_group = embedding_group(groups, layout, schedule, modules[0].last_reads_embedding)
+        # the schedule back-propagates each micro-batch's loss whole and divides the gradients by the micro-batches
+        # afterwards (scale_grads), the attached MTP and auxiliary terms' included: they take the loss's gradient
+        AttachedLoss.backward_scale = 1.0
         self.stages = []
         for module, c in zip(modules, chunk_index):
-            stage = PipelineStage(module, c, total, device, group=group)
+            stage = PipelineStage(module, c, total, device, group=groups.pp)
             if hasattr(stage, "_forward_metadata_inference"):  # torch 2.13: a real forward on the first step
                 stage._forward_metadata_inference = _without_statistics(stage._forward_metadata_inference, module)
             for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
@@ -187,3 +183,17 @@ class Pipeline:
             kwargs["tokens"] = tokens
         self.schedule.step(*args, **kwargs)
         return losses
+
+    def sum_embedding_grads(self) -> None:
+        """Sum the token embedding's gradient over the embedding group (`embedding_group`): the first stage's and
+        the last stage's copy then hold the one-process model's gradient. After the data-parallel average (Megatron-LM's
+        order: both copies get the same sum, bit for bit), but before a reduction to one owner per parameter (ZeRO-2),
+        whose owner may be another data rank on each stage. A no-op without a group."""
+        if self.embedding_group is None:
+            return
+        t0 = self.timer.now()
+        for c in self.modules:  # FSDP2's sharded gradient: the two stages shard the matrix alike, so shards pair up
+            grad = c.embed.tok.weight.grad if c.embed is not None else None
+            if grad is not None:
+                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.embedding_group)
+        self.timer.add("exposed_dp_comm", self.timer.now() - t0)

@@ -56,7 +56,7 @@ from rackcast.backend.parallel import (Groups, Layout, PhaseTimer, expert_tensor
 from rackcast.backend.fsdp import expert_checkpoint_mesh, set_gradient_sync, shard_model
 from rackcast.backend.tensor_parallel import parallelize, reduce_partial_grads, stored_orders
 from rackcast.backend.offload import HostOptimizer
-from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids, embedding_group, sum_embedding_grads
+from rackcast.backend.pipeline import Pipeline, build_chunks, chunk_ids
 from rackcast.backend.recompute import apply_recompute
 from rackcast.backend.zero import Zero
 from rackcast.backend.cpu_runtime import configure_cpu_process
@@ -130,8 +130,6 @@ class Trainer:
         self.cp = ContextShard(self.groups.cp, lay.cp_rank, lay.cp, self.timer) if lay.cp > 1 else None
         shard_context(model, self.cp)  # context parallelism: this rank holds chunk cp_rank of every sequence
         self.chunks = build_chunks(model, lay, self.plan.parallel, self.plan.schedule)
-        # the ranks holding the first and the last chunk: each keeps the token embedding (backend.pipeline)
-        self.embedding_group = embedding_group(self.groups, lay, self.plan.schedule, model) if lay.pp > 1 else None
         # tensor parallelism before recompute wraps the blocks; the whole parameters with partial gradients back
         self.tp_partial = parallelize(self.chunks, self.groups, lay) if lay.tp > 1 else []
         apply_recompute(self.chunks, self.plan.recompute)
@@ -183,15 +181,9 @@ class Trainer:
             self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else BALANCE_BINS,
                                              reduce_counts=reduce_sum, reduce_max=reduce_max)
         self.microbatches = self.plan.microbatches
-        # MTP and auxiliary losses, scaled as the main loss is before its backward: by 1 / micro-batches without a
-        # pipeline; a pipeline's schedule back-propagates each micro-batch's loss whole and divides the gradients
-        # by the micro-batches afterwards (scale_grads), the attached terms' included
-        AttachedLoss.backward_scale = 1.0 if lay.pp > 1 else 1.0 / self.microbatches
-        self.pipe = None
-        if lay.pp > 1:
-            self.pipe = Pipeline(self.wrapped, self.chunk_index, lay, self.plan.schedule, self.microbatches,
-                                 self._pipeline_loss, self.groups.pp,
-                                 self.device, self.timer)
+        AttachedLoss.backward_scale = 1.0 / self.microbatches  # MTP and auxiliary losses, as the main loss is scaled
+        self.pipe = Pipeline(self.wrapped, self.chunk_index, lay, self.plan.schedule, self.microbatches,
+                             self._pipeline_loss, self.groups, self.device, self.timer) if lay.pp > 1 else None
         self.has_last = lay.pp * lay.virtual - 1 in self.chunk_index
         self.routing = torch.zeros(spec.layers, spec.moe.experts if spec.moe else 1, dtype=torch.int64)
         self.rows: list[dict] = []
@@ -288,15 +280,13 @@ class Trainer:
         if self.tp_partial:
             reduce_partial_grads(self.tp_partial, self.groups, self.timer)
         if self.zero2 and self.pipe is not None:  # backend.zero: the schedule ran every micro-batch
-            # the embedding's two copies summed before: each stage's owner of it may be another data rank
-            sum_embedding_grads(self.chunks, self.embedding_group, self.timer)
+            self.pipe.sum_embedding_grads()  # before: the two stages' owners of the embedding may differ
             self.zero.reduce_to_owners(lay.tokens, self.timer, expert_divide=lay.expert_divide)
-        else:
-            if self.groups is not None and not self.zero2:
-                reduce_grads(self.chunks, self.groups, lay, self.timer, experts=not self.experts_sharded,
-                             dense=(self.pipe is not None or lay.tp > 1) and not self.fsdp)
-            # after the data-parallel average (Megatron-LM's order): both copies get the same sum, bit for bit
-            sum_embedding_grads(self.chunks, self.embedding_group, self.timer)
+        elif self.groups is not None and not self.zero2:
+            reduce_grads(self.chunks, self.groups, lay, self.timer,
+                         dense=(self.pipe is not None or lay.tp > 1) and not self.fsdp, experts=not self.experts_sharded)
+            if self.pipe is not None:  # after the data-parallel average (Megatron-LM's order): one sum on both
+                self.pipe.sum_embedding_grads()
         t1 = self.timer.now()
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * self.lr_factor(step)
