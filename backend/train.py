@@ -182,11 +182,8 @@ class Trainer:
                                              reduce_counts=reduce_sum, reduce_max=reduce_max)
         self.microbatches = self.plan.microbatches
         AttachedLoss.backward_scale = 1.0 / self.microbatches  # MTP and auxiliary losses, as the main loss is scaled
-        self.pipe = None
-        if lay.pp > 1:
-            self.pipe = Pipeline(self.wrapped, self.chunk_index, lay, self.plan.schedule, self.microbatches,
-                                 self._pipeline_loss, self.groups.pp,
-                                 self.device, self.timer)
+        self.pipe = Pipeline(self.wrapped, self.chunk_index, lay, self.plan.schedule, self.microbatches,
+                             self._pipeline_loss, self.groups, self.device, self.timer) if lay.pp > 1 else None
         self.has_last = lay.pp * lay.virtual - 1 in self.chunk_index
         self.routing = torch.zeros(spec.layers, spec.moe.experts if spec.moe else 1, dtype=torch.int64)
         self.rows: list[dict] = []
@@ -283,10 +280,13 @@ class Trainer:
         if self.tp_partial:
             reduce_partial_grads(self.tp_partial, self.groups, self.timer)
         if self.zero2 and self.pipe is not None:  # backend.zero: the schedule ran every micro-batch
+            self.pipe.sum_embedding_grads()  # before: the two stages' owners of the embedding may differ
             self.zero.reduce_to_owners(lay.tokens, self.timer, expert_divide=lay.expert_divide)
         elif self.groups is not None and not self.zero2:
             reduce_grads(self.chunks, self.groups, lay, self.timer,
                          dense=(self.pipe is not None or lay.tp > 1) and not self.fsdp, experts=not self.experts_sharded)
+            if self.pipe is not None:  # after the data-parallel average (Megatron-LM's order): one sum on both
+                self.pipe.sum_embedding_grads()
         t1 = self.timer.now()
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * self.lr_factor(step)

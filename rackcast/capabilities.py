@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rackcast.modelspec import ModelSpec
-from rackcast.vocab import PLAN_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from rackcast.vocab import PLAN_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES
 
 
 
@@ -62,6 +62,10 @@ class Capabilities:
     expert_tensor_with_fsdp: bool = True  # expert_tensor > 1 together with fsdp > 1
     expert_tensor_with_pipeline: bool = True  # expert_tensor > 1 together with pipeline > 1
     expert_tensor_with_zero: bool = True  # expert_tensor > 1 together with parallel.zero >= 1
+    # tied embeddings or MTP (the last chunk reads the token embedding) with a V-shaped schedule (dualpipev), which
+    # puts the first and the last chunk on one rank
+    last_chunk_embedding_v_shaped: bool = True
+    tied_mtp_split_backward: bool = True  # tied embeddings and MTP together under zb_h1 / dualpipev
 
 
 # What rackcast.backend implements today (each flag is the backend module that does it).
@@ -77,11 +81,11 @@ TRAINER = Capabilities(
     zero_bubble_with_experts=False,
     zero_bubble_with_fsdp=True,  # backend.fsdp keeps the units gathered for their weight-gradient pass
     zb_h1_single_chunk=False,
-    tied_embeddings_pipeline=False,
+    tied_embeddings_pipeline=True,  # backend.pipeline: the last stage's embedding copy, gradients summed with the first's
     uneven_pipeline=True,  # backend.pipeline builds each chunk from ParallelSpec.chunk_layer_range
     zero=(0, 1, 2),  # backend.zero: ZeRO-1 (optimizer state sharded over the replicas), ZeRO-2 (and gradients)
     zero_with_fsdp=False,
-    mtp_pipeline=False,  # backend.mtp runs after the head of an unsplit model
+    mtp_pipeline=True,  # backend.pipeline: the MTP modules on the last chunk, with the embedding copy and the tokens
     precisions=("bf16", "fp32"),  # bf16: autocast on CUDA and CPU (backend.train)
     grad_dtypes=("fp32",),  # fp32 parameters, so fp32 gradients, reduced in fp32
     master_weights=(True,),  # the fp32 parameters are the master copy
@@ -109,6 +113,13 @@ TRAINER = Capabilities(
     expert_tensor_with_fsdp=False,  # runs while expert_fsdp is 1; FSDP2 sharding the ETP slices (fsdp 4 x ETP2) fails
     expert_tensor_with_pipeline=True,  # each stage's expert stacks sliced as without a pipeline
     expert_tensor_with_zero=True,  # backend.zero; ZeRO-2 sums the bias partials first (parallel.expert_tensor_presum)
+    # the last chunk shares chunk 0's embedding without registering it; a split backward's weight pass
+    # (stage_backward_weight) takes the stage's registered parameters only and drops that gradient (D2 dualpipev:
+    # embedding 1.7e-2 off one process's after 5 steps)
+    last_chunk_embedding_v_shaped=False,
+    # one matrix as the head, the MTP head and the MTP embedding lookup of one chunk: torch 2.13's weight pass
+    # backpropagates through a freed graph ("backward through the graph a second time")
+    tied_mtp_split_backward=False,
 )
 
 # Everything the simulator and the estimate price: for hardware studies that plan beyond today's trainer.
@@ -170,6 +181,15 @@ def refusals(plan, spec: ModelSpec, caps: Capabilities = TRAINER) -> list[str]:
         if plan.schedule in SPLIT_BACKWARD_SCHEDULES and p.fsdp > 1 and not caps.zero_bubble_with_fsdp:
             out.append(f"schedule: {plan.schedule} with fsdp > 1 does not train what one process trains in this "
                        "trainer; use 1f1b, gpipe or interleaved_1f1b with fsdp > 1")
+        reads_embedding = spec.tied_embeddings or spec.mtp is not None
+        if plan.schedule in V_SHAPED_SCHEDULES and reads_embedding and not caps.last_chunk_embedding_v_shaped:
+            out.append(f"schedule: {plan.schedule} puts the first and the last chunk on one rank, where the trainer "
+                       "loses the last chunk's embedding gradient (tied embeddings or model mtp); use 1f1b, "
+                       "interleaved_1f1b or zb_h1")
+        elif plan.schedule in SPLIT_BACKWARD_SCHEDULES and spec.tied_embeddings and spec.mtp is not None \
+                and not caps.tied_mtp_split_backward:
+            out.append(f"schedule: {plan.schedule} with tied embeddings and multi-token prediction (model mtp) "
+                       "together is not implemented by the trainer; use 1f1b or interleaved_1f1b")
         if plan.schedule == "zb_h1" and p.virtual == 1 and not caps.zb_h1_single_chunk:
             out.append("parallel.virtual: zb_h1 runs as torch's ScheduleInterleavedZeroBubble, which needs "
                        "virtual >= 2")

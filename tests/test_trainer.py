@@ -52,12 +52,22 @@ def test_validate_trainable_refuses_split_backward_schedules_with_experts_and_ac
         validate_trainable(load_plan(PLANS / f"{name}.yaml"))
 
 
-def test_validate_trainable_refuses_multi_token_prediction_under_a_pipeline():
+def test_validate_trainable_accepts_mtp_and_tied_embeddings_on_pipelines_but_not_on_one_rank_s_v_shape():
+    """backend.pipeline gives the last stage its own embedding copy; dualpipev's V puts the first and the last chunk
+    on one rank (refused), and zb_h1 with tied embeddings and MTP together is refused."""
     plan = load_plan(PLANS / "tiny-2proc-pp.yaml")
-    spec = replace(plan.model_spec(), mtp=MTPSpec(depth=1))
-    with pytest.raises(RackcastError, match=r"parallel\.pipeline: .*multi-token prediction"):
+    base = plan.model_spec()
+    mtp, tied = replace(base, mtp=MTPSpec(depth=1)), replace(base, tied_embeddings=True)
+    v_shaped = replace(plan, schedule="dualpipev", parallel=replace(plan.parallel, virtual=2))
+    zero_bubble = replace(plan, schedule="zb_h1", parallel=replace(plan.parallel, virtual=2))
+    for spec in (mtp, tied):
         validate_trainable(replace(plan, model=spec))
-    validate_trainable(replace(load_plan(PLANS / "tiny-1proc.yaml"), model=spec))
+        validate_trainable(replace(zero_bubble, model=spec))
+        with pytest.raises(RackcastError, match=r"schedule: dualpipev .*first and the last chunk on one rank"):
+            validate_trainable(replace(v_shaped, model=spec))
+    validate_trainable(v_shaped)
+    with pytest.raises(RackcastError, match=r"schedule: zb_h1 with tied embeddings and multi-token prediction"):
+        validate_trainable(replace(zero_bubble, model=replace(mtp, tied_embeddings=True)))
 
 
 def test_data_ranks_take_contiguous_shares_that_never_overlap_and_together_equal_one_process(data_folder):
