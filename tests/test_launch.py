@@ -191,7 +191,7 @@ def test_fork_server_jobs_get_their_own_environment_output_and_exit_code_and_tim
         stalled = tmp_path / "stalled"
         with pytest.raises(subprocess.TimeoutExpired):
             server.run(2, ["--plan", EP_PLAN, "--steps", "1", "--out", str(stalled), "--quiet"],
-                       worker_env({"RACKCAST_FAIL": "1:0:stall"}, override=True), ROOT, timeout=40)
+                       worker_env({"RACKCAST_FAIL": "1:0:stall"}, override=True), ROOT, timeout=15)
         deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to go
         while _process_group(server.last_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
