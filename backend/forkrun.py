@@ -2,8 +2,8 @@
 
     python -m rackcast.backend.forkrun NPROC --plan PLAN --steps 4 --out runs/x ...   # one job, NPROC ranks
 
-    server = ForkServer(env)                                   # a process that imports the trainer once
-    server.run(2, ["--plan", "p.yaml", "--steps", "4", ...])   # each job forks from it: a CompletedProcess
+    server = ForkServer(env, cwd)                     # a process that imports the trainer once
+    server.run(2, ["--plan", "p.yaml", ...], env, cwd, timeout=240)   # a job forked from it: a CompletedProcess
 
 torchrun starts every worker as a fresh interpreter, and each one imports torch, torch.distributed.checkpoint and
 the trainer again (about 3.5 s of CPU a process here, more than a tiny plan's whole training), and torchrun itself
