@@ -184,9 +184,20 @@ class ForkServer:
             return subprocess.CompletedProcess(["forkrun", str(world), *argv], ended["code"], out.read_text(),
                                                err.read_text())
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """End the server: at once when idle; a job still running (its caller interrupted) is killed with its
+        ranks after `grace_s` seconds rather than left to finish."""
         self._proc.stdin.close()
-        self._proc.wait()
+        try:
+            self._proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            if self.last_pid:
+                try:
+                    os.killpg(self.last_pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self._proc.kill()
+            self._proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
