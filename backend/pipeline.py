@@ -19,6 +19,9 @@ gpipe / 1f1b / interleaved_1f1b / zb_h1, and V-style (chunks stage and 2P-1-stag
 Schedules: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved_1f1b -> ScheduleInterleaved1F1B,
 zb_h1 -> ScheduleInterleavedZeroBubble, dualpipev -> ScheduleDualPipeV. Gradients are averaged over micro-batches by
 the schedule (scale_grads). Stage forward/backward calls are timed, so the rest of a schedule step is pipeline wait.
+The stages and the schedule are built on the first step, each stage given its input and output shapes
+(`Pipeline._static_shapes`), so torch runs no shape-inference forward and backward (whose expert all-to-alls hung
+against other ranks' metadata messages); under tensor parallelism torch still infers them.
 
 With pipeline == 1 the trainer still uses one StageChunk holding the whole model, without a schedule.
 """
@@ -194,7 +197,7 @@ class Pipeline:
         for module, c in zip(self.modules, self.chunk_index):
             stage = PipelineStage(module, c, self.total, self.device, group=self.group,
                                   **self._static_shapes(tokens, module, c))
-            if hasattr(stage, "_forward_metadata_inference"):  # torch 2.13: a real forward on the first step
+            if hasattr(stage, "_forward_metadata_inference"):  # torch 2.13 infers shapes: tensor parallelism
                 stage._forward_metadata_inference = _without_statistics(stage._forward_metadata_inference, module)
             for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, method, _timed(getattr(stage, method), self.timer, "pipeline_stage_work"))
