@@ -19,6 +19,9 @@ gpipe / 1f1b / interleaved_1f1b / zb_h1, and V-style (chunks stage and 2P-1-stag
 Schedules: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved_1f1b -> ScheduleInterleaved1F1B,
 zb_h1 -> ScheduleInterleavedZeroBubble, dualpipev -> ScheduleDualPipeV. Gradients are averaged over micro-batches by
 the schedule (scale_grads). Stage forward/backward calls are timed, so the rest of a schedule step is pipeline wait.
+The stages and the schedule are built on the first step, each stage given its input and output shapes
+(`Pipeline._static_shapes`), so torch runs no shape-inference forward and backward (whose expert all-to-alls hung
+against other ranks' metadata messages); under tensor parallelism torch still infers them.
 
 With pipeline == 1 the trainer still uses one StageChunk holding the whole model, without a schedule.
 """
@@ -57,7 +60,7 @@ class StageChunk(nn.Module):
 
     def __init__(self, model: nn.Module, chunk: int, chunks: int, layers: range, copy_embedding: bool = False):
         super().__init__()
-        self.chunk, self.chunks = chunk, chunks
+        self.chunk, self.chunks, self.spec = chunk, chunks, model.spec
         self.first, last = chunk == 0, chunk == chunks - 1
         self.embed = model.embed if self.first else EmbeddingCopy(model.embed.tok) if copy_embedding else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
@@ -150,32 +153,64 @@ class Pipeline:
     def __init__(self, modules: list[nn.Module], chunk_index: list[int], layout: Layout, schedule: str,
                  microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor], groups, device: torch.device,
                  timer: PhaseTimer):
-        from torch.distributed.pipelining import PipelineStage, schedules
-
         total = layout.pp * layout.virtual
         self.modules, self.timer = modules, timer
         self.embedding_group = embedding_group(groups, layout, schedule, modules[0].last_reads_embedding)
         # the schedule back-propagates each micro-batch's loss whole and divides the gradients by the micro-batches
         # afterwards (scale_grads), the attached MTP and auxiliary terms' included: they take the loss's gradient
         AttachedLoss.backward_scale = 1.0
-        self.stages = []
-        for module, c in zip(modules, chunk_index):
-            stage = PipelineStage(module, c, total, device, group=groups.pp)
-            if hasattr(stage, "_forward_metadata_inference"):  # torch 2.13: a real forward on the first step
-                stage._forward_metadata_inference = _without_statistics(stage._forward_metadata_inference, module)
-            for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, method, _timed(getattr(stage, method), timer, "pipeline_stage_work"))
-            self.stages.append(stage)
-        cls = getattr(schedules, TORCH_SCHEDULE_CLASSES[schedule])
-        single = issubclass(cls, schedules.PipelineScheduleSingle)
-        target = self.stages[0] if single else self.stages
-        self.schedule = cls(target, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        self.chunk_index, self.total, self.layout = chunk_index, total, layout
+        self.schedule_name, self.microbatches, self.loss_fn = schedule, microbatches, loss_fn
+        self.group, self.device = groups.pp, device
+        self.stages: list = []
+        self.schedule = None  # built on the first step, from its micro-batch's shape (_build)
         self.has_first = 0 in chunk_index
         self.has_last = total - 1 in chunk_index
         self.last_reads_tokens = any(getattr(m, "mtp", None) is not None for m in modules)  # MTP on this rank
 
+    def _static_shapes(self, tokens: Tensor, module: nn.Module, chunk: int) -> dict:
+        """The stage's example input and output (PipelineStage's input_args / output_args) for one micro-batch of
+        `tokens` ([rows, seq], this rank's sequence chunk under context parallelism): int64 tokens [mb, seq] into
+        chunk 0, hidden states [mb, seq, d_model] between chunks, logits [mb, seq, vocab] out of the last. Given on
+        every stage, torch's pipelining skips its metadata-inference forward and backward on the first step, whose
+        expert all-to-alls (and FSDP gathers) interleaved with the stages' metadata messages in a rank-dependent
+        order and hung (D2 x E2 x P2 x V2 zb_h1). None under tensor parallelism: its stages' boundary layout is
+        DTensor-dependent, so torch infers it."""
+        if self.layout.tp > 1:
+            return {}
+        spec = module.spec
+        mb = tokens.chunk(self.microbatches)[0].shape  # torch splits the step's rows the same way (tensor_split)
+        hidden = next(p for p in module.parameters() if p.is_floating_point()).dtype
+        autocast = torch.is_autocast_enabled(self.device.type)
+        logits = torch.get_autocast_dtype(self.device.type) if autocast else hidden
+        meta = dict(device="meta")  # requires_grad: torch sends gradients back only for inputs that ask
+        hidden_states = torch.empty(*mb, spec.d_model, dtype=hidden, requires_grad=True, **meta)
+        inputs = torch.empty(*mb, dtype=tokens.dtype, **meta) if chunk == 0 else hidden_states
+        last = chunk == self.total - 1
+        outputs = torch.empty(*mb, spec.vocab, dtype=logits, requires_grad=True, **meta) if last else hidden_states
+        return dict(input_args=inputs, output_args=outputs)
+
+    def _build(self, tokens: Tensor) -> None:
+        """This rank's PipelineStages (static shapes, `_static_shapes`) and the plan's schedule over them."""
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        for module, c in zip(self.modules, self.chunk_index):
+            stage = PipelineStage(module, c, self.total, self.device, group=self.group,
+                                  **self._static_shapes(tokens, module, c))
+            if hasattr(stage, "_forward_metadata_inference"):  # torch 2.13 infers shapes: tensor parallelism
+                stage._forward_metadata_inference = _without_statistics(stage._forward_metadata_inference, module)
+            for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, method, _timed(getattr(stage, method), self.timer, "pipeline_stage_work"))
+            self.stages.append(stage)
+        cls = getattr(schedules, TORCH_SCHEDULE_CLASSES[self.schedule_name])
+        single = issubclass(cls, schedules.PipelineScheduleSingle)
+        target = self.stages[0] if single else self.stages
+        self.schedule = cls(target, n_microbatches=self.microbatches, loss_fn=self.loss_fn, scale_grads=True)
+
     def step(self, tokens: Tensor, targets: Tensor) -> list[Tensor]:
         """Run one schedule step; returns the per-micro-batch losses on the rank holding the last chunk."""
+        if self.schedule is None:
+            self._build(tokens)
         losses: list[Tensor] = []
         args = (tokens,) if self.has_first else ()
         kwargs = dict(target=targets, losses=losses) if self.has_last else {}

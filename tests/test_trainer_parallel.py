@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rackcast.backend.checkpoint import MARKER, complete_steps, full_model_state, latest_complete, step_dir
-from trainer_helpers import losses, run_worker, write_plan
+from trainer_helpers import assert_trains_like, losses, reference_run, run_worker, write_plan
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +52,21 @@ def test_layout_gives_the_losses_and_parameters_of_one_process(name, reference, 
     assert params.keys() == ref_params.keys()
     for key, value in ref_params.items():  # parameters after two updates: the gradients agreed
         torch.testing.assert_close(params[key], value, atol=1e-5, rtol=1e-5, msg=key)
+
+
+ZERO_BUBBLE_STEPS = 5  # the equivalence tests' length (test_trainer_fsdp's reference run, shared)
+
+
+def test_zero_bubble_schedule_with_expert_parallelism_trains_what_one_process_trains(tmp_path_factory, tmp_path):
+    """ep2xpp2-zb_h1: data 2 x expert 2 x pipeline 2 x virtual 2 under zb_h1 (torch's ScheduleInterleavedZeroBubble,
+    weight gradients split from input gradients) with Adam on every group, 5 steps: the expert all-to-all's backward
+    runs in the split passes, and the stages' static shapes (backend.pipeline) leave no first-step shape inference
+    whose collectives hung."""
+    ref = reference_run(tmp_path_factory, "adamw", ZERO_BUBBLE_STEPS)
+    plan = write_plan(tmp_path / "ep2xpp2-zb_h1.yaml", {"data": 2, "expert": 2, "pipeline": 2, "virtual": 2},
+                      optimizer="adamw", schedule="zb_h1")
+    _ok(run_worker(plan, tmp_path / "run", ZERO_BUBBLE_STEPS, world=4, timeout=600))
+    assert_trains_like(tmp_path / "run", losses(ref), full_model_state(latest_complete(ref)))
 
 
 @pytest.fixture(scope="module")
