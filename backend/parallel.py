@@ -307,12 +307,12 @@ def _allreduce_flat(grads: list[torch.Tensor], group, divide: int) -> None:
         offset += g.numel()
 
 
-def expert_tensor_partials(modules: list[nn.Module]) -> list[nn.Parameter]:
-    """The expert parameters every expert-tensor rank holds whole (the down-projection bias, backend.expert_tensor):
-    each rank's gradient of them is a partial sum over the expert-tensor ranks."""
+def expert_tensor_partials(named) -> list[nn.Parameter]:
+    """Of these (name, parameter) pairs, the expert parameters every expert-tensor rank holds whole (the
+    down-projection bias, backend.expert_tensor): each rank's gradient of them is a partial sum over those ranks."""
     from rackcast.backend.expert_tensor import is_width_replicated
 
-    return [p for m in modules for n, p in m.named_parameters() if is_expert_param(n) and is_width_replicated(p)]
+    return [p for n, p in named if is_expert_param(n) and is_width_replicated(p)]
 
 
 def _sum_grads(params: list[nn.Parameter], group) -> None:
@@ -327,7 +327,7 @@ def expert_tensor_presum(modules: list[nn.Module], groups: Groups, layout: Layou
     before they are reduced; None without expert tensor parallelism."""
     if layout.etp == 1:
         return None
-    partial = {id(p) for p in expert_tensor_partials(modules)}
+    partial = {id(p) for p in expert_tensor_partials(pair for m in modules for pair in m.named_parameters())}
     return lambda params: _sum_grads([p for p in params if id(p) in partial], groups.etp)
 
 
@@ -344,7 +344,7 @@ def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer
     t0 = timer.now()
     named = [(n, p) for m in modules for n, p in m.named_parameters() if p.grad is not None]
     if experts and layout.etp > 1:  # expert parameters every expert-tensor rank holds whole: partial gradients
-        _sum_grads(expert_tensor_partials(modules), groups.etp)
+        _sum_grads(expert_tensor_partials(named), groups.etp)
     experts = [p.grad for n, p in named if is_expert_param(n)] if experts else []
     if experts:
         _allreduce_flat(experts, groups.edp, layout.expert_divide)

@@ -49,7 +49,7 @@ def run_worker(plan: Path, out: Path, steps: int, *extra: str, world: int = 1, e
     """The trainer worker on `plan` for `steps` steps on `world` processes, one thread each, writing into `out`:
     forked from the one ForkServer of this process (`launcher="fork"`), or each a fresh interpreter started by
     torchrun (a plain one for one process) as `rackcast train` starts them."""
-    args = ["--plan", str(plan), "--steps", str(steps), "--out", str(out), "--quiet", "--threads", "1",
+    args = ["--steps", str(steps), "--out", str(out), "--quiet", "--threads", "1",
             "--data-dir", str(data_dir or ROOT / "runs" / ".data"), *extra]
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r} is not one of {LAUNCHERS}")
@@ -58,8 +58,8 @@ def run_worker(plan: Path, out: Path, steps: int, *extra: str, world: int = 1, e
         if not (_SERVER and _SERVER[0].alive()):
             _SERVER[:] = [ForkServer(worker_env(None, override=True), ROOT)]
             atexit.register(_SERVER[0].close)
-        return _SERVER[0].run(world, args, full_env, ROOT, timeout)
-    cmd = torchrun_command(str(plan), world, args[2:]) if world > 1 else worker_command(str(plan), args[2:])
+        return _SERVER[0].run(world, ["--plan", str(plan), *args], full_env, ROOT, timeout)
+    cmd = torchrun_command(str(plan), world, args) if world > 1 else worker_command(str(plan), args)
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -290,24 +290,24 @@ class Workload:
             return 0.0
         rows = self.loads.max_rows(lw.index, mb)
         per_flop = self._expert_time.get(rows)
+        if per_flop is None and not self._expert_time and not self.topo.efficiency.grouped_gemm:
+            self._expert_time = self._expert_times(np.unique(self.loads.max_rows_all()))
+            per_flop = self._expert_time.get(rows)
         if per_flop is None:
-            if not self._expert_time and not self.topo.efficiency.grouped_gemm:
-                self._expert_time = self._expert_times(np.unique(self.loads.max_rows_all()))
-                return self._expert_s(lw, mb)
-            par = self.plan.parallel
-            shape = costs.expert_shape(rows * par.expert / self.spec.moe.experts, self.spec, par.expert,
-                                       par.expert_tensor)
-            per_flop = self._expert_time[rows] = float(costs.grouped_gemm_time(1.0, shape, self.topo))
+            per_flop = self._expert_time[rows] = float(costs.grouped_gemm_time(1.0, self._expert_gemm_shape(rows),
+                                                                               self.topo))
         return lw.expert_flops_per_row * rows * per_flop
+
+    def _expert_gemm_shape(self, rows):
+        """The grouped expert GEMM's shape on the rank routing `rows` rows (costs.expert_shape; arrays broadcast)."""
+        par = self.plan.parallel
+        return costs.expert_shape(rows * par.expert / self.spec.moe.experts, self.spec, par.expert, par.expert_tensor)
 
     def _expert_times(self, rows: np.ndarray) -> dict[float, float]:
         """Seconds per FLOP of the grouped expert GEMM (costs.grouped_gemm_time) at each of these most-loaded-rank
         row counts, priced together: without a measured curve the shape model is elementwise arithmetic (ceil,
         maximum, + - x /), so each value has the bits it has priced alone."""
-        par = self.plan.parallel
-        shape = costs.expert_shape(rows * par.expert / self.spec.moe.experts, self.spec, par.expert,
-                                   par.expert_tensor)
-        seconds = np.broadcast_to(costs.grouped_gemm_time(1.0, shape, self.topo), rows.shape)
+        seconds = np.broadcast_to(costs.grouped_gemm_time(1.0, self._expert_gemm_shape(rows), self.topo), rows.shape)
         return dict(zip(rows.tolist(), seconds.tolist()))
 
     def _tp(self, key: str) -> list:
