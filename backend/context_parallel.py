@@ -8,7 +8,8 @@ forward, reduce-scatter of the key/value gradient backward. A sliding-window lay
 previous rank's last `window - 1` keys and values (`previous_tail`, one point-to-point send/receive each way), unless
 the window reaches further back than one chunk, when it gathers all of them as a global layer does. The causal short
 convolutions (backend.layers.ShortConv) take the previous rank's last `kernel - 1` inputs the same way (a halo
-exchange); rotary and learned positions start at the chunk's offset.
+exchange); rotary and learned positions start at the chunk's offset. Multi-token prediction (backend.mtp) takes the
+next rank's first `depth + 1` token ids (`next_head`, the lookahead its embeddings and targets read).
 
 Modules opt in through one attribute, `cp` (None: one whole sequence, no communication), set by `shard_context`.
 The exchanges block (no overlap with compute); what they move is priced by rackcast.simulator.costs.context_bytes
@@ -166,6 +167,14 @@ def previous_tail(x: Tensor, n: int, ctx: ContextShard, dim: int = 1) -> Tensor:
     if n > x.shape[dim]:
         raise ValueError(f"a halo of {n} positions reaches past the previous chunk of {x.shape[dim]}")
     return _PreviousTail.apply(x, n, ctx, dim)
+
+
+def next_head(x: Tensor, n: int, ctx: ContextShard, dim: int = 1) -> Tensor:
+    """The next context rank's first `n` positions of x along `dim` (zeros on the last rank): one point-to-point
+    message each way. Not differentiable: it moves token ids (multi-token prediction's lookahead, backend.mtp)."""
+    if n > x.shape[dim]:
+        raise ValueError(f"a lookahead of {n} positions reaches past the next chunk of {x.shape[dim]}")
+    return _shift(x.narrow(dim, 0, n), ctx, forward=False)
 
 
 def context_keys(k: Tensor, v: Tensor, window: int, ctx: ContextShard) -> tuple[Tensor, Tensor, int]:

@@ -255,6 +255,9 @@ class MoE(nn.Module):
         self.margins: list[Tensor] = []  # [T, E] fp32 margins s - a_t per training forward, until the balancer reads
         self.last_routing_counts: Tensor | None = None
         self.routing_counts_sum: Tensor | None = None
+        # positions of each sequence that hold tokens; the rest are padding, neither routed nor counted (None: all).
+        # Set per forward by backend.mtp, whose last context rank pads its chunk past the sequence's end
+        self.valid_positions: int | None = None
 
     # ------------------------------------------------------------------------------------------------ routing
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -324,6 +327,13 @@ class MoE(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, x: Tensor) -> Tensor:
+        """x [B, S, d_model] -> [B, S, d_model]; positions from valid_positions on give zeros (padding)."""
+        n = self.valid_positions
+        if n is not None and n < x.shape[1]:
+            return F.pad(self._forward(x[:, :n]), (0, 0, 0, x.shape[1] - n))
+        return self._forward(x)
+
+    def _forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         expert_ids, weights = self.route(flat)

@@ -106,8 +106,9 @@ TRAINER = Capabilities(
     context_with_fsdp=True,  # backend.parallel.dense_fsdp_mesh: sharded over fsdp, replicated over data x context
     context_with_zero=True,  # backend.zero over the token ranks (data x fsdp x context), divided by them
     context_with_pipeline=True,  # backend.train._pipeline_loss: stages on sequence chunks, the loss scaled per chunk
-    # MTP is refused; latent attention and the aux loss run (backend.latent_attention, backend.frontier_routing)
-    context_model_features=False,
+    # MTP (backend.mtp with context_parallel.next_head), latent attention and the aux loss run
+    # (backend.latent_attention, backend.frontier_routing)
+    context_model_features=True,
     expert_tensor_with_tensor=False,  # not tried: width slices in an expert group folded over the tp ranks
     expert_tensor_with_context=True,  # the width slices' gradients averaged over the token ranks data x context
     expert_tensor_with_fsdp=False,  # runs while expert_fsdp is 1; FSDP2 sharding the ETP slices (fsdp 4 x ETP2) fails
@@ -288,6 +289,9 @@ def _context_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
         if features:
             out.append(f"parallel.context: context parallelism with {', '.join(features)} is not implemented by "
                        "the trainer")
+    if spec.mtp is not None and spec.seq_len // p.context < spec.mtp.depth + 2:
+        out.append(f"parallel.context: chunks of {spec.seq_len // p.context} tokens are shorter than multi-token "
+                   f"prediction's lookahead of mtp.depth + 2 = {spec.mtp.depth + 2}")
     if spec.conv is not None and spec.seq_len // p.context < spec.conv.kernel - 1:
         out.append(f"parallel.context: chunks of {spec.seq_len // p.context} tokens are shorter than the short "
                    f"convolution's halo of {spec.conv.kernel - 1}")

@@ -59,7 +59,7 @@ AUX = _variant("tiny-mixtral", "tiny-mixtral-aux", aux_loss_weight=0.1)
 D2C2E2 = ({"data": 2, "context": 2, "expert": 2}, 4)
 FEATURES = {  # name: (model, (parallel, processes))
     # latent attention: keys and values expanded per head, gathered along the sequence; RoPE on the last dims at
-    # the chunk's offset (context parallelism with MTP is refused: its module is left out)
+    # the chunk's offset (MTP left out: test_mtp_on_split_sequences_trains_what_one_process_trains runs it)
     "latent": (LATENT, D2C2E2),
     # the aux loss from the whole micro-batch's f and P: sums over the context ranks (gradients summed back)...
     "aux-loss": (AUX, D2C2E2),
@@ -77,5 +77,19 @@ def test_model_feature_on_split_sequences_trains_what_one_process_trains(feature
     fields = {"model": model, "optimizer_extra": {"eps": 1e-6}}
     ref = reference_run(tmp_path_factory, "adamw", STEPS, **fields)
     plan = write_plan(tmp_path / f"{feature}.yaml", parallel, optimizer="adamw", **fields)
+    _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
+    assert_trains_like(tmp_path / "run", losses(ref), full_model_state(latest_complete(ref)))
+
+
+@pytest.mark.parametrize("optimizer", ["muonh", "adamw"])
+def test_mtp_on_split_sequences_trains_what_one_process_trains(optimizer, tmp_path_factory, tmp_path):
+    """tiny-deepseek-v3's MTP module at D2 x C2 x EP2: each rank's lookahead takes the next context rank's first
+    tokens, the last rank pads its chunk past the sequence's end (padding neither routed nor counted by the module's
+    MoE layer and its aux-free bias), and each rank's MTP loss is its share of the whole sequences' targets; with
+    MuonH and with Adam on every group (Adam's eps 1e-6, as for the latent run above)."""
+    fields = {"model": "tiny-deepseek-v3", "optimizer_extra": {"eps": 1e-6}}
+    ref = reference_run(tmp_path_factory, optimizer, STEPS, **fields)
+    parallel, world = D2C2E2
+    plan = write_plan(tmp_path / "mtp.yaml", parallel, optimizer=optimizer, **fields)
     _ok(run_worker(plan, tmp_path / "run", STEPS, world=world, timeout=600))
     assert_trains_like(tmp_path / "run", losses(ref), full_model_state(latest_complete(ref)))
