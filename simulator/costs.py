@@ -31,7 +31,7 @@ import numpy as np
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.simulator import collective_formulas as formulas
-from rackcast.simulator.activations import BYTES
+from rackcast.simulator.activations import BYTES, INDEX_BYTES
 from rackcast.topologies.spec import Topology
 
 HW = FlopsConvention(attention="causal", window="window", head=True)  # the work kernels really do
@@ -141,6 +141,21 @@ def context_bytes(tokens_mb, spec: ModelSpec, tensor, context, layer: int):
     tokens = np.where(halo, tokens_mb * max(window - 1, 0) / chunk, (context - 1) * tokens_mb)
     sites = spec.conv.sites if spec.conv is not None else ()
     return np.where(context > 1, tokens * per_token, 0.0) + conv_halo_bytes(tokens_mb, spec, tensor, context, sites)
+
+
+def mtp_context_bytes(tokens_mb, spec: ModelSpec, tensor, context, backward: bool = False):
+    """Bytes one rank of the stage holding the multi-token-prediction modules receives for them per micro-batch
+    under context parallelism (backend.mtp): each module's block exchanges keys and values as the main model's last
+    layer does (context_bytes, its gradient back in the backward), and the forward takes the next rank's first
+    depth + 1 token ids of each sequence (the lookahead, int64; no gradient)."""
+    if spec.mtp is None:
+        return 0.0
+    context = np.asarray(context, dtype=float)
+    blocks = spec.mtp.depth * context_bytes(tokens_mb, spec, tensor, context, spec.layers - 1)
+    if backward:
+        return blocks
+    sequences = tokens_mb * context / spec.seq_len
+    return blocks + np.where(context > 1, sequences * (spec.mtp.depth + 1) * INDEX_BYTES, 0.0)
 
 
 def conv_halo_bytes(tokens_mb, spec: ModelSpec, tensor, context, sites):

@@ -93,7 +93,7 @@ def _shapes(f: dict) -> tuple[costs.GemmShape, costs.GemmShape]:
 
 STAGE_KEYS = ("gemm_flops", "head_flops", "attn_flops", "expert_flops", "shared_flops", "rec_gemm_flops",
               "rec_attn_flops", "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes",
-              "fsdp_embed_bytes", "fsdp_head_bytes", "expert_fsdp_bytes")
+              "fsdp_embed_bytes", "fsdp_head_bytes", "expert_fsdp_bytes", "mtp_cp_bytes", "mtp_cp_grad_bytes")
 _STAGE_ROWS = ("gemm", "attn", "experts", "shared", "head", "embed", "elem_bytes", "layers", "moe_layers",
                "dense_params", "expert_params", "first", "last")
 
@@ -162,6 +162,9 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "fsdp_bytes": rows["dense_params"] * gathered, "fsdp_embed_bytes": rows["first"] * embed_end * gathered,
         "fsdp_head_bytes": rows["last"] * head_end * gathered,
         "expert_fsdp_bytes": rows["expert_params"] / col(par.expert_group) * w_bytes * col(par.expert_fsdp > 1),
+        # the MTP modules' context-parallel exchanges, on the stage holding the head
+        "mtp_cp_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp)),
+        "mtp_cp_grad_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp), backward=True),
     }
     fwd, rec, elem = _stage_compute_s(stage["gemm_flops"], stage["head_flops"], stage["attn_flops"],
                                       stage["expert_flops"], stage["rec_gemm_flops"], stage["rec_attn_flops"],
@@ -251,7 +254,8 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
     tp_t = (4 + 2 * full) * layers * tp_one
     # The trainer's K/V exchanges block (backend.context_parallel): forward, its recomputation and backward, exposed.
-    cp_exposed = layers * f["cp_layer_s"] * (2 + full)
+    cp_exposed = layers * f["cp_layer_s"] * (2 + full) + sum(
+        collective_time(topo, "send_recv", f["cp_n"], g(k), f["cp_out"]) for k in ("mtp_cp_bytes", "mtp_cp_grad_bytes"))
     a2a_one = collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
     shared_layer = costs.gemm_time(g("shared_flops"), _shapes(f)[0], topo) / np.maximum(moe, 1)
     # Forward (and its recomputation): two exchanges under half the shared experts each; backward: under all of it.

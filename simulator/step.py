@@ -365,6 +365,7 @@ class _StepSim:
             if st.head_ops > 0.0:
                 ops.append(Host("head and loss backward host ops", wl.host_backward_s(st.head_ops, a.kind)))
             ops.append(Compute("head and loss backward", (2.0 if a.kind == "BW" else 1.0) * st.head_s))
+            ops += wl.mtp_context(backward=True) if a.kind != "W" else []
         if a.kind == "F" and a.stage == 0:
             if st.embed_ops > 0.0:
                 ops.append(Host("embedding host ops", wl.host_forward_s(st.embed_ops)))
@@ -407,6 +408,7 @@ class _StepSim:
         if a.kind == "F" and last:
             if st.head_ops > 0.0:
                 ops.append(Host("head and loss host ops", wl.host_forward_s(st.head_ops)))
+            ops += wl.mtp_context(backward=False)
             ops.append(Compute("head and loss", st.head_s))
         if a.kind != "F" and a.stage == 0:
             ops.append(Compute("embedding backward", (2.0 if a.kind == "BW" else 1.0) * st.embed_s))

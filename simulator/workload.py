@@ -328,6 +328,18 @@ class Workload:
             comm = self._comms["cp", lw.index] = Comm("shift", "context", nbytes, "cp", "cp kv exchange")
         return comm
 
+    def mtp_context(self, backward: bool) -> list:
+        """Ops of the multi-token-prediction modules' context-parallel exchange (costs.mtp_context_bytes), blocking
+        as the trainer's does, on the stage holding the head: the forward's, or the backward's (backward=True)."""
+        par = self.plan.parallel
+        if par.context <= 1 or self.spec.mtp is None:
+            return []
+        comm = self._comms.get(("mtp cp", backward))
+        if comm is None:
+            nbytes = float(costs.mtp_context_bytes(self.tokens_mb, self.spec, par.tensor, par.context, backward))
+            comm = self._comms["mtp cp", backward] = Comm("shift", "context", nbytes, "cp", "cp mtp exchange")
+        return [Start("mtp cp", comm), Wait("mtp cp", "exposed_tensor_comm")]
+
     def gather_comms(self, lw: LayerWork) -> list[tuple[Comm, float]]:
         """FSDP all-gathers of one layer's parameters and the bytes of their unsharded buffers (the list is kept:
         callers only read it)."""
