@@ -160,22 +160,23 @@ def expert_shard_of(groups, layout, fsdp_mesh=None):
     """Where this rank's expert slices sit in the full expert stacks (backend.checkpoint.ShardOf: a
     Replicate x Shard(0) DTensor over the stage's expert mesh (Groups.expert_mesh: "edp", experts split over "ep",
     the tp ranks folded in when tensor > 1); with the slices
-    FSDP-sharded again, Replicate x Shard(0) x Shard(0) over `fsdp_mesh`, backend.fsdp.expert_checkpoint_mesh);
+    FSDP-sharded again, Replicate x Shard(0) x Shard(0) (x the width placement under ETP) over `fsdp_mesh`,
+    backend.fsdp.expert_checkpoint_mesh);
     None without expert parallelism. With expert_tensor > 1 the slices are split by width too: Replicate x Shard(0)
     x Shard(width dim) over ("edp", "ep", "etp"), backend.expert_tensor.checkpoint_placements."""
     if layout.ep == 1 and layout.etp == 1:
         return None
     from torch.distributed.tensor import Replicate, Shard
 
+    from rackcast.backend.expert_tensor import checkpoint_placements
     from rackcast.backend.parallel import is_expert_param
 
+    if fsdp_mesh is not None:  # (replicate, ep, shard[, etp]): the width placement last under ETP
+        width = (lambda fqn: checkpoint_placements(fqn)[-1:]) if layout.etp > 1 else (lambda fqn: [])
+        return lambda fqn: (fsdp_mesh, [Replicate(), Shard(0), Shard(0), *width(fqn)]) if is_expert_param(fqn) \
+            else None
     if layout.etp > 1:
-        from rackcast.backend.expert_tensor import checkpoint_placements
-
         mesh = groups.expert_mesh["edp", "ep", "etp"]
         return lambda fqn: (mesh, checkpoint_placements(fqn)) if is_expert_param(fqn) else None
-    if fsdp_mesh is not None:
-        mesh, placements = fsdp_mesh, [Replicate(), Shard(0), Shard(0)]
-    else:
-        mesh, placements = groups.expert_mesh["edp", "ep"], [Replicate(), Shard(0)]
+    mesh, placements = groups.expert_mesh["edp", "ep"], [Replicate(), Shard(0)]
     return lambda fqn: (mesh, placements) if is_expert_param(fqn) else None

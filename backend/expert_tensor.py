@@ -69,12 +69,11 @@ class WidthShardedExperts(GroupedExperts):
         return out
 
 
-def is_width_replicated(p: Tensor) -> bool:
-    """Whether an expert parameter under ETP is held whole by every rank of its block (b_down), so its gradient on
-    one rank is a partial sum over the block (backend.parallel.reduce_grads sums it over "etp")."""
-    from torch.distributed.tensor import DTensor
-
-    return not isinstance(p, DTensor)
+def is_width_replicated(name: str) -> bool:
+    """Whether the expert parameter `name` is under ETP held whole by every rank of its block (b_down), so its
+    gradient on one rank is a partial sum over the block (backend.parallel.reduce_grads sums it over "etp"). By
+    name: under FSDP2 every expert parameter is a DTensor."""
+    return name.rpartition(".")[2] not in SHARD_DIMS
 
 
 def shard_width(experts: GroupedExperts, mesh, etp_rank: int, etp: int) -> WidthShardedExperts:

@@ -16,7 +16,10 @@ Meshes (ranks as backend.parallel: stage outermost, then data, then fsdp innermo
   simulator.memory.expert_fsdp prices). Each MoE layer's experts are their own FSDP unit. Each EP rank's expert
   gradient already holds the contributions of its whole EP group (the all-to-all's backward brings them), so the
   reduction sums over the expert-data ranks and divides by the token ranks data x fsdp x context, not by their
-  count: `set_gradient_divide_factor(tokens)`.
+  count: `set_gradient_divide_factor(tokens)`. Under expert tensor parallelism the width slices are DTensors on the
+  "etp" dim of the expert FSDP mesh's root (backend.parallel.Groups), so FSDP2 shards them again along the expert
+  dim (2-D placements, as over the tp DTensors); the down bias every ETP rank holds whole is sharded as a plain
+  tensor and its partial gradients summed over "etp" after the reduce-scatter (backend.parallel.reduce_grads).
 Parameters without a gradient (the balancing bias) stay out of FSDP. Expert stacks that are not sharded
 (Layout.expert_fsdp == 1) stay out of the dense unit and are reduced as without FSDP (backend.parallel.reduce_grads).
 Mixed precision: on CUDA with precision bf16, FSDP2's MixedPrecisionPolicy (bf16 compute weights, gradients
@@ -75,16 +78,19 @@ def shard_model(chunks: list[nn.Module], groups, layout, plan, device: torch.dev
 
 
 def expert_checkpoint_mesh(layout, device: torch.device):
-    """This stage's ranks as (data, expert, expert FSDP shard): the mesh on which an FSDP-sharded expert stack under
-    expert parallelism is Replicate x Shard(0) x Shard(0) of the full [experts, ...] stack (each expert rank's slice,
-    split again over its FSDP shards), for checkpoints (backend.checkpoint). The ranks are numbered as the expert
+    """This stage's ranks as (data, expert, expert FSDP shard[, expert tensor]): the mesh on which an FSDP-sharded
+    expert stack under expert parallelism is Replicate x Shard(0) x Shard(0) of the full [experts, ...] stack (each
+    expert rank's slice, split again over its FSDP shards; under expert tensor parallelism x the width placement,
+    backend.expert_tensor.checkpoint_placements), for checkpoints (backend.checkpoint). The ranks are numbered as the expert
     FSDP mesh of backend.parallel.Groups, (pipeline, data, shard, expert), so the expert and shard dims swap.
     Collective: every rank builds it."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = torch.arange(layout.world).reshape(layout.pp, layout.data, layout.expert_fsdp, layout.ep).transpose(2, 3)
-    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "replicate", "ep", "shard"))
-    return mesh["replicate", "ep", "shard"]
+    width = (layout.etp,) if layout.etp > 1 else ()  # expert tensor parallelism: the width slices' dim, innermost
+    ranks = torch.arange(layout.world).reshape(layout.pp, layout.data, layout.expert_fsdp, layout.ep, *width)
+    names = ("replicate", "ep", "shard") + (("etp",) if width else ())
+    mesh = DeviceMesh(device.type, ranks.transpose(2, 3), mesh_dim_names=("pp", *names))
+    return mesh[names]
 
 
 def reshard_after_forward(plan) -> bool:

@@ -186,10 +186,13 @@ class Groups:
                     self.tp_mesh = dense["tp"]  # the same ranks as self.mesh["tp"], under FSDP's root mesh
                     self.tp = self.tp_mesh.get_group()
             efsdp = layout.expert_fsdp
-            if efsdp > 1:  # the expert group is the innermost `ep` ranks of the fsdp (x tp) group
-                experts = init_device_mesh(device.type, (layout.pp, layout.data, efsdp, layout.ep),
-                                           mesh_dim_names=("pp", "replicate", "shard", "ep"))
+            if efsdp > 1:  # the expert group is the innermost ep x etp ranks of the fsdp (x tp) group
+                experts = init_device_mesh(device.type, (layout.pp, layout.data, efsdp, layout.ep, layout.etp),
+                                           mesh_dim_names=("pp", "replicate", "shard", "ep", "etp"))
                 self.expert_fsdp_mesh = experts["replicate", "shard"] if layout.data > 1 else experts["shard"]
+                # the width slices' DTensors on a dim of the same root mesh, so FSDP2 shards them again over
+                # "shard" (2-D placements, as over the tp DTensors; one root mesh is what FSDP2 accepts)
+                self.etp_mesh = experts["etp"]
 
 
 def dense_fsdp_mesh(layout: Layout, device: torch.device):
@@ -312,7 +315,7 @@ def expert_tensor_partials(named) -> list[nn.Parameter]:
     down-projection bias, backend.expert_tensor): each rank's gradient of them is a partial sum over those ranks."""
     from rackcast.backend.expert_tensor import is_width_replicated
 
-    return [p for n, p in named if is_expert_param(n) and is_width_replicated(p)]
+    return [p for n, p in named if is_expert_param(n) and is_width_replicated(n)]
 
 
 def _sum_grads(params: list[nn.Parameter], group) -> None:
@@ -333,7 +336,8 @@ def expert_tensor_presum(modules: list[nn.Module], groups: Groups, layout: Layou
 
 def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer: PhaseTimer,
                  dense: bool = False, experts: bool = True) -> None:
-    """Expert gradients (unless experts=False: FSDP2 reduces them): sum over the expert-data replicas, divide by the
+    """Expert gradients (unless experts=False: FSDP2 reduces them, all but the expert-tensor partial sums): sum over
+    the expert-data replicas, divide by the
     token ranks (dp x cp; times the tp ranks routing the same tokens when the replicas span them,
     Layout.expert_divide); with expert_tensor > 1 the expert parameters each expert-tensor rank holds whole (the
     down-projection bias, backend.expert_tensor) are first summed over the expert-tensor ranks. With dense=True (pipeline stages and tensor-parallel chunks, which are not DDP-wrapped)
@@ -343,7 +347,8 @@ def reduce_grads(modules: list[nn.Module], groups: Groups, layout: Layout, timer
         return
     t0 = timer.now()
     named = [(n, p) for m in modules for n, p in m.named_parameters() if p.grad is not None]
-    if experts and layout.etp > 1:  # expert parameters every expert-tensor rank holds whole: partial gradients
+    if layout.etp > 1:  # expert parameters every expert-tensor rank holds whole: partial gradients (also after
+        # FSDP2's reduction of FSDP-sharded experts, a sum over the fsdp ranks of one etp rank)
         _sum_grads(expert_tensor_partials(named), groups.etp)
     experts = [p.grad for n, p in named if is_expert_param(n)] if experts else []
     if experts:

@@ -153,7 +153,8 @@ class Trainer:
             self.tp_partial = [now[n] for n in partial_names
                                if n in now and not (self.experts_sharded and is_expert_param(n))]
         # FSDP2 shards each rank's expert-parallel slice again: checkpoints record both splits of the expert dimension
-        self.expert_mesh = expert_checkpoint_mesh(lay, self.device) if self.experts_sharded and lay.ep > 1 else None
+        self.expert_mesh = expert_checkpoint_mesh(lay, self.device) \
+            if self.experts_sharded and (lay.ep > 1 or lay.etp > 1) else None
         self.zero2 = self.plan.parallel.zero == 2 and self.groups is not None  # gradients reduced to owners only
         # tensor-parallel DTensors: no DDP, a flat all-reduce instead; ZeRO-2: DDP would all-reduce every gradient
         if self.fsdp or lay.pp > 1 or lay.tp > 1 or self.zero2:

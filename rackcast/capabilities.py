@@ -111,7 +111,8 @@ TRAINER = Capabilities(
     context_model_features=True,
     expert_tensor_with_tensor=False,  # not tried: width slices in an expert group folded over the tp ranks
     expert_tensor_with_context=True,  # the width slices' gradients averaged over the token ranks data x context
-    expert_tensor_with_fsdp=False,  # runs while expert_fsdp is 1; FSDP2 sharding the ETP slices (fsdp 4 x ETP2) fails
+    # backend.fsdp: the width slices' DTensors on the expert FSDP mesh's root (backend.parallel.Groups), sharded 2-D
+    expert_tensor_with_fsdp=True,
     expert_tensor_with_pipeline=True,  # each stage's expert stacks sliced as without a pipeline
     expert_tensor_with_zero=True,  # backend.zero; ZeRO-2 sums the bias partials first (parallel.expert_tensor_presum)
     # the last chunk shares chunk 0's embedding without registering it; a split backward's weight pass

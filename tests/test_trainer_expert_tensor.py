@@ -2,9 +2,10 @@
 processes (two blocks of experts, each expert's width split over the two ranks of its block), and ETP2 on two with
 the optimizer state in host memory, for 5 steps, losses to 1e-5 relative and parameters to 1e-5 absolute, with
 MuonH (Newton-Schulz on the whole gate, up and down matrices, gathered over the ETP ranks) and with Adam on every
-group; and checkpoints cross layouts both ways: ETP2 over
-data 4 (two expert-data replicas of each width slice) resumes the one-process step-3 checkpoint, and one process
-resumes that run's step-4 checkpoint, each ending where one process ends.
+group, also with FSDP2 sharding the width slices again (FSDP4 x ETP2: each slice over two fsdp ranks); and
+checkpoints cross layouts both ways: ETP2 over data 4 (two expert-data replicas of each width slice) resumes the
+one-process step-3 checkpoint, and one process resumes that run's step-4 checkpoint, each ending where one process
+ends.
 
 The model is tiny-moe with biases in the MLPs, so the width-split biases (gate/up or up, stored like the weights)
 and the down bias every ETP rank holds whole (its gradient summed over the ETP ranks) are covered: SwiGLU (fused
@@ -72,13 +73,17 @@ LAYOUTS = {  # name: (parallel, processes, optimizer state location)
     # ZeRO-2 reduces gradients itself: the down-projection bias's partials are summed over the ETP ranks first, once
     # for a slice it alone holds (they accumulate over the micro-batches); without that it ended 1.2e-3 off
     "d2et2z2": ({"data": 2, "expert_tensor": 2, "zero": 2}, 2, "hbm"),
+    # FSDP2 shards each width slice again over the two fsdp ranks holding it (2-D placements on one root mesh with
+    # "etp", backend.parallel.Groups); the down bias's shards are summed over the ETP ranks after its reduce-scatter
+    "f4et2": ({"fsdp": 4, "expert_tensor": 2}, 4, "hbm"),
 }
 
 
-# Adam on the layouts that place the expert state in a new way (width slices; their host copies; ZeRO owners) or
+# Adam on the layouts that place the expert state in a new way (width slices; their host copies; ZeRO owners; FSDP
+# shards of the slices) or
 # reduce the slices' gradients over new ranks (context); a pipeline stage slices its stacks as e2et2 does
 @pytest.mark.parametrize("optimizer,name", optimizer_cases(LAYOUTS, adamw_too={"e2et2", "et2-host", "c2et2",
-                                                                              "d2et2z2"}))
+                                                                              "d2et2z2", "f4et2"}))
 def test_expert_tensor_layout_trains_what_one_process_trains(optimizer, name, tmp_path_factory, tmp_path):
     ref_losses, ref_params, _ = reference(tmp_path_factory, optimizer)
     parallel, world, location = LAYOUTS[name]
