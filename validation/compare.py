@@ -80,6 +80,21 @@ def calibration_note(topo) -> str:
             "run `rackcast calibrate`, then compare with --topology runs/calibrated.yaml")
 
 
+# A CPU run whose steps got less than this share of a core per process (CPU time / wall time) spent the rest waiting
+# for a core: its wall times measure the machine's other load as much as the trainer.
+CORE_SHARE_FLOOR = 0.8
+
+
+def core_wait_note(rec: dict) -> str:
+    """A line when a CPU run's processes waited for cores (record.json's core_share below CORE_SHARE_FLOOR), else ''."""
+    share = rec.get("core_share")
+    if rec.get("device", "cpu") != "cpu" or share is None or share >= CORE_SHARE_FLOOR:
+        return ""
+    return (f"the measured steps ran {share:.2f} of a core per process (CPU time {rec['step_cpu_s']:.3g} s against "
+            f"{rec['step_time_s']:.3g} s wall, record.json): the processes waited for cores, so the wall times "
+            "include the machine's other load")
+
+
 def predict(plan: Plan, topo=None, record: bool = False, prefer: str = "simulate"):
     """(source, result): the simulator's SimResult (prefer="simulate") or the estimate's Estimate ("estimate").
     Both include the host per-op overhead where the topology has measured host_op_s."""
