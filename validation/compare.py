@@ -28,6 +28,7 @@ from pathlib import Path
 
 from rackcast.errors import RackcastError
 from rackcast.plan import Plan
+from rackcast.spread import CORE_SHARE_FLOOR
 
 PHASE_ROWS = (("compute", ("compute",)), ("exposed_expert_a2a", ("exposed_expert_a2a",)),
               ("exposed_tensor_comm", ("exposed_tensor_comm",)), ("exposed_fsdp_gather", ("exposed_fsdp_gather",)),
@@ -78,11 +79,6 @@ def calibration_note(topo) -> str:
         return ""
     return (f"topology {topo.name} is not calibrated (its efficiency figures are the preset's, not measured here): "
             "run `rackcast calibrate`, then compare with --topology runs/calibrated.yaml")
-
-
-# A CPU run whose steps got less than this share of a core per process (CPU time / wall time) spent the rest waiting
-# for a core: its wall times measure the machine's other load as much as the trainer.
-CORE_SHARE_FLOOR = 0.8
 
 
 def core_wait_note(rec: dict) -> str:
