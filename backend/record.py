@@ -2,13 +2,16 @@
 
 Files in the run folder:
 - metrics.parquet: one row per optimizer step: step, loss, ce, z_loss, eval_loss (NaN except at eval steps), lr,
-  step_time_s, tokens_per_s, mfu, phase_<name>_s for every simulator phase (rackcast.vocab.MEASURED_PHASES:
+  step_time_s, tokens_per_s, mfu, step_cpu_s (the step's process CPU time, time.process_time, all threads) and
+  core_share (step_cpu_s / step_time_s: below 1 the process waited for a core on a shared machine, above 1 it ran
+  more than one thread), phase_<name>_s for every simulator phase (rackcast.vocab.MEASURED_PHASES:
   the simulator's phases plus "other"), peak_memory_bytes (largest over ranks so far; NaN on CPU until the measured step), peak_rss_bytes,
   memory_profiled (the step whose memory the profiler measured, slowed down by it), drop_fraction, plan_hash
   (rackcast.plan.inputs_hash). step_time_s and the phases are means over ranks; slowest_rank is the rank whose step
   took longest, step_time_slowest_s its step time and phase_<name>_slowest_s its phases (the critical path).
 - record.json: the summary: plan, plan_hash, layout, device, steps, tokens_per_step, and the medians over steps after
-  the first (warm-up), the memory-profiled step left out, of step_time_s, tokens_per_s, mfu, phases_s, and
+  the first (warm-up), the memory-profiled step left out, of step_time_s, tokens_per_s, mfu, step_cpu_s,
+  core_share, phases_s, and
   critical_path: the same medians of the slowest rank's step time and phases, and the rank slowest most often;
   step_time_spread: those steps' median, quartiles and relative spread (rackcast.spread: flagged too_wide when the
   interquartile range exceeds the scoring limit);
@@ -107,6 +110,8 @@ def summary(rows: list[dict], **info) -> dict:
         "step_time_spread": quartile_spread_of(r["step_time_s"] for r in steady).as_dict(),
         "tokens_per_s": _median(steady, "tokens_per_s"),
         "mfu": _median(steady, "mfu"),
+        "step_cpu_s": _median(steady, "step_cpu_s"),
+        "core_share": _median(steady, "core_share"),
         "phases_s": phases,
         "critical_path": _critical_path(steady),
         "peak_memory_bytes": _max(rows, "peak_memory_bytes"),
@@ -142,28 +147,36 @@ def progress_line(row: dict, steps: int) -> str:
             f"mfu {100 * row['mfu']:.2f}%  step {row['step_time_s']:.3f}s")
 
 
+# Columns of step_row's per-rank figures before the phases: loss, ce, z_loss, micro-batches, dropped rows, assigned
+# rows, step seconds, step CPU seconds.
+PHASE_COLUMN = 8
+
+
 def step_row(per_rank, mem, names: list[str], *, tokens_per_step: float, model_flops: float, peak_flops: float,
              pipeline: bool) -> dict:
-    """One metrics.parquet row from backend.train's figures, reduced over the ranks: `per_rank` [world, 7 + phases]
-    (loss, ce and z_loss sums, micro-batches, dropped and assigned rows, step seconds, then each of `names`' phase
-    seconds; a rank's row is zero on the others before the sum), `mem` [peak live bytes, peak RSS] (maxima over
-    ranks). Means over ranks, the slowest rank's step and phases (the critical path), loss means per micro-batch
-    (ce and z_loss NaN under pipeline parallelism, whose schedule returns the loss only)."""
+    """One metrics.parquet row from backend.train's figures, reduced over the ranks: `per_rank` [world, PHASE_COLUMN +
+    phases] (loss, ce and z_loss sums, micro-batches, dropped and assigned rows, step seconds, the step's process CPU
+    seconds, then each of `names`' phase seconds; a rank's row is zero on the others before the sum), `mem` [peak
+    live bytes, peak RSS] (maxima over ranks). Means over ranks, the slowest rank's step and phases (the critical
+    path), loss means per micro-batch (ce and z_loss NaN under pipeline parallelism, whose schedule returns the loss
+    only)."""
     world = per_rank.shape[0]
     vec = per_rank.sum(0)
     slowest = int(per_rank[:, 6].argmax())
     n = max(vec[3].item(), 1.0)
     step_time = vec[6].item() / world
+    step_cpu = vec[7].item() / world
     out = {"loss": vec[0].item() / n, "ce": vec[1].item() / n if not pipeline else math.nan,
            "z_loss": vec[2].item() / n if not pipeline else math.nan,
            "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
-           "mfu": model_flops / (step_time * world * peak_flops)}
+           "mfu": model_flops / (step_time * world * peak_flops),
+           "step_cpu_s": step_cpu, "core_share": step_cpu / step_time}
     for i, name in enumerate(names):
-        out[f"phase_{name}_s"] = vec[7 + i].item() / world
+        out[f"phase_{name}_s"] = vec[PHASE_COLUMN + i].item() / world
     out["slowest_rank"] = slowest
     out["step_time_slowest_s"] = per_rank[slowest, 6].item()
     for i, name in enumerate(names):
-        out[f"phase_{name}_slowest_s"] = per_rank[slowest, 7 + i].item()
+        out[f"phase_{name}_slowest_s"] = per_rank[slowest, PHASE_COLUMN + i].item()
     out["peak_memory_bytes"] = int(mem[0].item()) if mem[0].item() >= 0 else math.nan
     out["peak_rss_bytes"] = int(mem[1].item())
     out["drop_fraction"] = vec[4].item() / vec[5].item() if vec[5].item() else 0.0

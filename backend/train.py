@@ -375,13 +375,13 @@ class Trainer:
     def _peak_memory(self) -> float:
         return float(record.peak_memory_bytes(self.device)) if self.cuda else self.memory_peak
 
-    def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time) -> dict:
+    def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time, step_cpu) -> dict:
         dropped, assigned = pop_drop_counts(self.moes)
         names = list(MEASURED_PHASES)
         # Every rank's figures, one row per rank (a sum of rows that are zero elsewhere), so the record keeps the
         # slowest rank's step and phases (the critical path) beside the means.
-        per_rank = torch.zeros(self.world, 7 + len(names), dtype=torch.float64)
-        per_rank[self.rank] = torch.tensor([loss_sum, ce_sum, z_sum, count, dropped, assigned, step_time]
+        per_rank = torch.zeros(self.world, record.PHASE_COLUMN + len(names), dtype=torch.float64)
+        per_rank[self.rank] = torch.tensor([loss_sum, ce_sum, z_sum, count, dropped, assigned, step_time, step_cpu]
                                            + [phases.get(n, 0.0) for n in names], dtype=torch.float64)
         mem = torch.tensor([self._peak_memory(), record.peak_rss_bytes()], dtype=torch.float64)
         if self.world > 1:
@@ -411,18 +411,18 @@ class Trainer:
             self.saver.poll()
             self.timer.pop()
             profiled = not self.cuda and step == memory_step
-            t0 = self.timer.now()
+            t0, cpu0 = self.timer.now(), time.process_time()
             if profiled:
                 stats, peak = memprof.profile_peak(self.train_step, step, extra=self._cpp_storages())
                 self.memory_peak = max(self.memory_peak, float(peak.total_bytes))
             else:
                 stats = self.train_step(step)
             loss_sum, ce_sum, z_sum, count = stats
-            step_time = self.timer.now() - t0
+            step_time, step_cpu = self.timer.now() - t0, time.process_time() - cpu0
             phases = record.step_phases(self.timer.pop(), step_time)
             self._collect_routing()
             row = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"],
-                   **self._reduce_stats(loss_sum, ce_sum, z_sum, count, phases, step_time),
+                   **self._reduce_stats(loss_sum, ce_sum, z_sum, count, phases, step_time, step_cpu),
                    "memory_profiled": profiled}
             last = step + 1 == args.steps
             do_eval = last or (args.eval_every and (step + 1) % args.eval_every == 0)

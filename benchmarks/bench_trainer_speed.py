@@ -18,8 +18,9 @@ the spread is part of the figure. Figures:
    the median step time of its record.json, on each side's default torch threads as `rackcast train` runs it
    (`--threads N` forces N on both sides);
 4. one process of the Marin-shaped marin-cpu-d512 (d_model 512, 32 experts top-4), MuonH and AdamW, global batch
-   16 x 512 tokens: MFU against local-cpu's calibrated fp32 matmul peak (the trainer's own record.json) and against
-   the best fp32 matmul measured in this run.
+   16 x 512 tokens: MFU against local-cpu's calibrated fp32 matmul peak (the trainer's own record.json), against
+   the best fp32 matmul measured in this run, and by CPU time (record.json's step_cpu_s in place of the wall step:
+   the rate while the process had a core, which another job's load does not move).
 With --compile, the current code's tiny-1proc and marin-cpu-d512 runs are repeated with the plan's `compile: true`
 (backend.compiled) beside its eager runs: the steady step time (record.json's median, which skips the first step)
 and the compile time apart (the first step's time less that median).
@@ -297,6 +298,10 @@ def main() -> int:
                     if name == "current compile":
                         extra = f"\n{'':<27} compile (first step less the median) " + _spread(
                             [r["first_step_s"] - r["step_time_s"] for r in recs], fmt="{:.1f}") + " s"
+                    if all("step_cpu_s" in r for r in recs):  # a baseline before record.json's step_cpu_s has none
+                        by_cpu = [r["model_flops_per_step"] / r["step_cpu_s"] / r["peak_flops"] for r in recs]
+                        cpu_s = _spread([r["step_cpu_s"] for r in recs], fmt="{:.2f}")
+                        extra += f"\n{'':<27} by CPU time (step_cpu_s {cpu_s} s) MFU % {_spread(by_cpu, 100, '{:.1f}')}"
                     print(f"  {optimizer:<6} {name:<18} step s {_spread(step, fmt='{:.2f}')}\n{'':<27} MFU % of "
                           f"local-cpu's {recs[0]['peak_flops'] / 1e9:.0f} GFLOP/s {_spread(mfu, 100, '{:.1f}')}"
                           f"\n{'':<27} % of this run's best matmul {_spread(ours, 100, '{:.1f}')}{extra}")

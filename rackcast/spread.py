@@ -20,6 +20,9 @@ from dataclasses import dataclass
 # The validation target for unfitted predictions is 15% mean absolute error (issue 15): a measurement that moves by
 # more than that between repeats cannot tell a prediction within the target from one outside it.
 SPREAD_LIMIT = 0.15
+# A CPU run whose steps got less than this share of a core per process (process CPU time / wall time, record.json's
+# core_share) spent the rest waiting for a core: its wall times measure the machine's other load as much as the run.
+CORE_SHARE_FLOOR = 0.8
 
 
 @dataclass(frozen=True)

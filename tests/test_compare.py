@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from rackcast.validation.compare import combined_trace, compare_rows, load_record, predict
+from rackcast.validation.compare import combined_trace, compare_rows, core_wait_note, load_record, predict
 from rackcast.validation.validate import kendall_tau
 from rackcast.plan import load_plan
 
@@ -53,6 +53,14 @@ def test_compare_estimate_table_and_bad_run(tmp_path, cli):
     assert "estimate" in proc.stdout and "step_time_s" in proc.stdout
     proc = cli("compare", str(RUN / "plan.yaml"), str(tmp_path))
     assert proc.returncode == 2 and "record.json" in proc.stderr
+
+
+def test_core_wait_note_flags_only_cpu_runs_that_waited_for_a_core():
+    waited = {"device": "cpu", "core_share": 0.4, "step_cpu_s": 0.2, "step_time_s": 0.5}
+    assert "0.40 of a core" in core_wait_note(waited) and "0.2 s against 0.5 s wall" in core_wait_note(waited)
+    assert core_wait_note(waited | {"core_share": 0.95}) == ""
+    assert core_wait_note(waited | {"device": "cuda"}) == ""
+    assert core_wait_note({"device": "cpu", "step_time_s": 0.5}) == ""  # a run recorded before core_share
 
 
 def test_combined_trace_from_phases_without_trace_file():

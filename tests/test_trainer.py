@@ -131,7 +131,7 @@ def _row(step: int, time_s: float, peak: float, profiled: bool = False) -> dict:
     from rackcast.vocab import MEASURED_PHASES as PHASES
 
     return {"step": step, "loss": 1.0, "eval_loss": math.nan, "step_time_s": time_s, "tokens_per_s": 1 / time_s,
-            "mfu": 0.1, **{f"phase_{p}_s": 0.0 for p in PHASES}, "peak_memory_bytes": peak,
+            "mfu": 0.1, "step_cpu_s": time_s / 2, "core_share": 0.5, **{f"phase_{p}_s": 0.0 for p in PHASES}, "peak_memory_bytes": peak,
             "peak_rss_bytes": 500, "drop_fraction": 0.0, "memory_profiled": profiled}
 
 
@@ -144,6 +144,26 @@ def test_summary_medians_skip_warm_up_and_the_memory_profiled_step():
     assert out["step_time_s"] == 1.0  # median of steps 2, 4, 5
     assert out["peak_memory_bytes"] == 120 and out["peak_rss_bytes"] == 500
     assert summary([rows[0], rows[2]])["step_time_s"] == 5.0  # nothing else after warm-up: the profiled step counts
+
+
+def test_step_row_means_cpu_time_over_ranks_and_reads_phases_after_it():
+    """step_row: the step's CPU seconds are averaged over ranks and divided by the mean wall step (core_share); the
+    phase columns start after the CPU column, and the slowest rank is picked by wall time."""
+    from rackcast.backend.record import PHASE_COLUMN, step_row
+    from rackcast.vocab import MEASURED_PHASES
+
+    names = list(MEASURED_PHASES)
+    per_rank = torch.zeros(2, PHASE_COLUMN + len(names), dtype=torch.float64)
+    #                  loss ce   z  mbs drop assigned wall cpu
+    per_rank[0, :8] = torch.tensor([4.0, 4.0, 0, 2, 0, 10, 2.0, 1.0])
+    per_rank[1, :8] = torch.tensor([4.0, 4.0, 0, 2, 0, 10, 4.0, 2.0])
+    per_rank[0, PHASE_COLUMN + names.index("compute")] = 1.5
+    per_rank[1, PHASE_COLUMN + names.index("compute")] = 3.5
+    row = step_row(per_rank, torch.tensor([1.0, 2.0]), names, tokens_per_step=100, model_flops=1e9,
+                   peak_flops=1e9, pipeline=False)
+    assert row["step_time_s"] == 3.0 and row["step_cpu_s"] == 1.5 and row["core_share"] == 0.5
+    assert row["phase_compute_s"] == 2.5 and row["phase_compute_slowest_s"] == 3.5 and row["slowest_rank"] == 1
+    assert row["loss"] == 2.0
 
 
 @pytest.mark.slow
@@ -171,5 +191,7 @@ def test_one_process_run_records_the_profiled_live_tensor_peak(tmp_path):
     assert record["peak_memory_per_rank_bytes"] == [record["peak_memory_bytes"]]
     assert record["peak_rss_bytes"] > 2 * record["peak_memory_bytes"]  # the runtime's share
     rows = pq.read_table(tmp_path / "run" / "metrics.parquet").to_pydict()
+    assert all(c > 0 for c in rows["step_cpu_s"]) and record["step_cpu_s"] > 0
+    assert rows["core_share"] == pytest.approx([c / w for c, w in zip(rows["step_cpu_s"], rows["step_time_s"])])
     assert rows["memory_profiled"] == [False, False, True, False]
     assert math.isnan(rows["peak_memory_bytes"][1]) and rows["peak_memory_bytes"][2] == record["peak_memory_bytes"]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from rackcast.errors import RackcastError
 from rackcast.plan import Plan
+from rackcast.spread import CORE_SHARE_FLOOR
 
 PHASE_ROWS = (("compute", ("compute",)), ("exposed_expert_a2a", ("exposed_expert_a2a",)),
               ("exposed_tensor_comm", ("exposed_tensor_comm",)), ("exposed_fsdp_gather", ("exposed_fsdp_gather",)),
@@ -78,6 +79,16 @@ def calibration_note(topo) -> str:
         return ""
     return (f"topology {topo.name} is not calibrated (its efficiency figures are the preset's, not measured here): "
             "run `rackcast calibrate`, then compare with --topology runs/calibrated.yaml")
+
+
+def core_wait_note(rec: dict) -> str:
+    """A line when a CPU run's processes waited for cores (record.json's core_share below CORE_SHARE_FLOOR), else ''."""
+    share = rec.get("core_share")
+    if rec.get("device", "cpu") != "cpu" or share is None or share >= CORE_SHARE_FLOOR:
+        return ""
+    return (f"the measured steps ran {share:.2f} of a core per process (CPU time {rec['step_cpu_s']:.3g} s against "
+            f"{rec['step_time_s']:.3g} s wall, record.json): the processes waited for cores, so the wall times "
+            "include the machine's other load")
 
 
 def predict(plan: Plan, topo=None, record: bool = False, prefer: str = "simulate"):

@@ -47,7 +47,7 @@ def _fmt(v, unit: str) -> str:
 
 def _run(args) -> int:
     from rackcast.validation.compare import (calibration_note, check_same_plan, combined_trace, compare_rows,
-                                             load_record, predict)
+                                             core_wait_note, load_record, predict)
     from rackcast.atomic import write_text_atomic
     from rackcast.topologies import load_topology
 
@@ -74,7 +74,7 @@ def _run(args) -> int:
     topo_name = args.topology or plan.topology.name
     if args.json:
         print_json({"plan": plan.name, "run": str(args.run_dir), "prediction": source, "topology": topo_name,
-                    "calibrated": not note,
+                    "calibrated": not note, "core_share": rec.get("core_share"), "step_cpu_s": rec.get("step_cpu_s"),
                     "metrics": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
                                 for r in rows]})
         return 0
@@ -90,6 +90,9 @@ def _run(args) -> int:
         out.print("peak memory: this (older) run reports the process's peak resident set, runtime included")
     if args.trace:
         out.print(f"wrote {args.trace} (open in https://ui.perfetto.dev)")
+    waited = core_wait_note(rec)
+    if waited:
+        out.print(f"[yellow]note:[/yellow] {waited}")
     if note:
         out.print(f"[yellow]note:[/yellow] {note}")
     return 0
