@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from rackcast.simulator.fairshare import maxmin_rates
+from rackcast.simulator.fairshare import maxmin_rates_into, maxmin_workspace
 
 
 @njit(cache=True)
@@ -67,32 +67,44 @@ def _changed(load, previous):
 @njit(cache=True)
 def _gather_active(active, size, nhops, hops, caps):
     """The active slots (ascending) and their flows as CSR rows of link indices, with their rate caps."""
+    n_slots = active.shape[0]
+    act, indptr = np.empty(n_slots, np.int64), np.empty(n_slots + 1, np.int64)
+    indices, flow_caps = np.empty(n_slots * hops.shape[1], np.int64), np.empty(n_slots)
+    n, nnz = _gather_active_into(active, size, nhops, hops, caps, act, indptr, indices, flow_caps)
+    return act[:n], indptr[: n + 1], indices[:nnz], flow_caps[:n]
+
+
+@njit(cache=True)
+def _gather_active_into(active, size, nhops, hops, caps, act, indptr, indices, flow_caps):
+    """_gather_active into given arrays (room for every slot); returns the active flows and CSR entries written."""
     n = 0
-    for i in range(size):
-        n += active[i]
-    act = np.empty(n, np.int64)
-    indptr = np.zeros(n + 1, np.int64)
-    j = 0
+    indptr[0] = 0
     for i in range(size):
         if active[i]:
-            act[j] = i
-            indptr[j + 1] = indptr[j] + nhops[i]
-            j += 1
-    indices = np.empty(indptr[n], np.int64)
-    flow_caps = np.empty(n)
+            act[n] = i
+            indptr[n + 1] = indptr[n] + nhops[i]
+            n += 1
     for j in range(n):
         s = act[j]
         flow_caps[j] = caps[s]
         for k in range(nhops[s]):
             indices[indptr[j] + k] = hops[s, k]
-    return act, indptr, indices, flow_caps
+    return n, indptr[n]
 
 
 @njit(cache=True)
 def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
     """Write the solved rates to their slots; returns the earliest time one of the flows finishes from now and
     the bytes/s in use per link (summed in the order np.bincount would)."""
-    load = np.zeros(links)
+    load = np.empty(links)
+    return _apply_rates_into(act, indptr, indices, rates, remaining, rate, load, track), load
+
+
+@njit(cache=True)
+def _apply_rates_into(act, indptr, indices, rates, remaining, rate, load, track):
+    """_apply_rates writing the bytes/s in use per link into `load` (zeros when not tracked)."""
+    for k in range(load.shape[0]):
+        load[k] = 0.0
     t_min = np.inf
     for j in range(act.shape[0]):
         s = act[j]
@@ -103,21 +115,35 @@ def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
         if track:
             for k in range(indptr[j], indptr[j + 1]):
                 load[indices[k]] += rates[j]
-    return t_min, load
+    return t_min
+
+
+def workspace_sizes(slots: int, width: int, links: int) -> tuple[int, int]:
+    """How many int64 and float64 values `_resolve` needs for `slots` flow slots of up to `width` hops."""
+    ints, floats = maxmin_workspace(slots, links, slots * width)
+    return 2 * slots + 1 + slots * width + ints, 2 * slots + floats
 
 
 @njit(cache=True)
-def _resolve(active, size, nhops, hops, caps, capacity, remaining, rate, track):
+def _resolve(active, size, nhops, hops, caps, capacity, remaining, rate, track, load, ints, floats):
     """Gather the active flows, solve their max-min fair rates (fairshare.maxmin_rates) and write them to their
-    slots, in one compiled call (one dispatch instead of three; the same steps as `_gather_active`, the solver and
-    `_apply_rates`, so the same rates bit for bit). Returns the active flow count, the earliest time one of them
-    finishes from now (inf when none) and the bytes/s in use per link (zeros when none, or when not tracked)."""
-    act, indptr, indices, flow_caps = _gather_active(active, size, nhops, hops, caps)
-    if act.shape[0] == 0:
-        return 0, np.inf, np.zeros(capacity.shape[0])
-    rates = maxmin_rates(indptr, indices, capacity, flow_caps)
-    t_min, load = _apply_rates(act, indptr, indices, rates, remaining, rate, capacity.shape[0], track)
-    return act.shape[0], t_min, load
+    slots, in one compiled call (the same steps as `_gather_active`, the solver and `_apply_rates`, so the same rates
+    bit for bit), with the working arrays carved out of `ints` and `floats` (workspace_sizes: allocations would cost
+    more than the arithmetic). Writes the bytes/s in use per link into `load` (zeros when none are active, or when
+    not tracked); returns the active flow count and the earliest time one of them finishes from now (inf when
+    none)."""
+    n_slots, width = active.shape[0], hops.shape[1]
+    act, indptr, ints = ints[:n_slots], ints[n_slots: 2 * n_slots + 1], ints[2 * n_slots + 1:]
+    indices, ints = ints[: n_slots * width], ints[n_slots * width:]
+    flow_caps, rates, floats = floats[:n_slots], floats[n_slots: 2 * n_slots], floats[2 * n_slots:]
+    n, nnz = _gather_active_into(active, size, nhops, hops, caps, act, indptr, indices, flow_caps)
+    if n == 0:
+        for k in range(load.shape[0]):
+            load[k] = 0.0
+        return 0, np.inf
+    maxmin_rates_into(indptr[: n + 1], indices[:nnz], capacity, flow_caps[:n], rates[:n], ints, floats)
+    t_min = _apply_rates_into(act[:n], indptr[: n + 1], indices[:nnz], rates[:n], remaining, rate, load, track)
+    return n, t_min
 
 
 @njit(cache=True)
@@ -255,15 +281,13 @@ def _activate(ii, cnt):
 
 
 @njit(cache=True)
-def _step(fl, ii, hops, cnt, links, groups, dt, eps, now, track):
-    """One network update in one dispatch: `_drain`, `_activate`, then `_resolve` (gather, solve, write the rates).
-    links row L_LOAD receives the bytes/s in use per link (zeros when none are active or not tracked). Returns
-    (finished flows, finished groups, active flows, the earliest time one of them finishes from now: inf when none)."""
+def _step(fl, ii, hops, cnt, links, groups, ints, floats, dt, eps, now, track):
+    """One network update in one dispatch: `_drain`, `_activate`, then `_resolve` (gather, solve, write the rates;
+    ints and floats: its workspace_sizes). links row L_LOAD receives the bytes/s in use per link (zeros when none
+    are active or not tracked). Returns (finished flows, finished groups, active flows, the earliest time one of
+    them finishes from now: inf when none)."""
     done, complete = _drain(fl, ii, cnt, dt, eps, now, groups)
     _activate(ii, cnt)
-    n_act, t_min, solved = _resolve(ii[I_ACTIVE], cnt[C_SIZE], ii[I_NHOPS], hops, fl[F_CAP], links[L_CAP],
-                                    fl[F_REM], fl[F_RATE], track)
-    load = links[L_LOAD]
-    for k in range(load.shape[0]):
-        load[k] = solved[k]
+    n_act, t_min = _resolve(ii[I_ACTIVE], cnt[C_SIZE], ii[I_NHOPS], hops, fl[F_CAP], links[L_CAP], fl[F_REM],
+                            fl[F_RATE], track, links[L_LOAD], ints, floats)
     return done, complete, n_act, t_min

@@ -42,7 +42,8 @@ from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
 from rackcast.simulator.flowslots import (C_PEND, C_ROWS, C_SIZE, F_CAP, F_OUT, F_OUT_GROUP, F_RATE, F_REM, F_ROWS,
                                             F_START, F_WIRE, G_LATEST, G_LEFT, G_ROWS, I_ACTIVE, I_FLOW, I_GROUP,
                                             I_NHOPS, I_OUT, I_OUT_GROUP, I_ROWS, L_CAP, L_LOAD, L_ROWS, _activate,
-                                            _apply_rates, _changed, _drain, _gather_active, _start, _step)
+                                            _apply_rates, _changed, _drain, _gather_active, _start, _step,
+                                            workspace_sizes)
 
 Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 
@@ -108,6 +109,7 @@ class Network:
         self._grp = np.zeros((G_ROWS, 0))  # per gid: flows still moving, latest delivery so far (flowslots._drain)
         self._links = np.zeros((L_ROWS, len(self.links)))  # capacity, bytes/s in use after the last update
         self._links[L_CAP] = self.capacity
+        self._work_ints, self._work_floats = self._workspace()  # flowslots._step's working arrays
         self._next_group = 0
         self._last = env.now
         self._kick = False
@@ -250,12 +252,17 @@ class Network:
             grown[:, : self._hops.shape[1]] = self._hops
             self._hops = grown
         n = self._ii.shape[1]
-        if self._cnt[C_SIZE] + k <= n:
-            return
-        grow = max(64, int(self._cnt[C_SIZE]) + k, 2 * n) - n
-        self._hops = np.vstack([self._hops, np.full((grow, self._hops.shape[1]), -1, dtype=np.int64)])
-        self._fl = np.concatenate([self._fl, np.zeros((F_ROWS, grow))], axis=1)
-        self._ii = np.concatenate([self._ii, np.zeros((I_ROWS, grow), dtype=np.int64)], axis=1)
+        if self._cnt[C_SIZE] + k > n:
+            grow = max(64, int(self._cnt[C_SIZE]) + k, 2 * n) - n
+            self._hops = np.vstack([self._hops, np.full((grow, self._hops.shape[1]), -1, dtype=np.int64)])
+            self._fl = np.concatenate([self._fl, np.zeros((F_ROWS, grow))], axis=1)
+            self._ii = np.concatenate([self._ii, np.zeros((I_ROWS, grow), dtype=np.int64)], axis=1)
+        self._work_ints, self._work_floats = self._workspace()
+
+    def _workspace(self) -> tuple[np.ndarray, np.ndarray]:
+        """flowslots._step's working arrays, sized for the slot arrays as they are (any content)."""
+        ints, floats = workspace_sizes(self._hops.shape[0], self._hops.shape[1], len(self.links))
+        return np.empty(ints, dtype=np.int64), np.empty(floats)
 
     def _deliver(self, event: simpy.Event, tag, delay: float) -> None:
         if delay > 0:  # the timeout carries the tag: event.trigger(timeout) is event.succeed(tag) then
@@ -280,8 +287,9 @@ class Network:
         dt = now - self._last
         self._last = now
         if self._compiled:  # drain, retire, activate, gather, solve and apply in one compiled call
-            done, groups, n_act, t_min = _step(self._fl, self._ii, self._hops, self._cnt, self._links, self._grp, dt,
-                                               eps, now, self.track_utilisation)
+            done, groups, n_act, t_min = _step(self._fl, self._ii, self._hops, self._cnt, self._links, self._grp,
+                                               self._work_ints, self._work_floats, dt, eps, now,
+                                               self.track_utilisation)
             load = self._links[L_LOAD]
             if done:
                 self._finish(now, done, groups)
