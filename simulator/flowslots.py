@@ -11,11 +11,14 @@ over a time step, retiring finished ones, gathering the active flows as a CSR in
     cnt     int64 (C_ROWS): slots ever used, free slots, next flow id, pending slots
     links   float64 (L_ROWS, links): capacity, bytes/s in use (L_LOAD, written by `_step`)
     groups  float64 (G_ROWS, groups): per batch, flows still moving and its latest delivery so far
+    ints, floats: the solve's working arrays (workspace_sizes; any content), kept by the Network
 
-Few, packed arguments (numba unboxes each array argument on every call, ~0.2 us each) and results written into
-preallocated rows keep numba's per-call cost down (the step simulator makes tens of thousands of calls per step). `_step` runs a whole network update (drain, retire,
-activate, solve) in one dispatch. The arithmetic and its order are those of the per-array kernels it replaced, so
-the simulated step stays bit for bit the same (tests/test_step_digest.py).
+Few, packed arguments (numba unboxes each array argument on every call, ~0.2 us each), results written into
+preallocated rows and no allocations in an update (working arrays are slices of kept buffers; a few flows finish
+per update, sorted by insertion) keep numba's per-call cost down (the step simulator makes tens of thousands of
+calls per step). `_step` runs a whole network update (drain, retire, activate, solve) in one dispatch. The
+arithmetic and its order are those of the per-array kernels it replaced, so the simulated step stays bit for bit
+the same (tests/test_step_digest.py).
 
 Tests: `.venv/bin/pytest -q tests/test_network.py tests/test_step_digest.py`.
 """
@@ -26,27 +29,6 @@ import numpy as np
 from numba import njit
 
 from rackcast.simulator.fairshare import maxmin_rates_into, maxmin_workspace
-
-
-@njit(cache=True)
-def _advance(active, size, remaining, rate, dt, eps):
-    """The active slots (ascending) after their flows drained `dt` seconds at their rates, which of them have
-    (nearly) nothing left (remaining <= rate x eps), and how many."""
-    n = 0
-    for i in range(size):
-        n += active[i]
-    act = np.empty(n, np.int64)
-    finished = np.empty(n, np.bool_)
-    j = done = 0
-    for i in range(size):
-        if active[i]:
-            if dt > 0:
-                remaining[i] -= rate[i] * dt
-            act[j] = i
-            finished[j] = remaining[i] <= rate[i] * eps
-            done += finished[j]
-            j += 1
-    return act, finished, done
 
 
 @njit(cache=True)
@@ -146,34 +128,6 @@ def _resolve(active, size, nhops, hops, caps, capacity, remaining, rate, track, 
     return n, t_min
 
 
-@njit(cache=True)
-def _finish_slots(slots, flow_id, active, rate, lat, group, now):
-    """Retire finished flows: their slots in start order (deactivated, rate 0), their delivery times, and per
-    group they belong to (ascending): how many finished and the latest delivery."""
-    slots = slots[np.argsort(flow_id[slots], kind="mergesort")]
-    deliver = np.empty(slots.shape[0])
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        active[s] = 0
-        rate[s] = 0.0
-        deliver[j] = now + lat[s]
-    gids = group[slots]
-    order = np.argsort(gids, kind="mergesort")
-    uniq = np.empty(slots.shape[0], np.int64)
-    counts = np.zeros(slots.shape[0], np.int64)
-    latest = np.full(slots.shape[0], -np.inf)
-    n = -1
-    for j in order:
-        g = gids[j]
-        if n < 0 or uniq[n] != g:
-            n += 1
-            uniq[n] = g
-        counts[n] += 1
-        if deliver[j] > latest[n]:
-            latest[n] = deliver[j]
-    return slots, deliver, uniq[: n + 1], counts[: n + 1], latest[: n + 1]
-
-
 F_REM, F_RATE, F_CAP, F_LAT, F_START, F_WIRE, F_OUT, F_OUT_GROUP = range(8)
 F_ROWS = 8
 I_NHOPS, I_FLOW, I_GROUP, I_ACTIVE, I_FREE, I_PEND, I_OUT, I_OUT_GROUP = range(8)
@@ -238,36 +192,82 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
     return m, deliver, negative
 
 
+# Above this many items, _sort_by and _sort use numpy's (allocating) sorts rather than insertion sort.
+_INSERTION_SORT_MAX = 32
+
+
+@njit(cache=True)
+def _sort_by(items, n, key):
+    """Sort items[:n] in place by key[item], the keys distinct (so every sort gives the same order): insertion sort
+    for the handful of flows an update usually finishes, np.argsort beyond _INSERTION_SORT_MAX."""
+    if n > _INSERTION_SORT_MAX:
+        items[:n] = items[:n][np.argsort(key[items[:n]], kind="mergesort")]
+        return
+    for i in range(1, n):
+        item = items[i]
+        j = i - 1
+        while j >= 0 and key[items[j]] > key[item]:
+            items[j + 1] = items[j]
+            j -= 1
+        items[j + 1] = item
+
+
+@njit(cache=True)
+def _sort(items, n):
+    """Sort items[:n] in place, as _sort_by."""
+    if n > _INSERTION_SORT_MAX:
+        items[:n] = np.sort(items[:n])
+        return
+    for i in range(1, n):
+        item = items[i]
+        j = i - 1
+        while j >= 0 and items[j] > item:
+            items[j + 1] = items[j]
+            j -= 1
+        items[j + 1] = item
+
+
 @njit(cache=True)
 def _drain(fl, ii, cnt, dt, eps, now, groups):
     """Drain the active flows over `dt` seconds at their rates, retire those with (nearly) nothing left
     (remaining <= rate x eps) onto the free stack, and write their slots in start order (ii row I_OUT) and delivery
     times (fl row F_OUT). Each group (the batch of a `_start`) counts down its flows still moving (G_LEFT) and keeps
     its latest delivery (G_LATEST); rows I_OUT_GROUP and F_OUT_GROUP get the groups whose last flow finished,
-    ascending, and their delivery times. Returns (finished flows, finished groups)."""
-    active, free = ii[I_ACTIVE], ii[I_FREE]
+    ascending, and their delivery times. Returns (finished flows, finished groups). The rows it writes are its only
+    buffers (no allocations: it runs on every network update)."""
+    active, free, out, out_group = ii[I_ACTIVE], ii[I_FREE], ii[I_OUT], ii[I_OUT_GROUP]
+    remaining, rate = fl[F_REM], fl[F_RATE]
     g_left, g_latest = groups[G_LEFT], groups[G_LATEST]
-    act, finished, done = _advance(active, cnt[C_SIZE], fl[F_REM], fl[F_RATE], dt, eps)
+    done = 0
+    for i in range(cnt[C_SIZE]):
+        if active[i]:
+            if dt > 0:
+                remaining[i] -= rate[i] * dt
+            if remaining[i] <= rate[i] * eps:
+                out[done] = i
+                done += 1
     if done == 0:
         return 0, 0
-    slots, deliver, uniq, counts, latest = _finish_slots(act[finished], ii[I_FLOW], active, fl[F_RATE], fl[F_LAT],
-                                                         ii[I_GROUP], now)
+    _sort_by(out, done, ii[I_FLOW])  # start order
     n = cnt[C_FREE]
-    for j in range(slots.shape[0]):
-        ii[I_OUT, j] = slots[j]
-        fl[F_OUT, j] = deliver[j]
-        free[n + j] = slots[j]
-    cnt[C_FREE] = n + slots.shape[0]
     complete = 0
-    for j in range(uniq.shape[0]):
-        g = uniq[j]
-        g_left[g] -= counts[j]
-        if latest[j] > g_latest[g]:
-            g_latest[g] = latest[j]
+    for j in range(done):
+        s = out[j]
+        active[s] = 0
+        rate[s] = 0.0
+        fl[F_OUT, j] = now + fl[F_LAT, s]
+        free[n + j] = s
+        g = ii[I_GROUP, s]
+        g_left[g] -= 1
+        if fl[F_OUT, j] > g_latest[g]:
+            g_latest[g] = fl[F_OUT, j]
         if g_left[g] == 0:
-            ii[I_OUT_GROUP, complete] = g
-            fl[F_OUT_GROUP, complete] = g_latest[g]
+            out_group[complete] = g
             complete += 1
+    cnt[C_FREE] = n + done
+    _sort(out_group, complete)
+    for j in range(complete):
+        fl[F_OUT_GROUP, j] = g_latest[out_group[j]]
     return done, complete
 
 
