@@ -206,7 +206,8 @@ class Network:
             wire.fill(float(nbytes) / efficiency)
         else:
             wire = np.asarray(nbytes, dtype=np.float64) / efficiency
-        nhops = np.asarray(nhops, dtype=np.int64)
+        if type(nhops) is not np.ndarray:  # the step simulator's callers pass int64 arrays already
+            nhops = np.asarray(nhops, dtype=np.int64)
         if lat is None:
             lat = self.route_latencies(hops)
         now = self.env._now
@@ -286,13 +287,13 @@ class Network:
         eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
         dt = now - self._last
         self._last = now
+        track = self.track_utilisation
         if self._compiled:  # drain, retire, activate, gather, solve and apply in one compiled call
             done, groups, n_act, t_min = _step(self._fl, self._ii, self._hops, self._cnt, self._links, self._grp,
-                                               self._work_ints, self._work_floats, dt, eps, now,
-                                               self.track_utilisation)
-            load = self._links[L_LOAD]
+                                               self._work_ints, self._work_floats, dt, eps, now, track)
             if done:
                 self._finish(now, done, groups)
+            load = self._links[L_LOAD] if track else None
         else:
             load = np.zeros(len(self.links))
             done, groups = _drain(self._fl, self._ii, self._cnt, dt, eps, now, self._grp)
@@ -309,7 +310,7 @@ class Network:
         stats = self.stats
         if n_act > stats["max_active"]:
             stats["max_active"] = n_act
-        if self.track_utilisation:
+        if track:
             self._record_load(now, load)
         if n_act == 0:
             self._wake = None  # no wake-up is needed any more
@@ -322,8 +323,9 @@ class Network:
         # SimPy cannot cancel a timeout: the superseded wake-up stays queued and is ignored when it fires (it may
         # still advance env.now past the last delivery, so time collectives by their process, not env.now).
         self._wake_at = t_next
-        self._wake = self.env.timeout(max(t_next - now, 0.0))
-        self._wake.callbacks.append(self._on_wake_callback)
+        delay = t_next - now
+        wake = self._wake = self.env.timeout(delay if delay > 0.0 else 0.0)
+        wake.callbacks.append(self._on_wake_callback)
 
     def _finish(self, now: float, done: int, groups: int) -> None:
         """Deliver the groups whose last flow finished (`flowslots._drain` retired `done` flows, completing
@@ -334,7 +336,11 @@ class Network:
                                   self._fl[F_OUT, :done].tolist(), self._fl[F_WIRE, slots].tolist()):
                 self.flow_log.append((self._groups[g][1], s, d, w))
         pop, timeout = self._groups.pop, self.env.timeout
-        for g, d in zip(self._ii[I_OUT_GROUP, :groups].tolist(), self._fl[F_OUT_GROUP, :groups].tolist()):
+        if groups == 1:  # the usual case: one batch ends (scalars, without the lists)
+            out_group = ((int(self._ii[I_OUT_GROUP, 0]), float(self._fl[F_OUT_GROUP, 0])),)
+        else:
+            out_group = zip(self._ii[I_OUT_GROUP, :groups].tolist(), self._fl[F_OUT_GROUP, :groups].tolist())
+        for g, d in out_group:
             event, tag = pop(g)
             if d > now:  # as _deliver
                 timeout(d - now, tag).callbacks.append(event.trigger)
