@@ -145,8 +145,10 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
     """Start a batch (rows of hops, hop counts, wire bytes, rate caps, route latencies) in free slots, reused ones
     first (the most recently freed last), then fresh ones, in row order; flows with no bytes or no link are not
     started. Returns how many were started, when the others are delivered (now + their latency, the latest; now
-    when none) and whether a byte count is negative (nothing is started then). The slot arrays must have room for
-    every row."""
+    when none) and whether a byte count is negative (nothing is started then); or, when the slot arrays lack room
+    for every row (fresh slots, or hop columns), -1 and nothing is started."""
+    if cnt[C_SIZE] + wire.shape[0] > ii.shape[1] or hops.shape[1] > s_hops.shape[1]:
+        return -1, now, False
     m = 0
     deliver = now
     negative = False

@@ -220,12 +220,14 @@ class Network:
                 caps = self._no_caps[k] = np.full(k, math.inf)
         else:
             caps = np.full(k, float(rate_cap_Bps))
-        if self._cnt[C_SIZE] + k > self._ii.shape[1] or hops.shape[1] > self._hops.shape[1]:
-            self._reserve(k, hops.shape[1])
         gid = self._next_group
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
         m, deliver, negative = _start(hops, nhops, wire, caps, lat, float(now), gid, self._fl, self._ii, self._hops,
                                       self._cnt)
+        if m < 0:  # no room in the slot arrays (checked there, where the counts are): grow them, start again
+            self._reserve(k, hops.shape[1])
+            m, deliver, negative = _start(hops, nhops, wire, caps, lat, float(now), gid, self._fl, self._ii,
+                                          self._hops, self._cnt)
         if negative:
             raise ValueError("nbytes must be >= 0")
         done = simpy.Event(self.env)
