@@ -76,6 +76,12 @@ def _freeze(f, r, indptr, indices, rem, cnt, rates, frozen, mark, stamp, touched
 
 
 @njit(cache=True)
+def maxmin_workspace(nf, nl, nnz):
+    """How many int64 and float64 values `maxmin_rates_into` needs for nf flows, nl links and nnz CSR entries."""
+    return nf + 7 * nl + 2 * nnz + 2, 3 * nl + nnz + 1
+
+
+@njit(cache=True)
 def maxmin_rates(indptr, indices, capacity, caps):
     """Max-min fair rates (numba). indptr, indices: int64 CSR; capacity: float64 per link; caps: float64 per flow.
 
@@ -83,29 +89,51 @@ def maxmin_rates(indptr, indices, capacity, caps):
     nf = indptr.shape[0] - 1
     nl = capacity.shape[0]
     nnz = indices.shape[0]
-    rates = np.zeros(nf)
-    frozen = np.zeros(nf, np.bool_)
-    cnt = np.zeros(nl, np.int64)
+    n_ints, n_floats = maxmin_workspace(nf, nl, nnz)
+    ints, floats = np.empty(n_ints, np.int64), np.empty(n_floats)
+    rates = np.empty(nf)
+    maxmin_rates_into(indptr, indices, capacity, caps, rates, ints, floats)
+    return rates
+
+
+@njit(cache=True)
+def maxmin_rates_into(indptr, indices, capacity, caps, rates, ints, floats):
+    """maxmin_rates writing the rates into `rates` (nf), its working arrays carved out of `ints` and `floats` (at
+    least maxmin_workspace's sizes, any content): a caller solving tens of thousands of small problems
+    (simulator.flowslots) keeps them, as allocations cost more than the arithmetic of a few flows."""
+    nf = indptr.shape[0] - 1
+    nl = capacity.shape[0]
+    nnz = indices.shape[0]
+    # ints: frozen (nf), cnt (nl), lptr (nl + 1), fill (nl), lflows (nnz), the heap's links (nl + nnz + 1),
+    # mark, touched, bottleneck (nl each); floats: rem, level (nl each), the heap's levels (nl + nnz + 1)
+    frozen, ints = ints[:nf], ints[nf:]
+    cnt, lptr, fill, ints = ints[:nl], ints[nl: 2 * nl + 1], ints[2 * nl + 1: 3 * nl + 1], ints[3 * nl + 1:]
+    lflows, hvals, ints = ints[:nnz], ints[nnz: nl + 2 * nnz + 1], ints[nl + 2 * nnz + 1:]
+    mark, touched, bottleneck = ints[:nl], ints[nl: 2 * nl], ints[2 * nl: 3 * nl]
+    rem, level, hkeys = floats[:nl], floats[nl: 2 * nl], floats[2 * nl:]
+    for f in range(nf):
+        rates[f] = 0.0
+        frozen[f] = 0
+    for l in range(nl):
+        cnt[l] = 0
+        mark[l] = -1
     for k in range(nnz):
         cnt[indices[k]] += 1
     # link -> flows (transpose of the CSR), by counting sort
-    lptr = np.zeros(nl + 1, np.int64)
+    lptr[0] = 0
     for l in range(nl):
         lptr[l + 1] = lptr[l] + cnt[l]
-    fill = lptr[:-1].copy()
-    lflows = np.empty(nnz, np.int64)
+        fill[l] = lptr[l]
     for f in range(nf):
         for k in range(indptr[f], indptr[f + 1]):
             l = indices[k]
             lflows[fill[l]] = f
             fill[l] += 1
-    rem = capacity.astype(np.float64)
-    level = np.full(nl, np.inf)
     # min-heap of (level, link); an entry is stale when it differs from level[link] or the link has no live flow
-    hkeys = np.empty(nl + nnz + 1)
-    hvals = np.empty(nl + nnz + 1, np.int64)
     hn = 0
     for l in range(nl):
+        rem[l] = capacity[l]
+        level[l] = np.inf
         if cnt[l] > 0:
             level[l] = rem[l] / cnt[l]
             hn = _heap_push(hkeys, hvals, hn, level[l], l)
@@ -115,13 +143,14 @@ def maxmin_rates(indptr, indices, capacity, caps):
             rates[f] = caps[f]
             frozen[f] = True
             nfrozen += 1
-    capped = np.flatnonzero(caps < np.inf)
-    order = capped[np.argsort(caps[capped], kind="mergesort")]
-    nc = order.shape[0]
+    nc = 0
+    for f in range(nf):
+        nc += caps[f] < np.inf
+    order = np.empty(0, np.int64)  # the capped flows, lowest cap first
+    if nc:
+        capped = np.flatnonzero(caps < np.inf)
+        order = capped[np.argsort(caps[capped], kind="mergesort")]
     cp = 0
-    mark = np.full(nl, -1, np.int64)
-    touched = np.empty(nl, np.int64)
-    bottleneck = np.empty(nl, np.int64)
     stamp = 0
     while nfrozen < nf:
         while hn > 0 and (cnt[hvals[0]] == 0 or hkeys[0] != level[hvals[0]]):
@@ -160,7 +189,6 @@ def maxmin_rates(indptr, indices, capacity, caps):
             if cnt[l] > 0:
                 level[l] = max(rem[l], 0.0) / cnt[l]
                 hn = _heap_push(hkeys, hvals, hn, level[l], l)
-    return rates
 
 
 def maxmin_rates_numpy(indptr, indices, capacity, caps):

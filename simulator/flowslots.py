@@ -11,11 +11,14 @@ over a time step, retiring finished ones, gathering the active flows as a CSR in
     cnt     int64 (C_ROWS): slots ever used, free slots, next flow id, pending slots
     links   float64 (L_ROWS, links): capacity, bytes/s in use (L_LOAD, written by `_step`)
     groups  float64 (G_ROWS, groups): per batch, flows still moving and its latest delivery so far
+    ints, floats: the solve's working arrays (workspace_sizes; any content), kept by the Network
 
-Few, packed arguments (numba unboxes each array argument on every call, ~0.2 us each) and results written into
-preallocated rows keep numba's per-call cost down (the step simulator makes tens of thousands of calls per step). `_step` runs a whole network update (drain, retire,
-activate, solve) in one dispatch. The arithmetic and its order are those of the per-array kernels it replaced, so
-the simulated step stays bit for bit the same (tests/test_step_digest.py).
+Few, packed arguments (numba unboxes each array argument on every call, ~0.2 us each), results written into
+preallocated rows and no allocations in an update (working arrays are slices of kept buffers; a few flows finish
+per update, sorted by insertion) keep numba's per-call cost down (the step simulator makes tens of thousands of
+calls per step). `_step` runs a whole network update (drain, retire, activate, solve) in one dispatch. The
+arithmetic and its order are those of the per-array kernels it replaced, so the simulated step stays bit for bit
+the same (tests/test_step_digest.py).
 
 Tests: `.venv/bin/pytest -q tests/test_network.py tests/test_step_digest.py`.
 """
@@ -25,28 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from rackcast.simulator.fairshare import maxmin_rates
-
-
-@njit(cache=True)
-def _advance(active, size, remaining, rate, dt, eps):
-    """The active slots (ascending) after their flows drained `dt` seconds at their rates, which of them have
-    (nearly) nothing left (remaining <= rate x eps), and how many."""
-    n = 0
-    for i in range(size):
-        n += active[i]
-    act = np.empty(n, np.int64)
-    finished = np.empty(n, np.bool_)
-    j = done = 0
-    for i in range(size):
-        if active[i]:
-            if dt > 0:
-                remaining[i] -= rate[i] * dt
-            act[j] = i
-            finished[j] = remaining[i] <= rate[i] * eps
-            done += finished[j]
-            j += 1
-    return act, finished, done
+from rackcast.simulator.fairshare import maxmin_rates_into, maxmin_workspace
 
 
 @njit(cache=True)
@@ -67,32 +49,44 @@ def _changed(load, previous):
 @njit(cache=True)
 def _gather_active(active, size, nhops, hops, caps):
     """The active slots (ascending) and their flows as CSR rows of link indices, with their rate caps."""
+    n_slots = active.shape[0]
+    act, indptr = np.empty(n_slots, np.int64), np.empty(n_slots + 1, np.int64)
+    indices, flow_caps = np.empty(n_slots * hops.shape[1], np.int64), np.empty(n_slots)
+    n, nnz = _gather_active_into(active, size, nhops, hops, caps, act, indptr, indices, flow_caps)
+    return act[:n], indptr[: n + 1], indices[:nnz], flow_caps[:n]
+
+
+@njit(cache=True)
+def _gather_active_into(active, size, nhops, hops, caps, act, indptr, indices, flow_caps):
+    """_gather_active into given arrays (room for every slot); returns the active flows and CSR entries written."""
     n = 0
-    for i in range(size):
-        n += active[i]
-    act = np.empty(n, np.int64)
-    indptr = np.zeros(n + 1, np.int64)
-    j = 0
+    indptr[0] = 0
     for i in range(size):
         if active[i]:
-            act[j] = i
-            indptr[j + 1] = indptr[j] + nhops[i]
-            j += 1
-    indices = np.empty(indptr[n], np.int64)
-    flow_caps = np.empty(n)
+            act[n] = i
+            indptr[n + 1] = indptr[n] + nhops[i]
+            n += 1
     for j in range(n):
         s = act[j]
         flow_caps[j] = caps[s]
         for k in range(nhops[s]):
             indices[indptr[j] + k] = hops[s, k]
-    return act, indptr, indices, flow_caps
+    return n, indptr[n]
 
 
 @njit(cache=True)
 def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
     """Write the solved rates to their slots; returns the earliest time one of the flows finishes from now and
     the bytes/s in use per link (summed in the order np.bincount would)."""
-    load = np.zeros(links)
+    load = np.empty(links)
+    return _apply_rates_into(act, indptr, indices, rates, remaining, rate, load, track), load
+
+
+@njit(cache=True)
+def _apply_rates_into(act, indptr, indices, rates, remaining, rate, load, track):
+    """_apply_rates writing the bytes/s in use per link into `load` (zeros when not tracked)."""
+    for k in range(load.shape[0]):
+        load[k] = 0.0
     t_min = np.inf
     for j in range(act.shape[0]):
         s = act[j]
@@ -103,49 +97,35 @@ def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
         if track:
             for k in range(indptr[j], indptr[j + 1]):
                 load[indices[k]] += rates[j]
-    return t_min, load
+    return t_min
+
+
+def workspace_sizes(slots: int, width: int, links: int) -> tuple[int, int]:
+    """How many int64 and float64 values `_resolve` needs for `slots` flow slots of up to `width` hops."""
+    ints, floats = maxmin_workspace(slots, links, slots * width)
+    return 2 * slots + 1 + slots * width + ints, 2 * slots + floats
 
 
 @njit(cache=True)
-def _resolve(active, size, nhops, hops, caps, capacity, remaining, rate, track):
+def _resolve(active, size, nhops, hops, caps, capacity, remaining, rate, track, load, ints, floats):
     """Gather the active flows, solve their max-min fair rates (fairshare.maxmin_rates) and write them to their
-    slots, in one compiled call (one dispatch instead of three; the same steps as `_gather_active`, the solver and
-    `_apply_rates`, so the same rates bit for bit). Returns the active flow count, the earliest time one of them
-    finishes from now (inf when none) and the bytes/s in use per link (zeros when none, or when not tracked)."""
-    act, indptr, indices, flow_caps = _gather_active(active, size, nhops, hops, caps)
-    if act.shape[0] == 0:
-        return 0, np.inf, np.zeros(capacity.shape[0])
-    rates = maxmin_rates(indptr, indices, capacity, flow_caps)
-    t_min, load = _apply_rates(act, indptr, indices, rates, remaining, rate, capacity.shape[0], track)
-    return act.shape[0], t_min, load
-
-
-@njit(cache=True)
-def _finish_slots(slots, flow_id, active, rate, lat, group, now):
-    """Retire finished flows: their slots in start order (deactivated, rate 0), their delivery times, and per
-    group they belong to (ascending): how many finished and the latest delivery."""
-    slots = slots[np.argsort(flow_id[slots], kind="mergesort")]
-    deliver = np.empty(slots.shape[0])
-    for j in range(slots.shape[0]):
-        s = slots[j]
-        active[s] = 0
-        rate[s] = 0.0
-        deliver[j] = now + lat[s]
-    gids = group[slots]
-    order = np.argsort(gids, kind="mergesort")
-    uniq = np.empty(slots.shape[0], np.int64)
-    counts = np.zeros(slots.shape[0], np.int64)
-    latest = np.full(slots.shape[0], -np.inf)
-    n = -1
-    for j in order:
-        g = gids[j]
-        if n < 0 or uniq[n] != g:
-            n += 1
-            uniq[n] = g
-        counts[n] += 1
-        if deliver[j] > latest[n]:
-            latest[n] = deliver[j]
-    return slots, deliver, uniq[: n + 1], counts[: n + 1], latest[: n + 1]
+    slots, in one compiled call (the same steps as `_gather_active`, the solver and `_apply_rates`, so the same rates
+    bit for bit), with the working arrays carved out of `ints` and `floats` (workspace_sizes: allocations would cost
+    more than the arithmetic). Writes the bytes/s in use per link into `load` (zeros when none are active, or when
+    not tracked); returns the active flow count and the earliest time one of them finishes from now (inf when
+    none)."""
+    n_slots, width = active.shape[0], hops.shape[1]
+    act, indptr, ints = ints[:n_slots], ints[n_slots: 2 * n_slots + 1], ints[2 * n_slots + 1:]
+    indices, ints = ints[: n_slots * width], ints[n_slots * width:]
+    flow_caps, rates, floats = floats[:n_slots], floats[n_slots: 2 * n_slots], floats[2 * n_slots:]
+    n, nnz = _gather_active_into(active, size, nhops, hops, caps, act, indptr, indices, flow_caps)
+    if n == 0:
+        for k in range(load.shape[0]):
+            load[k] = 0.0
+        return 0, np.inf
+    maxmin_rates_into(indptr[: n + 1], indices[:nnz], capacity, flow_caps[:n], rates[:n], ints, floats)
+    t_min = _apply_rates_into(act[:n], indptr[: n + 1], indices[:nnz], rates[:n], remaining, rate, load, track)
+    return n, t_min
 
 
 F_REM, F_RATE, F_CAP, F_LAT, F_START, F_WIRE, F_OUT, F_OUT_GROUP = range(8)
@@ -165,8 +145,10 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
     """Start a batch (rows of hops, hop counts, wire bytes, rate caps, route latencies) in free slots, reused ones
     first (the most recently freed last), then fresh ones, in row order; flows with no bytes or no link are not
     started. Returns how many were started, when the others are delivered (now + their latency, the latest; now
-    when none) and whether a byte count is negative (nothing is started then). The slot arrays must have room for
-    every row."""
+    when none) and whether a byte count is negative (nothing is started then); or, when the slot arrays lack room
+    for every row (fresh slots, or hop columns), -1 and nothing is started."""
+    if cnt[C_SIZE] + wire.shape[0] > ii.shape[1] or hops.shape[1] > s_hops.shape[1]:
+        return -1, now, False
     m = 0
     deliver = now
     negative = False
@@ -212,36 +194,82 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
     return m, deliver, negative
 
 
+# Above this many items, _sort_by and _sort use numpy's (allocating) sorts rather than insertion sort.
+_INSERTION_SORT_MAX = 32
+
+
+@njit(cache=True)
+def _sort_by(items, n, key):
+    """Sort items[:n] in place by key[item], the keys distinct (so every sort gives the same order): insertion sort
+    for the handful of flows an update usually finishes, np.argsort beyond _INSERTION_SORT_MAX."""
+    if n > _INSERTION_SORT_MAX:
+        items[:n] = items[:n][np.argsort(key[items[:n]], kind="mergesort")]
+        return
+    for i in range(1, n):
+        item = items[i]
+        j = i - 1
+        while j >= 0 and key[items[j]] > key[item]:
+            items[j + 1] = items[j]
+            j -= 1
+        items[j + 1] = item
+
+
+@njit(cache=True)
+def _sort(items, n):
+    """Sort items[:n] in place, as _sort_by."""
+    if n > _INSERTION_SORT_MAX:
+        items[:n] = np.sort(items[:n])
+        return
+    for i in range(1, n):
+        item = items[i]
+        j = i - 1
+        while j >= 0 and items[j] > item:
+            items[j + 1] = items[j]
+            j -= 1
+        items[j + 1] = item
+
+
 @njit(cache=True)
 def _drain(fl, ii, cnt, dt, eps, now, groups):
     """Drain the active flows over `dt` seconds at their rates, retire those with (nearly) nothing left
     (remaining <= rate x eps) onto the free stack, and write their slots in start order (ii row I_OUT) and delivery
     times (fl row F_OUT). Each group (the batch of a `_start`) counts down its flows still moving (G_LEFT) and keeps
     its latest delivery (G_LATEST); rows I_OUT_GROUP and F_OUT_GROUP get the groups whose last flow finished,
-    ascending, and their delivery times. Returns (finished flows, finished groups)."""
-    active, free = ii[I_ACTIVE], ii[I_FREE]
+    ascending, and their delivery times. Returns (finished flows, finished groups). The rows it writes are its only
+    buffers (no allocations: it runs on every network update)."""
+    active, free, out, out_group = ii[I_ACTIVE], ii[I_FREE], ii[I_OUT], ii[I_OUT_GROUP]
+    remaining, rate = fl[F_REM], fl[F_RATE]
     g_left, g_latest = groups[G_LEFT], groups[G_LATEST]
-    act, finished, done = _advance(active, cnt[C_SIZE], fl[F_REM], fl[F_RATE], dt, eps)
+    done = 0
+    for i in range(cnt[C_SIZE]):
+        if active[i]:
+            if dt > 0:
+                remaining[i] -= rate[i] * dt
+            if remaining[i] <= rate[i] * eps:
+                out[done] = i
+                done += 1
     if done == 0:
         return 0, 0
-    slots, deliver, uniq, counts, latest = _finish_slots(act[finished], ii[I_FLOW], active, fl[F_RATE], fl[F_LAT],
-                                                         ii[I_GROUP], now)
+    _sort_by(out, done, ii[I_FLOW])  # start order
     n = cnt[C_FREE]
-    for j in range(slots.shape[0]):
-        ii[I_OUT, j] = slots[j]
-        fl[F_OUT, j] = deliver[j]
-        free[n + j] = slots[j]
-    cnt[C_FREE] = n + slots.shape[0]
     complete = 0
-    for j in range(uniq.shape[0]):
-        g = uniq[j]
-        g_left[g] -= counts[j]
-        if latest[j] > g_latest[g]:
-            g_latest[g] = latest[j]
+    for j in range(done):
+        s = out[j]
+        active[s] = 0
+        rate[s] = 0.0
+        fl[F_OUT, j] = now + fl[F_LAT, s]
+        free[n + j] = s
+        g = ii[I_GROUP, s]
+        g_left[g] -= 1
+        if fl[F_OUT, j] > g_latest[g]:
+            g_latest[g] = fl[F_OUT, j]
         if g_left[g] == 0:
-            ii[I_OUT_GROUP, complete] = g
-            fl[F_OUT_GROUP, complete] = g_latest[g]
+            out_group[complete] = g
             complete += 1
+    cnt[C_FREE] = n + done
+    _sort(out_group, complete)
+    for j in range(complete):
+        fl[F_OUT_GROUP, j] = g_latest[out_group[j]]
     return done, complete
 
 
@@ -255,15 +283,13 @@ def _activate(ii, cnt):
 
 
 @njit(cache=True)
-def _step(fl, ii, hops, cnt, links, groups, dt, eps, now, track):
-    """One network update in one dispatch: `_drain`, `_activate`, then `_resolve` (gather, solve, write the rates).
-    links row L_LOAD receives the bytes/s in use per link (zeros when none are active or not tracked). Returns
-    (finished flows, finished groups, active flows, the earliest time one of them finishes from now: inf when none)."""
+def _step(fl, ii, hops, cnt, links, groups, ints, floats, dt, eps, now, track):
+    """One network update in one dispatch: `_drain`, `_activate`, then `_resolve` (gather, solve, write the rates;
+    ints and floats: its workspace_sizes). links row L_LOAD receives the bytes/s in use per link (zeros when none
+    are active or not tracked). Returns (finished flows, finished groups, active flows, the earliest time one of
+    them finishes from now: inf when none)."""
     done, complete = _drain(fl, ii, cnt, dt, eps, now, groups)
     _activate(ii, cnt)
-    n_act, t_min, solved = _resolve(ii[I_ACTIVE], cnt[C_SIZE], ii[I_NHOPS], hops, fl[F_CAP], links[L_CAP],
-                                    fl[F_REM], fl[F_RATE], track)
-    load = links[L_LOAD]
-    for k in range(load.shape[0]):
-        load[k] = solved[k]
+    n_act, t_min = _resolve(ii[I_ACTIVE], cnt[C_SIZE], ii[I_NHOPS], hops, fl[F_CAP], links[L_CAP], fl[F_REM],
+                            fl[F_RATE], track, links[L_LOAD], ints, floats)
     return done, complete, n_act, t_min

@@ -42,7 +42,8 @@ from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
 from rackcast.simulator.flowslots import (C_PEND, C_ROWS, C_SIZE, F_CAP, F_OUT, F_OUT_GROUP, F_RATE, F_REM, F_ROWS,
                                             F_START, F_WIRE, G_LATEST, G_LEFT, G_ROWS, I_ACTIVE, I_FLOW, I_GROUP,
                                             I_NHOPS, I_OUT, I_OUT_GROUP, I_ROWS, L_CAP, L_LOAD, L_ROWS, _activate,
-                                            _apply_rates, _changed, _drain, _gather_active, _start, _step)
+                                            _apply_rates, _changed, _drain, _gather_active, _start, _step,
+                                            workspace_sizes)
 
 Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 
@@ -108,6 +109,7 @@ class Network:
         self._grp = np.zeros((G_ROWS, 0))  # per gid: flows still moving, latest delivery so far (flowslots._drain)
         self._links = np.zeros((L_ROWS, len(self.links)))  # capacity, bytes/s in use after the last update
         self._links[L_CAP] = self.capacity
+        self._work_ints, self._work_floats = self._workspace()  # flowslots._step's working arrays
         self._next_group = 0
         self._last = env.now
         self._kick = False
@@ -204,7 +206,8 @@ class Network:
             wire.fill(float(nbytes) / efficiency)
         else:
             wire = np.asarray(nbytes, dtype=np.float64) / efficiency
-        nhops = np.asarray(nhops, dtype=np.int64)
+        if type(nhops) is not np.ndarray:  # the step simulator's callers pass int64 arrays already
+            nhops = np.asarray(nhops, dtype=np.int64)
         if lat is None:
             lat = self.route_latencies(hops)
         now = self.env._now
@@ -217,12 +220,14 @@ class Network:
                 caps = self._no_caps[k] = np.full(k, math.inf)
         else:
             caps = np.full(k, float(rate_cap_Bps))
-        if self._cnt[C_SIZE] + k > self._ii.shape[1] or hops.shape[1] > self._hops.shape[1]:
-            self._reserve(k, hops.shape[1])
         gid = self._next_group
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
         m, deliver, negative = _start(hops, nhops, wire, caps, lat, float(now), gid, self._fl, self._ii, self._hops,
                                       self._cnt)
+        if m < 0:  # no room in the slot arrays (checked there, where the counts are): grow them, start again
+            self._reserve(k, hops.shape[1])
+            m, deliver, negative = _start(hops, nhops, wire, caps, lat, float(now), gid, self._fl, self._ii,
+                                          self._hops, self._cnt)
         if negative:
             raise ValueError("nbytes must be >= 0")
         done = simpy.Event(self.env)
@@ -250,12 +255,17 @@ class Network:
             grown[:, : self._hops.shape[1]] = self._hops
             self._hops = grown
         n = self._ii.shape[1]
-        if self._cnt[C_SIZE] + k <= n:
-            return
-        grow = max(64, int(self._cnt[C_SIZE]) + k, 2 * n) - n
-        self._hops = np.vstack([self._hops, np.full((grow, self._hops.shape[1]), -1, dtype=np.int64)])
-        self._fl = np.concatenate([self._fl, np.zeros((F_ROWS, grow))], axis=1)
-        self._ii = np.concatenate([self._ii, np.zeros((I_ROWS, grow), dtype=np.int64)], axis=1)
+        if self._cnt[C_SIZE] + k > n:
+            grow = max(64, int(self._cnt[C_SIZE]) + k, 2 * n) - n
+            self._hops = np.vstack([self._hops, np.full((grow, self._hops.shape[1]), -1, dtype=np.int64)])
+            self._fl = np.concatenate([self._fl, np.zeros((F_ROWS, grow))], axis=1)
+            self._ii = np.concatenate([self._ii, np.zeros((I_ROWS, grow), dtype=np.int64)], axis=1)
+        self._work_ints, self._work_floats = self._workspace()
+
+    def _workspace(self) -> tuple[np.ndarray, np.ndarray]:
+        """flowslots._step's working arrays, sized for the slot arrays as they are (any content)."""
+        ints, floats = workspace_sizes(self._hops.shape[0], self._hops.shape[1], len(self.links))
+        return np.empty(ints, dtype=np.int64), np.empty(floats)
 
     def _deliver(self, event: simpy.Event, tag, delay: float) -> None:
         if delay > 0:  # the timeout carries the tag: event.trigger(timeout) is event.succeed(tag) then
@@ -279,12 +289,13 @@ class Network:
         eps = _TIME_EPS_ABS + _TIME_EPS_REL * now + self.quantum_s
         dt = now - self._last
         self._last = now
+        track = self.track_utilisation
         if self._compiled:  # drain, retire, activate, gather, solve and apply in one compiled call
-            done, groups, n_act, t_min = _step(self._fl, self._ii, self._hops, self._cnt, self._links, self._grp, dt,
-                                               eps, now, self.track_utilisation)
-            load = self._links[L_LOAD]
+            done, groups, n_act, t_min = _step(self._fl, self._ii, self._hops, self._cnt, self._links, self._grp,
+                                               self._work_ints, self._work_floats, dt, eps, now, track)
             if done:
                 self._finish(now, done, groups)
+            load = self._links[L_LOAD] if track else None
         else:
             load = np.zeros(len(self.links))
             done, groups = _drain(self._fl, self._ii, self._cnt, dt, eps, now, self._grp)
@@ -301,7 +312,7 @@ class Network:
         stats = self.stats
         if n_act > stats["max_active"]:
             stats["max_active"] = n_act
-        if self.track_utilisation:
+        if track:
             self._record_load(now, load)
         if n_act == 0:
             self._wake = None  # no wake-up is needed any more
@@ -314,8 +325,9 @@ class Network:
         # SimPy cannot cancel a timeout: the superseded wake-up stays queued and is ignored when it fires (it may
         # still advance env.now past the last delivery, so time collectives by their process, not env.now).
         self._wake_at = t_next
-        self._wake = self.env.timeout(max(t_next - now, 0.0))
-        self._wake.callbacks.append(self._on_wake_callback)
+        delay = t_next - now
+        wake = self._wake = self.env.timeout(delay if delay > 0.0 else 0.0)
+        wake.callbacks.append(self._on_wake_callback)
 
     def _finish(self, now: float, done: int, groups: int) -> None:
         """Deliver the groups whose last flow finished (`flowslots._drain` retired `done` flows, completing
@@ -326,7 +338,11 @@ class Network:
                                   self._fl[F_OUT, :done].tolist(), self._fl[F_WIRE, slots].tolist()):
                 self.flow_log.append((self._groups[g][1], s, d, w))
         pop, timeout = self._groups.pop, self.env.timeout
-        for g, d in zip(self._ii[I_OUT_GROUP, :groups].tolist(), self._fl[F_OUT_GROUP, :groups].tolist()):
+        if groups == 1:  # the usual case: one batch ends (scalars, without the lists)
+            out_group = ((int(self._ii[I_OUT_GROUP, 0]), float(self._fl[F_OUT_GROUP, 0])),)
+        else:
+            out_group = zip(self._ii[I_OUT_GROUP, :groups].tolist(), self._fl[F_OUT_GROUP, :groups].tolist())
+        for g, d in out_group:
             event, tag = pop(g)
             if d > now:  # as _deliver
                 timeout(d - now, tag).callbacks.append(event.trigger)

@@ -469,20 +469,29 @@ class ExpertLoads:
         if direction == "c":
             b = b.T
         cached = self._masks.get(id(categories))
-        if cached is None or cached[0] is not categories:  # one-hot (category, src, dst), self pairs excluded
-            off = 1.0 - np.eye(categories.shape[0])
-            cached = self._masks[id(categories)] = (categories, np.stack([(categories == c) * off for c in range(3)]))
-        masks = cached[1]  # pair categories are symmetric: (s, d) and (d, s) are alike
+        if cached is None or cached[0] is not categories:
+            cached = self._masks[id(categories)] = self._port_masks(categories)
+        _, masks, scale, forward = cached  # pair categories are symmetric: (s, d) and (d, s) are alike
         send = np.einsum("sd,csd->sc", b, masks)
         recv = np.einsum("sd,csd->dc", b, masks)
-        # Node-limited routing (costs.cross_domain_a2a_share): only that share of the cross-domain copies crosses
-        # the NICs; the rest is forwarded over the destination domain's scale-up links, each rank relaying as much
-        # as it receives forwarded (balanced, by symmetry).
-        domains = categories.shape[0] / max(int((categories[0] == 0).sum()), 1)
-        share = float(costs.cross_domain_a2a_share(self.spec, domains))
-        if share < 1.0:
-            forwarded = (1.0 - share) * recv[:, 1:].sum(axis=1)
-            send, recv = send * [1.0, share, share], recv * [1.0, share, share]
+        if scale is not None:  # node-limited routing: see _port_masks
+            forwarded = forward * (recv[:, 1] + recv[:, 2])
+            send, recv = send * scale, recv * scale
             send[:, 0] += forwarded
             recv[:, 0] += forwarded
         return send, recv
+
+    def _port_masks(self, categories: np.ndarray) -> tuple:
+        """What port_bytes needs of a group's pair categories, worked out once per group: the one-hot masks
+        (category, src, dst), self pairs excluded; with node-limited routing (costs.cross_domain_a2a_share: share
+        < 1) the factors [1, share, share] of the (local, same rail, other rail) bytes and 1 - share, else None, None.
+        Node-limited routing sends only `share` of the cross-domain copies over the NICs; the rest, 1 - share of
+        them, is forwarded over the destination domain's scale-up links, each rank relaying as much as it receives
+        forwarded (balanced, by symmetry)."""
+        off = 1.0 - np.eye(categories.shape[0])
+        masks = np.stack([(categories == c) * off for c in range(3)])
+        domains = categories.shape[0] / max(int((categories[0] == 0).sum()), 1)
+        share = float(costs.cross_domain_a2a_share(self.spec, domains))
+        if share >= 1.0:
+            return categories, masks, None, None
+        return categories, masks, np.array([1.0, share, share]), 1.0 - share

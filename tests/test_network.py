@@ -16,7 +16,7 @@ import simpy
 from rackcast.simulator import collective_formulas as cf
 from rackcast.simulator import collectives as coll
 from rackcast.simulator.costs import collective_time as topology_collective_time
-from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
+from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_into, maxmin_rates_numpy, maxmin_workspace
 from rackcast.simulator.network import Network
 
 NVLINK = 900e9
@@ -313,6 +313,48 @@ def _mixed_scenario(solver):
         yield env.all_of([a, b, c])
 
     return run(cluster(2, 4), make, solver=solver, record_flows=True)
+
+
+def test_rate_solver_reusing_one_dirty_workspace_gives_the_rates_of_a_fresh_solve():
+    rng = np.random.default_rng(99)
+    ints, floats = np.empty(0, np.int64), np.empty(0)
+    for _ in range(200):
+        indptr, indices, capacity, caps = _random_instance(rng)
+        need_ints, need_floats = maxmin_workspace(len(caps), len(capacity), len(indices))
+        if len(ints) < need_ints or len(floats) < need_floats:  # kept across instances, as simulator.network does
+            ints, floats = np.empty(2 * need_ints, np.int64), np.empty(2 * need_floats)
+        ints[:] = rng.integers(-5, 50, size=len(ints))  # whatever the last solve or anything else left there
+        floats[:] = rng.uniform(-1.0, 1.0, size=len(floats))
+        rates = np.full(len(caps), np.nan)
+        maxmin_rates_into(indptr, indices, capacity, caps, rates, ints, floats)
+        assert rates.tobytes() == maxmin_rates(indptr, indices, capacity, caps).tobytes()
+
+
+def test_many_flows_finishing_together_are_delivered_in_start_order_at_their_latency():
+    # 40 flows (more than flowslots sorts by insertion) of equal bytes share one link and finish at one instant.
+    # Earlier flows freed their slots last-first, so these take the slots in reverse of their start order; started
+    # in two batches, with route latencies falling in start order. Each batch's event fires at its last delivery.
+    g = nx.DiGraph()
+    g.add_edge("a", "hub", capacity_Bps=NIC, latency_s=0.0)
+    for i in range(40):
+        g.add_edge("hub", f"b{i}", capacity_Bps=1e15, latency_s=(40 - i) * 1e-6)
+    env = simpy.Environment()
+    net = Network(env, g, record_flows=True)
+    route = [np.array([net.link_index["a", "hub"], net.link_index["hub", f"b{i}"]]) for i in range(40)]
+    for i in range(40):  # the 40 slots, freed one at a time, the last started first
+        net.transfer(route[i], (40 - i) * 1e5, tag="earlier")
+    env.run()
+    t0, fired = env.now, {}
+    for batch, flows in (("first", range(0, 25)), ("second", range(25, 40))):
+        ev = net.transfer_many(np.stack([route[i] for i in flows]), np.full(len(flows), 2), 1e6, tag=batch)
+        ev.callbacks.append(lambda e, b=batch: fired.setdefault(b, env.now))
+    env.run()
+    drained = t0 + 40 * 1e6 / NIC
+    log = net.flow_log[40:]
+    assert [tag for tag, *_ in log] == ["first"] * 25 + ["second"] * 15
+    assert [deliver for _, _, deliver, _ in log] == pytest.approx([drained + (40 - i) * 1e-6 for i in range(40)],
+                                                                  rel=1e-12)
+    assert fired == pytest.approx({"first": drained + 40e-6, "second": drained + 15e-6}, rel=1e-12)
 
 
 def test_results_are_deterministic():
