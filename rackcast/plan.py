@@ -24,7 +24,7 @@ from rackcast.modelspec import ModelSpec, Recipe
 from rackcast.presets import load_model
 from rackcast.atomic import write_text_atomic
 from rackcast.strict import dump_yaml, from_data, load_yaml, to_data
-from rackcast.vocab import DEFAULT_STACK_PROFILE, STAGE_BOUND_SCHEDULES, PlanSchedule, Routing
+from rackcast.vocab import DEFAULT_STACK_PROFILE, STAGE_BOUND_SCHEDULES, PlanSchedule, Precision, Routing
 
 
 
@@ -139,7 +139,7 @@ class Plan:
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     expert_transport: ExpertTransport = field(default_factory=ExpertTransport)
-    precision: Literal["bf16", "fp8", "fp32"] = "bf16"  # fp32: no autocast (exact CPU references)
+    precision: Precision = "bf16"  # fp32: no autocast (exact CPU references)
     grad_dtype: Literal["bf16", "fp32"] = "fp32"  # gradient accumulation and reduction dtype
     # Data-parallel gradient reduction: false, after the backward and blocking (what rackcast's trainer does:
     # backend.parallel's DDP comm hook and the pipeline stages' flat all-reduce block); true, each layer's gradients
