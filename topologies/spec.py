@@ -168,7 +168,7 @@ class AcceleratorSpec:
     def __post_init__(self):
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
             raise ValueError("accelerator.peak_flops needs at least one positive dtype entry")
-        if "bf16" not in self.peak_flops:  # compute is priced, and MFU measured, against the dense bf16 peak
+        if "bf16" not in self.peak_flops:  # MFU is measured, and bf16 plans priced, against the dense bf16 peak
             raise ValueError(f"accelerator.peak_flops.bf16: required (has {sorted(self.peak_flops)})")
         if self.hbm_bytes <= 0 or self.hbm_bandwidth_Bps <= 0:
             raise ValueError("accelerator.hbm_bytes and hbm_bandwidth_Bps must be positive")
