@@ -44,16 +44,8 @@ W_BYTES = BYTES["bf16"]  # activations and gathered weights on the wire
 
 
 # ------------------------------------------------------------------------------------------------------------ peaks
-def peak_dtype(topo: Topology, precision: str) -> str:
-    """The `accelerator.peak_flops` entry a plan of `precision` computes at: bf16 and fp32 their own; fp8 the fp8
-    peak where the topology lists one, else bf16 (its GEMMs then priced as bf16 ones)."""
-    if precision == "fp8" and "fp8" not in topo.accelerator.peak_flops:
-        return "bf16"
-    return precision
-
-
 def _peak(topo: Topology, precision: str) -> float:
-    dtype = peak_dtype(topo, precision)
+    dtype = topo.peak_dtype(precision)
     peaks = topo.accelerator.peak_flops
     if dtype not in peaks:
         preset = PRESET_DIR / f"{topo.name}.yaml"
@@ -65,8 +57,9 @@ def _peak(topo: Topology, precision: str) -> float:
 
 def compute_peak(topo: Topology, precision):
     """Dense FLOP/s every GEMM, grouped GEMM, attention core and optimizer product of a plan is priced against (the
-    efficiencies are fractions of it): the topology's peak for the plan's `precision` (peak_dtype). `precision`: a
-    vocab.PRECISIONS name, or an array of indices into PRECISIONS (the estimate's "precision" feature)."""
+    efficiencies are fractions of it): the topology's peak for the plan's `precision` (Topology.peak_dtype).
+    `precision`: a vocab.PRECISIONS name, or an array of indices into PRECISIONS (the estimate's "precision"
+    feature). A plan file is checked for its peak when it loads (rackcast.plan.load_plan)."""
     if isinstance(precision, str):
         return _peak(topo, precision)
     codes = np.asarray(precision).astype(int)

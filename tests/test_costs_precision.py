@@ -44,7 +44,7 @@ def test_fp32_grouped_gemm_and_attention_use_the_fp32_peak():
 
 def test_fp8_uses_the_fp8_peak_where_listed_else_bf16():
     assert costs.compute_peak(H100, "fp8") == H100.accelerator.peak_flops["fp8"]
-    assert "fp8" not in A100.accelerator.peak_flops
+    assert "fp8" not in A100.accelerator.peak_flops  # A100 has no fp8 tensor cores
     assert costs.compute_peak(A100, "fp8") == A100.accelerator.peak_flops["bf16"]
     # the shape model on a GPU: an fp8 GEMM that fills whole waves runs at the ceiling of the fp8 peak
     a, ceil = H100.accelerator, H100.efficiency.gemm_ceiling
@@ -58,22 +58,45 @@ def test_the_estimates_precision_feature_indexes_the_peaks_elementwise():
     assert costs.compute_peak(CPU, codes).tolist() == [225e9, 103e9, 225e9]
 
 
+def _without_fp32(topo):
+    peaks = {k: v for k, v in topo.accelerator.peak_flops.items() if k != "fp32"}
+    return replace(topo, accelerator=replace(topo.accelerator, peak_flops=peaks))
+
+
+def test_every_preset_lists_the_peaks_every_precision_needs():
+    from rackcast.topologies import list_topologies
+
+    for name in list_topologies():
+        topo = load_topology(name)
+        for precision in PRECISIONS:
+            assert costs.compute_peak(topo, precision) > 0, (name, precision)
+
+
 def test_a_topology_without_the_plans_peak_is_refused_in_one_line_naming_the_field():
     with pytest.raises(RackcastError) as err:
-        costs.compute_peak(H100, "fp32")
+        costs.compute_peak(_without_fp32(H100), "fp32")
     text = str(err.value)
     assert "accelerator.peak_flops.fp32" in text and "h100-hgx.yaml" in text and "\n" not in text
 
 
-def test_cli_refuses_an_fp32_plan_on_a_topology_without_an_fp32_peak(tmp_path, cli):
-    from rackcast.plan import plan_to_yaml
+def test_cli_refuses_an_fp32_plan_whose_topology_file_has_no_fp32_peak(tmp_path, cli):
+    import yaml
 
-    plan = load_plan(str(PLANS / "marin-535b-hero.yaml"))
+    from rackcast.plan import plan_to_yaml
+    from rackcast.topologies import PRESET_DIR
+
+    data = yaml.safe_load((PRESET_DIR / "h100-hgx.yaml").read_text())
+    del data["accelerator"]["peak_flops"]["fp32"]
+    topo_file = tmp_path / "no-fp32.yaml"
+    topo_file.write_text(yaml.safe_dump(data))
+    plan = load_plan(str(PLANS / "gpt-145b-megatron.yaml"))
     bad = tmp_path / "fp32.yaml"
-    bad.write_text(plan_to_yaml(replace(plan, precision="fp32")))
+    bad.write_text(plan_to_yaml(replace(plan, precision="fp32", topology=replace(plan.topology, name=str(topo_file)))))
     proc = cli("estimate", str(bad))
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and "accelerator.peak_flops.fp32" in proc.stderr
+    err = proc.stderr.strip()
+    assert err.count("\n") == 0 and "precision" in err and "accelerator.peak_flops.fp32" in err
+    assert str(topo_file) in err and str(bad) in err
 
 
 def test_fp32_plan_estimate_and_simulation_are_slower_than_bf16_by_the_peak_ratio_at_most():

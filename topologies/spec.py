@@ -268,6 +268,13 @@ class Topology:
         except KeyError:
             raise ValueError(f"{self.name} has no peak for dtype {dtype!r} (has {sorted(self.accelerator.peak_flops)})")
 
+    def peak_dtype(self, precision: str) -> str:
+        """The `accelerator.peak_flops` entry a plan of `precision` computes at (simulator.costs.compute_peak prices
+        with it): bf16 and fp32 their own; fp8 the fp8 peak where listed, else bf16 (its GEMMs priced as bf16 ones)."""
+        if precision == "fp8" and "fp8" not in self.accelerator.peak_flops:
+            return "bf16"
+        return precision
+
     def with_domains(self, domains: int) -> "Topology":
         return replace(self, domains=domains)
 
