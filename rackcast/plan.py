@@ -24,7 +24,7 @@ from rackcast.modelspec import ModelSpec, Recipe
 from rackcast.presets import load_model
 from rackcast.atomic import write_text_atomic
 from rackcast.strict import dump_yaml, from_data, load_yaml, to_data
-from rackcast.vocab import DEFAULT_STACK_PROFILE, STAGE_BOUND_SCHEDULES, PlanSchedule, Routing
+from rackcast.vocab import DEFAULT_STACK_PROFILE, STAGE_BOUND_SCHEDULES, PlanSchedule, Precision, Routing
 
 
 
@@ -139,7 +139,7 @@ class Plan:
     recompute: Literal["none", "selective", "full"] = "none"
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     expert_transport: ExpertTransport = field(default_factory=ExpertTransport)
-    precision: Literal["bf16", "fp8", "fp32"] = "bf16"  # fp32: no autocast (exact CPU references)
+    precision: Precision = "bf16"  # fp32: no autocast (exact CPU references)
     grad_dtype: Literal["bf16", "fp32"] = "fp32"  # gradient accumulation and reduction dtype
     # Data-parallel gradient reduction: false, after the backward and blocking (what rackcast's trainer does:
     # backend.parallel's DDP comm hook and the pipeline stages' flat all-reduce block); true, each layer's gradients
@@ -242,6 +242,11 @@ def load_plan(path: str, check: bool = True) -> Plan:
         _resolve("topology.profile", lambda: load_profile(plan.topology.profile), path)
         topo = _resolve("topology", plan.topology_spec, path)
         validate(plan, spec, topo.gpus, where=str(path))
+        dtype = topo.peak_dtype(plan.precision)
+        if dtype not in topo.accelerator.peak_flops:  # compute is priced at it (simulator.costs.compute_peak)
+            raise RackcastError(f"precision: {plan.precision} computes at accelerator.peak_flops.{dtype}, which "
+                                f"topology {plan.topology.name} does not list (it lists "
+                                f"{', '.join(sorted(topo.accelerator.peak_flops))})", where=str(path))
     return plan
 
 

@@ -46,6 +46,12 @@ SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_h1", "zbv", "dualpipev"})
 Routing = Literal["uniform", "zipf", "histogram", "balanced"]
 ROUTINGS: tuple[str, ...] = get_args(Routing)
 
+# ------------------------------------------------------------------------------------------------------ precision
+# A plan's `precision`: the dtype its matrix products run in (bf16 under autocast, fp8 GEMMs under Transformer
+# Engine's recipe, fp32 without autocast as the CPU references run); simulator.costs.compute_peak prices each.
+Precision = Literal["bf16", "fp8", "fp32"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
 # ------------------------------------------------------------------------------------------------ stack profiles
 # The stack profile a plan runs on when it names none (topologies/profiles/*.yaml, a plan's topology.profile).
 DEFAULT_STACK_PROFILE = "megatron-te"

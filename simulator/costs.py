@@ -9,7 +9,9 @@ Conventions:
 - hardware work (`HW`): the FLOPs kernels really execute — attention counted causally over its window, the output
   head included — which prices compute time; model FLOPs (the MFU numerator, simulator.metrics) follow the plan's
   FlopsConvention instead;
-- compute time = FLOPs / (bf16 peak x efficiency), the efficiency of the op's GEMM shape (GemmShape: m x n x k,
+- compute time = FLOPs / (compute peak x efficiency): the peak of the dtype the plan's matrix products run in
+  (compute_peak: bf16, fp32 without autocast, fp8 where the topology lists it), the efficiency a fraction of that
+  peak at the op's GEMM shape (GemmShape: m x n x k,
   groups): dense GEMMs as tokens x d_model / tensor x d_model, routed experts as one grouped GEMM of a rank's local
   experts, each its routed rows x expert width x input width. Where the topology has measured curves (`rackcast
   calibrate`) the efficiency is the curve's at one group's FLOPs; otherwise the shape model (gemm_seconds): output
@@ -20,7 +22,7 @@ Conventions:
   (bandwidth x efficiency(nbytes)) on the slowest hop of its span (simulator.collective_formulas).
 
     from rackcast.simulator import costs
-    costs.gemm_time(flops, costs.gemm_shape(tokens_mb, spec, tensor), topo)
+    costs.gemm_time(flops, costs.gemm_shape(tokens_mb, spec, tensor), topo, plan.precision)
 """
 
 from __future__ import annotations
@@ -29,13 +31,42 @@ from typing import NamedTuple
 
 import numpy as np
 
+from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.simulator import collective_formulas as formulas
 from rackcast.simulator.activations import BYTES, INDEX_BYTES
+from rackcast.topologies import PRESET_DIR
 from rackcast.topologies.spec import Topology
+from rackcast.vocab import PRECISIONS
 
 HW = FlopsConvention(attention="causal", window="window", head=True)  # the work kernels really do
 W_BYTES = BYTES["bf16"]  # activations and gathered weights on the wire
+
+
+# ------------------------------------------------------------------------------------------------------------ peaks
+def _peak(topo: Topology, precision: str) -> float:
+    dtype = topo.peak_dtype(precision)
+    peaks = topo.accelerator.peak_flops
+    if dtype not in peaks:
+        preset = PRESET_DIR / f"{topo.name}.yaml"
+        raise RackcastError(f"accelerator.peak_flops.{dtype}: missing; a plan with precision {precision} computes at "
+                            f"it (topology {topo.name} lists {', '.join(sorted(peaks))})",
+                            where=str(preset) if preset.is_file() else f"topology {topo.name}")
+    return peaks[dtype]
+
+
+def compute_peak(topo: Topology, precision):
+    """Dense FLOP/s every GEMM, grouped GEMM, attention core and optimizer product of a plan is priced against (the
+    efficiencies are fractions of it): the topology's peak for the plan's `precision` (Topology.peak_dtype).
+    `precision`: a vocab.PRECISIONS name, or an array of indices into PRECISIONS (the estimate's "precision"
+    feature). A plan file is checked for its peak when it loads (rackcast.plan.load_plan)."""
+    if isinstance(precision, str):
+        return _peak(topo, precision)
+    codes = np.asarray(precision).astype(int)
+    peak = np.zeros(codes.shape)
+    for code in np.unique(codes):
+        peak = np.where(codes == code, _peak(topo, PRECISIONS[code]), peak)
+    return peak
 
 
 # ------------------------------------------------------------------------------------------------------- efficiency
@@ -217,51 +248,53 @@ def parameter_gathers(dense_bytes, expert_bytes, inner, expert_fsdp, zero=0) -> 
 
 
 # ------------------------------------------------------------------------------------------------------------ times
-def gemm_seconds(shape: GemmShape, topo: Topology, ceiling):
+def gemm_seconds(shape: GemmShape, topo: Topology, ceiling, precision):
     """One kernel of `shape` on the shape model: output tiles (tile_m x tile_n of the accelerator) of every group,
-    run in waves of one tile per SM, each tile 2 x tile_m x tile_n x k FLOPs at the SM's share of peak x `ceiling`
+    run in waves of one tile per SM, each tile 2 x tile_m x tile_n x k FLOPs at the SM's share of the compute peak of
+    `precision` x `ceiling`
     (a partly filled tile or wave costs a full one); no less than its operands and output moved at the memory-bound
     HBM rate (the roofline), nor than the stack profile's launch floor."""
     a, e = topo.accelerator, topo.efficiency
     m, n, k, groups = (np.asarray(v, dtype=float) for v in shape)
     tiles = groups * np.ceil(m / a.tile_m) * np.ceil(n / a.tile_n)
     waves = np.ceil(tiles / a.sms)
-    compute = waves * 2.0 * a.tile_m * a.tile_n * k * a.sms / (topo.peak_flops("bf16") * ceiling)
+    compute = waves * 2.0 * a.tile_m * a.tile_n * k * a.sms / (compute_peak(topo, precision) * ceiling)
     memory = memory_bound_time(W_BYTES * groups * (m * k + k * n + m * n), topo)
     return np.maximum(np.maximum(compute, memory), e.launch_s)
 
 
-def _efficiency(shape: GemmShape, topo: Topology, curve, ceiling):
-    """Fraction of dense peak a kernel of `shape` reaches: the measured curve at one group's FLOPs where there is
-    one, else the shape model's FLOPs / (peak x gemm_seconds)."""
+def _efficiency(shape: GemmShape, topo: Topology, curve, ceiling, precision):
+    """Fraction of the compute peak of `precision` a kernel of `shape` reaches: the measured curve at one group's
+    FLOPs where there is one, else the shape model's FLOPs / (peak x gemm_seconds)."""
     m, n, k, groups = (np.asarray(v, dtype=float) for v in shape)
     flops = 2.0 * m * n * k
     if curve:
         return efficiency(curve, flops)
-    return np.maximum(groups, 1e-30) * flops / (topo.peak_flops("bf16") * gemm_seconds(shape, topo, ceiling))
+    return np.maximum(groups, 1e-30) * flops / (compute_peak(topo, precision) *
+                                                gemm_seconds(shape, topo, ceiling, precision))
 
 
-def gemm_efficiency(shape: GemmShape, topo: Topology):
-    return _efficiency(shape, topo, topo.efficiency.gemm, topo.efficiency.gemm_ceiling)
+def gemm_efficiency(shape: GemmShape, topo: Topology, precision):
+    return _efficiency(shape, topo, topo.efficiency.gemm, topo.efficiency.gemm_ceiling, precision)
 
 
-def grouped_gemm_efficiency(shape: GemmShape, topo: Topology):
-    return _efficiency(shape, topo, topo.efficiency.grouped_gemm, topo.efficiency.grouped_gemm_ceiling)
+def grouped_gemm_efficiency(shape: GemmShape, topo: Topology, precision):
+    return _efficiency(shape, topo, topo.efficiency.grouped_gemm, topo.efficiency.grouped_gemm_ceiling, precision)
 
 
-def gemm_time(flops, shape: GemmShape, topo: Topology):
-    """Dense GEMM work of `flops` run as GEMMs of `shape` (gemm_efficiency)."""
-    return flops / (topo.peak_flops("bf16") * gemm_efficiency(shape, topo))
+def gemm_time(flops, shape: GemmShape, topo: Topology, precision):
+    """Dense GEMM work of `flops` run as GEMMs of `shape` in `precision` (gemm_efficiency)."""
+    return flops / (compute_peak(topo, precision) * gemm_efficiency(shape, topo, precision))
 
 
-def grouped_gemm_time(flops, shape: GemmShape, topo: Topology):
-    """Routed-expert work of `flops` run as grouped GEMMs of `shape` (grouped_gemm_efficiency)."""
-    return flops / (topo.peak_flops("bf16") * grouped_gemm_efficiency(shape, topo))
+def grouped_gemm_time(flops, shape: GemmShape, topo: Topology, precision):
+    """Routed-expert work of `flops` run as grouped GEMMs of `shape` in `precision` (grouped_gemm_efficiency)."""
+    return flops / (compute_peak(topo, precision) * grouped_gemm_efficiency(shape, topo, precision))
 
 
-def attention_time(flops, topo: Topology):
-    """Attention-core work (scores and values) at the attention fraction of peak."""
-    return flops / (topo.peak_flops("bf16") * topo.efficiency.attention)
+def attention_time(flops, topo: Topology, precision):
+    """Attention-core work (scores and values) at the attention fraction of the compute peak of `precision`."""
+    return flops / (compute_peak(topo, precision) * topo.efficiency.attention)
 
 
 def memory_bound_time(nbytes, topo: Topology):
@@ -274,11 +307,11 @@ def host_link_time(nbytes, topo: Topology):
     return nbytes / (topo.host.link_bandwidth_Bps * topo.efficiency.host_link)
 
 
-def optimizer_time(update_bytes, newton_schulz_flops, ns_shape: GemmShape, topo: Topology):
+def optimizer_time(update_bytes, newton_schulz_flops, ns_shape: GemmShape, topo: Topology, precision):
     """The optimizer step on one rank (without its reductions): the update's HBM traffic plus the MuonH
-    orthogonalisation at the GEMM efficiency of `ns_shape` (newton_schulz_shape; simulator.optimizer_cost gives the
-    bytes and FLOPs)."""
-    return memory_bound_time(update_bytes, topo) + gemm_time(newton_schulz_flops, ns_shape, topo)
+    orthogonalisation at the GEMM efficiency of `ns_shape` in `precision` (newton_schulz_shape;
+    simulator.optimizer_cost gives the bytes and FLOPs)."""
+    return memory_bound_time(update_bytes, topo) + gemm_time(newton_schulz_flops, ns_shape, topo, precision)
 
 
 def _flat_time(topo: Topology, kind: str, n, nbytes, span_out):

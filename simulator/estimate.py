@@ -47,7 +47,7 @@ from rackcast.simulator.routing import expected_max_load_factor
 from rackcast.simulator.schedule_formulas import bubble_coefficients
 from rackcast.simulator.stage_work import stage_work
 from rackcast.topologies.spec import Topology
-from rackcast.vocab import PHASES
+from rackcast.vocab import PHASES, PRECISIONS
 
 HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble_backward", "op_optimizer")
 
@@ -72,16 +72,15 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
 
 
 def _stage_compute_s(gemm, head, attn, experts, rec_gemm, rec_attn, rec_experts, elem, dense: costs.GemmShape,
-                     grouped: costs.GemmShape, topo: Topology):
-    """(forward, recomputation, elementwise) seconds of one stage's micro-batch from its FLOPs and bytes (costs):
-    dense GEMMs and the head at the GEMM efficiency of the `dense` shape, the attention core at the attention
-    efficiency, routed experts at the grouped-GEMM efficiency of the `grouped` shape, elementwise traffic
-    memory-bound."""
-    gemm_eff = costs.gemm_efficiency(dense, topo)
-    expert_eff = costs.grouped_gemm_efficiency(grouped, topo)
-    peak = topo.peak_flops("bf16")
-    fwd = (gemm + head) / (peak * gemm_eff) + costs.attention_time(attn, topo) + experts / (peak * expert_eff)
-    rec = rec_gemm / (peak * gemm_eff) + costs.attention_time(rec_attn, topo) + rec_experts / (peak * expert_eff)
+                     grouped: costs.GemmShape, topo: Topology, precision):
+    """(forward, recomputation, elementwise) seconds of one stage's micro-batch from its FLOPs and bytes (costs), in
+    the plan's `precision` (costs.compute_peak): dense GEMMs and the head at the GEMM efficiency of the `dense`
+    shape, the attention core at the attention efficiency, routed experts at the grouped-GEMM efficiency of the
+    `grouped` shape, elementwise traffic memory-bound."""
+    fwd = costs.gemm_time(gemm + head, dense, topo, precision) + costs.attention_time(attn, topo, precision) + \
+        costs.grouped_gemm_time(experts, grouped, topo, precision)
+    rec = costs.gemm_time(rec_gemm, dense, topo, precision) + costs.attention_time(rec_attn, topo, precision) + \
+        costs.grouped_gemm_time(rec_experts, grouped, topo, precision)
     return fwd, rec, costs.memory_bound_time(elem, topo)
 
 
@@ -170,7 +169,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
                                       stage["expert_flops"], stage["rec_gemm_flops"], stage["rec_attn_flops"],
                                       stage["rec_expert_flops"], stage["elementwise_bytes"],
                                       costs.GemmShape(*(col(v) for v in dense_shape)),
-                                      costs.GemmShape(*(col(v) for v in expert_shape)), topo)
+                                      costs.GemmShape(*(col(v) for v in expert_shape)), topo, plan.precision)
     valid = np.arange(width) < col(par.pipeline)
     heavy = np.argmax(np.where(valid, 3 * fwd + rec + elem, -np.inf), axis=-1)[..., None]  # sets the steady state
     others = valid & (np.arange(width) != heavy)
@@ -203,6 +202,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "expert_m": expert_shape.m, "expert_n": expert_shape.n, "expert_k": expert_shape.k,
         "expert_groups": expert_shape.groups,
         "recompute_full": full, "overlap_grad_reduce": float(plan.overlap_grad_reduce),
+        "precision": PRECISIONS.index(plan.precision),  # costs.compute_peak reads the index
         "tp_n": t, "tp_out": pl.tensor.span == "scale_out", "tp_pd": group_per_domain(pl.tensor),
         "tp_bytes": costs.tensor_bytes(tokens_mb, spec),
         "cp_n": cp, "cp_out": pl.context.span == "scale_out",
@@ -248,7 +248,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     g = lambda k: f[pre + k]  # noqa: E731
     fwd, rec, elem = _stage_compute_s(g("gemm_flops"), g("head_flops"), g("attn_flops"), g("expert_flops"),
                                       g("rec_gemm_flops"), g("rec_attn_flops"), g("rec_expert_flops"),
-                                      g("elementwise_bytes"), *_shapes(f), topo)
+                                      g("elementwise_bytes"), *_shapes(f), topo, f["precision"])
     full = f["recompute_full"]
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
@@ -257,7 +257,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     cp_exposed = layers * f["cp_layer_s"] * (2 + full) + sum(
         collective_time(topo, "send_recv", f["cp_n"], g(k), f["cp_out"]) for k in ("mtp_cp_bytes", "mtp_cp_grad_bytes"))
     a2a_one = collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
-    shared_layer = costs.gemm_time(g("shared_flops"), _shapes(f)[0], topo) / np.maximum(moe, 1)
+    shared_layer = costs.gemm_time(g("shared_flops"), _shapes(f)[0], topo, f["precision"]) / np.maximum(moe, 1)
     # Forward (and its recomputation): two exchanges under half the shared experts each; backward: under all of it.
     a2a_exposed = 2 * moe * ((1 + full) * np.maximum(0.0, a2a_one - shared_layer / 2) +
                              np.maximum(0.0, a2a_one - shared_layer))
@@ -333,7 +333,8 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     early_t = np.where(f["zero"] >= 2, (m - 1) * dp_t, 0.0)
     dp_exposed = dp_exposed + np.maximum(0.0, early_t - (m - 1) * h["total"])
     ns_shape = costs.GemmShape(f["ns_dim"], f["ns_dim"], f["ns_dim"])
-    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], ns_shape, topo) + balancing_time(f, topo) + \
+    optimizer_t = costs.optimizer_time(f["opt_bytes"], f["ns_flops"], ns_shape, topo, f["precision"]) + \
+        balancing_time(f, topo) + \
         costs.muon_gather_time(f, topo)
     host_t = costs.host_link_time(f["host_bytes"], topo)
     # Host per-op overhead (features in ops; zero without measured host_op_s), blocking: added, not overlapped.

@@ -117,12 +117,13 @@ class Workload:
     # ------------------------------------------------------------------------------------------------ layers
     def _gemm_s(self, flops_per_token: float) -> float:
         return float(costs.gemm_time(flops_per_token * self.tokens_mb / self.plan.parallel.tensor, self.gemm_shape,
-                                     self.topo))
+                                     self.topo, self.plan.precision))
 
     def _layer(self, i: int) -> LayerWork:
         spec, plan, par = self.spec, self.plan, self.plan.parallel
         parts = spec.layer_flops_breakdown(i, HW)
-        core = costs.attention_time(parts.get("attn_scores_values", 0.0) * self.tokens_mb / par.tensor, self.topo)
+        core = costs.attention_time(parts.get("attn_scores_values", 0.0) * self.tokens_mb / par.tensor, self.topo,
+                                    plan.precision)
         mlp_keys = ("router", "latent", "dense_mlp")
         attn_gemm = sum(v for k, v in parts.items()
                         if k not in mlp_keys + ("attn_scores_values", "experts", "shared_experts"))
@@ -159,7 +160,8 @@ class Workload:
         host_bytes = static.pop("host")  # resident on the host; the step moves it in and back out
         opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
         ns = newton_schulz_flops(spec, plan, layers)
-        optimizer_s = float(costs.optimizer_time(opt_bytes, ns, costs.newton_schulz_shape(spec), self.topo)) + \
+        optimizer_s = float(costs.optimizer_time(opt_bytes, ns, costs.newton_schulz_shape(spec), self.topo,
+                                                 plan.precision)) + \
             self._balancing_s(layers) + self._muon_gather_s(layers)
         top = rp.dense - sum(lw.dense_params for c in chunks for lw in chunks[c])
         embed_ops = head_ops = 0.0
@@ -295,7 +297,7 @@ class Workload:
             per_flop = self._expert_time.get(rows)
         if per_flop is None:
             per_flop = self._expert_time[rows] = float(costs.grouped_gemm_time(1.0, self._expert_gemm_shape(rows),
-                                                                               self.topo))
+                                                                               self.topo, self.plan.precision))
         return lw.expert_flops_per_row * rows * per_flop
 
     def _expert_gemm_shape(self, rows):
@@ -307,7 +309,8 @@ class Workload:
         """Seconds per FLOP of the grouped expert GEMM (costs.grouped_gemm_time) at each of these most-loaded-rank
         row counts, priced together: without a measured curve the shape model is elementwise arithmetic (ceil,
         maximum, + - x /), so each value has the bits it has priced alone."""
-        seconds = np.broadcast_to(costs.grouped_gemm_time(1.0, self._expert_gemm_shape(rows), self.topo), rows.shape)
+        seconds = np.broadcast_to(costs.grouped_gemm_time(1.0, self._expert_gemm_shape(rows), self.topo,
+                                                          self.plan.precision), rows.shape)
         return dict(zip(rows.tolist(), seconds.tolist()))
 
     def _tp(self, key: str) -> list:

@@ -126,6 +126,19 @@ def test_cli_from_run_and_bad_input(tmp_path, cli):
     assert proc.returncode == 2 and "record.json" in proc.stderr
 
 
+def test_calibrated_cpu_curves_price_an_fp32_gemm_at_its_measured_rate():
+    # CPU calibration measures fp32 (the trainer's dtype) and stores each rate over the fp32 peak, which an fp32 plan
+    # is priced against (costs.compute_peak): at a measured shape the price is the measured time.
+    from rackcast.simulator import costs
+
+    meas = _fake_measurements()
+    topo, _ = build_topology(meas, load_topology("local-cpu"), "fake")
+    assert topo.accelerator.peak_flops["fp32"] == pytest.approx(50e9)
+    for e in meas["compute"]["gemm"]:
+        shape = costs.GemmShape(e["m"], e["n"], e["k"])
+        assert float(costs.gemm_time(e["flops"], shape, topo, "fp32")) == pytest.approx(e["seconds"], rel=1e-3)
+
+
 @pytest.mark.slow
 def test_calibrate_quick_on_this_machine(tmp_path, cli):
     dest = tmp_path / "here.yaml"

@@ -35,18 +35,18 @@ def test_one_tile_more_than_a_multiple_of_the_sms_costs_a_full_extra_wave(topo):
     a, ceil, k = topo.accelerator, topo.efficiency.gemm_ceiling, 8192
     full = costs.GemmShape(a.tile_m * a.sms, a.tile_n * 4, k)  # 4 x sms tiles: exactly 4 waves
     over = costs.GemmShape(a.tile_m * a.sms + 1, a.tile_n * 4, k)  # 4 more tiles: a fifth wave
-    assert float(costs.gemm_seconds(full, topo, ceil)) == pytest.approx(4 * _tile_s(topo, k, ceil), rel=1e-12)
-    assert float(costs.gemm_seconds(over, topo, ceil)) == pytest.approx(5 * _tile_s(topo, k, ceil), rel=1e-12)
+    assert float(costs.gemm_seconds(full, topo, ceil, "bf16")) == pytest.approx(4 * _tile_s(topo, k, ceil), rel=1e-12)
+    assert float(costs.gemm_seconds(over, topo, ceil, "bf16")) == pytest.approx(5 * _tile_s(topo, k, ceil), rel=1e-12)
     # a full wave of tiles runs at the ceiling, the padded one at 4/5 of it (for almost the same FLOPs)
-    assert float(costs.gemm_efficiency(full, topo)) == pytest.approx(ceil, rel=1e-12)
-    assert float(costs.gemm_efficiency(over, topo)) == pytest.approx(ceil * 4 / 5, rel=1e-3)
+    assert float(costs.gemm_efficiency(full, topo, "bf16")) == pytest.approx(ceil, rel=1e-12)
+    assert float(costs.gemm_efficiency(over, topo, "bf16")) == pytest.approx(ceil * 4 / 5, rel=1e-3)
 
 
 def test_small_m_grouped_gemm_is_priced_below_a_large_one():
     # 37 local experts of 2048 x 1536: 48 rows per expert against 4096 (37 x 32 x 16 tiles = 128 full waves on 148 SMs)
     small = costs.GemmShape(48, 2048, 1536, 37)
     large = costs.GemmShape(4096, 2048, 1536, 37)
-    e_small, e_large = (float(costs.grouped_gemm_efficiency(s, GB200)) for s in (small, large))
+    e_small, e_large = (float(costs.grouped_gemm_efficiency(s, GB200, "bf16")) for s in (small, large))
     assert e_large == pytest.approx(GB200.efficiency.grouped_gemm_ceiling, rel=1e-12)
     assert e_small < 0.5 * e_large
     # 48 rows fill 48/128 of every tile row: compute-bound part at that fill, unless the weights' bytes bind
@@ -58,26 +58,29 @@ def test_memory_bound_small_gemm_hits_the_hbm_roofline():
     shape = costs.GemmShape(8, 16384, 16384)  # a few rows through a large weight: bytes bind
     nbytes = costs.W_BYTES * (8 * 16384 + 16384 * 16384 + 8 * 16384)
     roof = nbytes / (GB200.accelerator.hbm_bandwidth_Bps * GB200.efficiency.memory_bound)
-    assert float(costs.gemm_seconds(shape, GB200, GB200.efficiency.gemm_ceiling)) == pytest.approx(roof, rel=1e-12)
+    seconds = costs.gemm_seconds(shape, GB200, GB200.efficiency.gemm_ceiling, "bf16")
+    assert float(seconds) == pytest.approx(roof, rel=1e-12)
     flops = 2.0 * 8 * 16384 * 16384
-    assert float(costs.gemm_time(flops, shape, GB200)) == pytest.approx(roof, rel=1e-12)
+    assert float(costs.gemm_time(flops, shape, GB200, "bf16")) == pytest.approx(roof, rel=1e-12)
 
 
 def test_the_model_is_vectorised_and_the_launch_floor_binds_tiny_kernels():
     m = np.array([1.0, 128.0, 65536.0])
-    times = costs.gemm_seconds(costs.GemmShape(m, 4096.0, 4096.0), GB200, GB200.efficiency.gemm_ceiling)
+    times = costs.gemm_seconds(costs.GemmShape(m, 4096.0, 4096.0), GB200, GB200.efficiency.gemm_ceiling,
+                               "bf16")
     for i, mi in enumerate(m):
-        one = costs.gemm_seconds(costs.GemmShape(mi, 4096.0, 4096.0), GB200, GB200.efficiency.gemm_ceiling)
+        one = costs.gemm_seconds(costs.GemmShape(mi, 4096.0, 4096.0), GB200, GB200.efficiency.gemm_ceiling,
+                                 "bf16")
         assert float(times[i]) == float(one)
     eager = load_topology("gb200-nvl72", profile="eager-pytorch")
     tiny = costs.GemmShape(16, 64, 64)
-    assert float(costs.gemm_seconds(tiny, eager, eager.efficiency.gemm_ceiling)) == eager.efficiency.launch_s > 0
+    assert float(costs.gemm_seconds(tiny, eager, eager.efficiency.gemm_ceiling, "bf16")) == eager.efficiency.launch_s > 0
 
 
 def test_a_measured_curve_wins_over_the_shape_model():
     cpu = load_topology("local-cpu")  # measured curves
     shape = costs.GemmShape(256, 256, 256)
-    assert float(costs.gemm_efficiency(shape, cpu)) == pytest.approx(
+    assert float(costs.gemm_efficiency(shape, cpu, "fp32")) == pytest.approx(
         float(costs.efficiency(cpu.efficiency.gemm, 2.0 * 256 ** 3)), rel=1e-12)
 
 

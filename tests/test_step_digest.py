@@ -38,8 +38,8 @@ DIGESTS = {
     "gpt-145b-megatron": "e1334932f6a1a58e74e9e66696490207efa5ee259fdd82aa94f06f450f8569cb",
     "hero": "8b15a1b42cfcf672de5f8cc5abb0df09d37bf8d267fdaef9e83324c79494a0c8",
     "hero-16-stages": "b1b0293fde60c996d32ab2961c4769d2782e80bf1e5f7c0d30c8fd01ee745f89",
-    "tiny-2proc-ep": "883ecbcbb62bf4dee7ce6f971fbcd908b3b30fd698ae129d77c904694dd8c307",
-    "tiny-2proc-pp": "ac77f73add3341aa8827173c108e6845aea716c5edd4850bbcd41418c25e47bd",
+    "tiny-2proc-ep": "827572df048f45c12d9a0de46d0dc9f21d4b9f5a048a1a5872d09e26c469c82c",
+    "tiny-2proc-pp": "72497184e11e437aefa41eb2a14feb941146f399594647a2ff1d988a21c5418c",
 }
 
 

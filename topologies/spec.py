@@ -168,7 +168,7 @@ class AcceleratorSpec:
     def __post_init__(self):
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
             raise ValueError("accelerator.peak_flops needs at least one positive dtype entry")
-        if "bf16" not in self.peak_flops:  # compute is priced, and MFU measured, against the dense bf16 peak
+        if "bf16" not in self.peak_flops:  # MFU is measured, and bf16 plans priced, against the dense bf16 peak
             raise ValueError(f"accelerator.peak_flops.bf16: required (has {sorted(self.peak_flops)})")
         if self.hbm_bytes <= 0 or self.hbm_bandwidth_Bps <= 0:
             raise ValueError("accelerator.hbm_bytes and hbm_bandwidth_Bps must be positive")
@@ -267,6 +267,13 @@ class Topology:
             return self.accelerator.peak_flops[dtype]
         except KeyError:
             raise ValueError(f"{self.name} has no peak for dtype {dtype!r} (has {sorted(self.accelerator.peak_flops)})")
+
+    def peak_dtype(self, precision: str) -> str:
+        """The `accelerator.peak_flops` entry a plan of `precision` computes at (simulator.costs.compute_peak prices
+        with it): bf16 and fp32 their own; fp8 the fp8 peak where listed, else bf16 (its GEMMs priced as bf16 ones)."""
+        if precision == "fp8" and "fp8" not in self.accelerator.peak_flops:
+            return "bf16"
+        return precision
 
     def with_domains(self, domains: int) -> "Topology":
         return replace(self, domains=domains)

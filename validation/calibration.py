@@ -2,9 +2,10 @@
 peak, memory and link figures and the efficiency profile, on top of a base preset for what cannot be measured here.
 
 Conventions (they are the simulator's, topologies/spec.py):
-- efficiencies are fractions of `accelerator.peak_flops.bf16`, the peak simulator.estimate divides by, achieved in
-  the dtype the trainer computes in (fp32 on CPU, where the trainer runs without autocast; bf16 on CUDA). On CPU the
-  peaks are the best measured matmuls (there is no datasheet figure); on CUDA the base preset's vendor peak is kept.
+- efficiencies are rates achieved in the dtype the trainer computes in (fp32 on CPU, where the trainer runs without
+  autocast; bf16 on CUDA) as fractions of that dtype's `accelerator.peak_flops` entry, the peak the simulator
+  divides a plan of that precision by (simulator.costs.compute_peak). On CPU the peaks are the best measured matmuls
+  (there is no datasheet figure); on CUDA the base preset's vendor peak is kept.
 - GEMM and grouped-GEMM curves are indexed by FLOPs of one GEMM (one expert's GEMM); points within a factor 1.6 of
   FLOPs are merged (median). Attention is the median over shapes of forward + backward at 3 x causal forward FLOPs.
 - hbm_bandwidth_Bps is the best out-of-cache copy/add (bytes read + written); memory_bound the median over sizes of
@@ -32,6 +33,7 @@ from rackcast.topologies.spec import COLLECTIVE_KINDS, CollectiveCurves, CurvePo
 from rackcast.units import KIB, MIB
 
 MERGE_RATIO = 1.6
+PEAK_KEYS = {"bfloat16": "bf16", "float32": "fp32"}  # torch dtype name measured -> its accelerator.peak_flops entry
 MIN_EFF = 1e-4
 
 CALIBRATED_SOURCE = "measured by rackcast calibrate"  # starts efficiency.source of a calibrated topology
@@ -92,9 +94,10 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
         peaks = {"bf16": float(f"{best['bfloat16']:.4g}"), "fp32": float(f"{best['float32']:.4g}")}
         notes.append(f"peak_flops: best measured matmul, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s, fp32 "
                      f"{peaks['fp32'] / 1e9:.1f} GFLOP/s (square {', '.join(str(p['n']) for p in comp['peak'][:3])}..)")
-    peak = peaks["bf16"]
+    peak_key = PEAK_KEYS[comp["dtype"]]
+    peak = peaks[peak_key]
     notes.append(f"efficiencies below are achieved {comp['dtype']} rates (the trainer's compute dtype here) / "
-                 "bf16 peak")
+                 f"{peak_key} peak")
     gemm = _curve([(e["flops"], rate(e) / peak) for e in comp["gemm"]])
     notes.append("gemm (M x K x K: GFLOP/s): " + ", ".join(f"{e['m']}x{e['k']}: {rate(e) / 1e9:.3g}"
                                                            for e in comp["gemm"]))
