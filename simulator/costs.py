@@ -69,6 +69,19 @@ def compute_peak(topo: Topology, precision):
     return peak
 
 
+def unquantised(precision):
+    """The precision of the work an fp8 recipe leaves out of fp8: fp8 plans quantise the linear layers' GEMMs (dense,
+    shared and routed experts, router) and keep the attention core, the output head and the optimizer's products in
+    bf16, as DeepSeek-V3 trained ("we maintain the original precision (e.g., BF16 or FP32) for ... the output head,
+    ... attention operators", arXiv:2412.19437 section 3.3.1) and as Transformer Engine's fp8 autocast does (it
+    casts te.Linear GEMMs; attention stays bf16 unless asked). Other precisions map to themselves; `precision` as
+    in compute_peak (a name, or an array of PRECISIONS indices)."""
+    if isinstance(precision, str):
+        return "bf16" if precision == "fp8" else precision
+    codes = np.asarray(precision).astype(int)
+    return np.where(codes == PRECISIONS.index("fp8"), PRECISIONS.index("bf16"), codes)
+
+
 # ------------------------------------------------------------------------------------------------------- efficiency
 def efficiency(curve, sizes):
     """Efficiency-profile curve at `sizes` (log-linear, clamped; as topologies.spec.interpolate), vectorised."""
@@ -293,8 +306,9 @@ def grouped_gemm_time(flops, shape: GemmShape, topo: Topology, precision):
 
 
 def attention_time(flops, topo: Topology, precision):
-    """Attention-core work (scores and values) at the attention fraction of the compute peak of `precision`."""
-    return flops / (compute_peak(topo, precision) * topo.efficiency.attention)
+    """Attention-core work (scores and values) at the attention fraction of the compute peak of `precision`
+    (unquantised: fp8 plans run it in bf16)."""
+    return flops / (compute_peak(topo, unquantised(precision)) * topo.efficiency.attention)
 
 
 def memory_bound_time(nbytes, topo: Topology):
@@ -311,7 +325,8 @@ def optimizer_time(update_bytes, newton_schulz_flops, ns_shape: GemmShape, topo:
     """The optimizer step on one rank (without its reductions): the update's HBM traffic plus the MuonH
     orthogonalisation at the GEMM efficiency of `ns_shape` in `precision` (newton_schulz_shape;
     simulator.optimizer_cost gives the bytes and FLOPs)."""
-    return memory_bound_time(update_bytes, topo) + gemm_time(newton_schulz_flops, ns_shape, topo, precision)
+    return memory_bound_time(update_bytes, topo) + gemm_time(newton_schulz_flops, ns_shape, topo,
+                                                             unquantised(precision))
 
 
 def _flat_time(topo: Topology, kind: str, n, nbytes, span_out):

@@ -74,10 +74,11 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
 def _stage_compute_s(gemm, head, attn, experts, rec_gemm, rec_attn, rec_experts, elem, dense: costs.GemmShape,
                      grouped: costs.GemmShape, topo: Topology, precision):
     """(forward, recomputation, elementwise) seconds of one stage's micro-batch from its FLOPs and bytes (costs), in
-    the plan's `precision` (costs.compute_peak): dense GEMMs and the head at the GEMM efficiency of the `dense`
-    shape, the attention core at the attention efficiency, routed experts at the grouped-GEMM efficiency of the
-    `grouped` shape, elementwise traffic memory-bound."""
-    fwd = costs.gemm_time(gemm + head, dense, topo, precision) + costs.attention_time(attn, topo, precision) + \
+    the plan's `precision` (costs.compute_peak; the head and the attention core costs.unquantised): dense GEMMs and
+    the head at the GEMM efficiency of the `dense` shape, the attention core at the attention efficiency, routed
+    experts at the grouped-GEMM efficiency of the `grouped` shape, elementwise traffic memory-bound."""
+    head_s = costs.gemm_time(head, dense, topo, costs.unquantised(precision))
+    fwd = costs.gemm_time(gemm, dense, topo, precision) + head_s + costs.attention_time(attn, topo, precision) + \
         costs.grouped_gemm_time(experts, grouped, topo, precision)
     rec = costs.gemm_time(rec_gemm, dense, topo, precision) + costs.attention_time(rec_attn, topo, precision) + \
         costs.grouped_gemm_time(rec_experts, grouped, topo, precision)

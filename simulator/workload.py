@@ -115,9 +115,10 @@ class Workload:
         self.loads = ExpertLoads(spec, plan, self, seed) if moe else None
 
     # ------------------------------------------------------------------------------------------------ layers
-    def _gemm_s(self, flops_per_token: float) -> float:
+    def _gemm_s(self, flops_per_token: float, precision: str | None = None) -> float:
+        """Dense GEMM seconds of a micro-batch, in the plan's precision unless `precision` says otherwise."""
         return float(costs.gemm_time(flops_per_token * self.tokens_mb / self.plan.parallel.tensor, self.gemm_shape,
-                                     self.topo, self.plan.precision))
+                                     self.topo, precision or self.plan.precision))
 
     def _layer(self, i: int) -> LayerWork:
         spec, plan, par = self.spec, self.plan, self.plan.parallel
@@ -149,8 +150,8 @@ class Workload:
         spec, plan = self.spec, self.plan
         rp = rank_params(spec, plan, s)
         layers = [lw.index for c in chunks for lw in chunks[c]]
-        head_s = self._gemm_s(spec.tail_flops_fwd(HW)) if (self.n_chunks - 1) in chunks \
-            else 0.0
+        head_s = self._gemm_s(spec.tail_flops_fwd(HW), costs.unquantised(plan.precision)) \
+            if (self.n_chunks - 1) in chunks else 0.0
         embed_s = self._gemm_s(spec.embed_flops_fwd()) if 0 in chunks else 0.0
         static = static_bytes(rp, plan)
         # The multi-token-prediction modules' saved tensors, held on the head's stage for the step (as the memory

@@ -53,6 +53,20 @@ def test_fp8_uses_the_fp8_peak_where_listed_else_bf16():
         float(costs.gemm_seconds(shape, H100, ceil, "bf16")) / 2, rel=1e-12)
 
 
+def test_fp8_keeps_attention_head_and_optimizer_products_at_bf16():
+    """An fp8 recipe quantises the linear layers only (costs.unquantised): attention cores and the optimizer's
+    Newton-Schulz products run at the bf16 peak, in the scalar and the estimate's array form."""
+    bf16 = H100.accelerator.peak_flops["bf16"]
+    assert float(costs.attention_time(1e12, H100, "fp8")) == pytest.approx(
+        1e12 / (bf16 * H100.efficiency.attention), rel=1e-12)
+    ns = costs.GemmShape(4096.0, 4096.0, 4096.0)
+    assert float(costs.optimizer_time(0.0, 1e12, ns, H100, "fp8")) == pytest.approx(
+        float(costs.optimizer_time(0.0, 1e12, ns, H100, "bf16")), rel=1e-12)
+    codes = np.array([PRECISIONS.index(p) for p in ("fp8", "fp32", "bf16")])
+    assert [PRECISIONS[c] for c in costs.unquantised(codes)] == ["bf16", "fp32", "bf16"]
+    assert costs.unquantised("fp32") == "fp32"
+
+
 def test_the_estimates_precision_feature_indexes_the_peaks_elementwise():
     codes = np.array([PRECISIONS.index(p) for p in ("bf16", "fp32", "bf16")], dtype=float)
     assert costs.compute_peak(CPU, codes).tolist() == [225e9, 103e9, 225e9]
