@@ -182,7 +182,7 @@ def run_search(request, progress) -> SearchOutcome:
         out.days.append(result.forecast_days.get(id(row), math.nan))
         out.probs.append(result.deadline_prob.get(id(row), math.nan))
     result.ranked = ranked
-    result.rows = [x for x in result.rows if id(x) in keep]
+    result.rows = [x for x in result.evaluated if id(x) in keep]  # the refused rows are never kept
     out.result = result
     return out
 
