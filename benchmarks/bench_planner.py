@@ -14,19 +14,24 @@ apart).
 
     .venv/bin/python benchmarks/bench_planner.py [--repeats 3] [--workers N] [--scalar-sample 2000]
                                                  [--skip-size] [--skip-16k] [--skip-step] [--skip-16k-search]
-                                                 [--compare-ref GITREF [--compare-runs 50]]
+                                                 [--compare-ref GITREF [--compare-runs 50] [--skip-ref-search]]
 
---compare-ref times the failure forecast's Monte Carlo kernel as of GITREF (e.g. main) beside this tree's on the
-top 16,384-GPU row, alternating, and says whether the two give the same runs.
+--compare-ref times the whole tree as of GITREF (e.g. main) beside this one, interleaved (old, new, new, old, ...:
+each run a fresh process, a warm-up search then one timed, the 1-minute load average read beside it): the closed
+form's layouts/s (the Marin layout space, one core, no simulation) and, unless --skip-ref-search, the Marin layout
+search as `make plan` runs it. It also times the failure forecast's Monte Carlo kernel as of GITREF beside this
+tree's on the top 16,384-GPU row, alternating, and says whether the two give the same runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -67,9 +72,10 @@ def repeat(fn, repeats: int):
     return out
 
 
-def spread(values) -> str:
+def spread(values, fmt: str = "{:.2f}") -> str:
+    """min / median / max."""
     values = sorted(values)
-    return f"{values[0]:.2f} / {statistics.median(values):.2f} / {values[-1]:.2f}"
+    return " / ".join(fmt.format(v) for v in (values[0], statistics.median(values), values[-1]))
 
 
 def median_run(runs):
@@ -109,17 +115,79 @@ def closed_form(repeats: int, sample: int) -> None:
     found = enumerate_space(spec, MARIN["racks"], su.usable_gpus, su.domain_size, SpaceOptions(), MARIN["tokens"])
     r = Request(**MARIN, top=0, simulate=False, forecast_rows=0, workers=1)
     picked = random.Random(0).sample(found.layouts, min(sample, len(found.layouts)))
-    scalar = repeat(lambda: scalar_closed_form(picked, spec, r), repeats)
-    array = repeat(lambda: search(r), repeats)
+    search(r)  # warm-up: caches and numba's kernels
+    scalar, array, loads = [], [], []
+    for _ in range(repeats):  # interleaved, so both see the same load
+        loads.append(os.getloadavg()[0])
+        scalar += repeat(lambda: scalar_closed_form(picked, spec, r), 1)
+        array += repeat(lambda: search(r), 1)
     enumerated = array[0][2].counts["enumerated"]
     scalar_rates = [len(picked) / w for w, _, _ in scalar]
     array_rates = [enumerated / res.timings["closed_form_s"] for _, _, res in array]
     print(f"closed form on one core, Marin 535B on 11 x gb200-nvl72 ({enumerated:,} layouts enumerated, "
-          f"{len(found.layouts):,} valid): layouts/s min / median / max over {repeats} runs")
+          f"{len(found.layouts):,} valid): layouts/s min / median / max over {repeats} interleaved runs "
+          f"(load average {min(loads):.1f}-{max(loads):.1f})")
     print(f"  scalar, per layout (the previous search; {len(picked):,} sampled valid layouts): "
-          f"{' / '.join(f'{x:,.0f}' for x in sorted(scalar_rates))}")
+          f"{spread(scalar_rates, '{:,.0f}')}")
     print(f"  arrays, all layouts at once (simulator.plan_arrays; enumerated layouts / closed-form stage): "
-          f"{' / '.join(f'{x:,.0f}' for x in sorted(array_rates))}")
+          f"{spread(array_rates, '{:,.0f}')}")
+
+
+# ------------------------------------------------------------------------------------------------ old vs new
+TIMED_SEARCH = """
+import json, os, sys, time
+from rackcast.planner.search import Request, search
+request = Request(**json.loads(sys.argv[1]))
+search(request)  # warm-up: imports, caches, numba's kernels
+load = os.getloadavg()[0]
+wall0 = time.perf_counter()
+res = search(request)
+print(json.dumps(dict(wall_s=time.perf_counter() - wall0, load=load, enumerated=res.counts["enumerated"],
+                      winner=res.winner.layout.label, **res.timings)))
+"""
+
+
+def timed_search(pythonpath: str | None, request: dict) -> dict:
+    """One search in a fresh process (the tree on `pythonpath`, or this one): its timings, wall and load average."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    out = subprocess.run([sys.executable, "-c", TIMED_SEARCH, json.dumps(request)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def compare_trees(ref: str, repeats: int, workers: int, with_search: bool) -> None:
+    """The closed form (and the Marin layout search) as of `ref` and in this tree, interleaved repeats."""
+    from git_ref import package_at
+
+    trees = {"old": str(package_at(ref)), "new": None}
+    cases = [("closed form, layouts/s (Marin space, 1 core, no simulation)",
+              dict(MARIN, top=0, simulate=False, forecast_rows=0, workers=1),
+              lambda x: x["enumerated"] / x["closed_form_s"], "{:,.0f}"),
+             ("  enumeration s (same runs)", None, lambda x: x["enumerate_s"], "{:.2f}")]
+    if with_search:
+        cases.append(("Marin layout search as `make plan`, total wall s", dict(MARIN, workers=workers),
+                      lambda x: x["wall_s"], "{:.2f}"))
+    runs = {}
+    for case, request, _, _ in cases:
+        if request is None:
+            continue
+        runs[case] = {"old": [], "new": []}
+        for i in range(repeats):
+            for label in (("old", "new") if i % 2 == 0 else ("new", "old")):
+                runs[case][label].append(timed_search(trees[label], request))
+    print(f"old ({ref}) vs new (this tree), interleaved, {repeats} fresh processes each; min / median / max")
+    source = None
+    for case, request, value, fmt in cases:
+        source = case if request is not None else source
+        print(f"  {case}")
+        for label in ("old", "new"):
+            loads = [x["load"] for x in runs[source][label]]
+            print(f"    {label}: {spread((value(x) for x in runs[source][label]), fmt)}"
+                  f"   (load average {min(loads):.1f}-{max(loads):.1f})")
+    same = {case: {x["winner"] for side in r.values() for x in side} for case, r in runs.items()}
+    print(f"  the same winner in every run: {all(len(w) == 1 for w in same.values())}")
 
 
 # ------------------------------------------------------------------------------------------------ searches
@@ -212,9 +280,13 @@ def main() -> int:
     ap.add_argument("--compare-ref", metavar="GITREF",
                     help="also time the forecast kernel as of GITREF beside this tree's, on the top 16,384-GPU row")
     ap.add_argument("--compare-runs", type=int, default=50, help="Monte Carlo runs per --compare-ref timing")
+    ap.add_argument("--skip-ref-search", action="store_true",
+                    help="--compare-ref: compare the closed form only, not the whole Marin layout search")
     args = ap.parse_args()
     print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}, workers {args.workers}, "
           f"repeats {args.repeats}")
+    if args.compare_ref:
+        compare_trees(args.compare_ref, args.repeats, args.workers, not args.skip_ref_search)
     closed_form(args.repeats, args.scalar_sample)
     layout_search("Marin layout search (marin-535b-a23b, 11 x gb200-nvl72, 18e12 tokens, as `make plan`)",
                   Request(**MARIN, workers=args.workers), args.repeats)
