@@ -410,14 +410,29 @@ def _sort(ranked: list[Row], objective: str, simulated: bool) -> None:
     def key(row: Row):
         score = row.best_days if objective == "days" else -row.best_mfu
         sim_fits = not row.sim or row.sim.get("fits", True)
-        return (0 if sim_fits else 1, score, row.drop_fraction, row.layout.transport != "dropless", row.layout.label)
+        return (0 if sim_fits else 1, score, row.drop_fraction, row.layout.transport != "dropless")
     if simulated:
         top = [x for x in ranked if x.sim]
         rest = [x for x in ranked if not x.sim]
-        top.sort(key=key)
-        ranked[:] = top + rest
+        ranked[:] = _sorted_then_by_label(top, key) + rest
     else:
-        ranked.sort(key=key)
+        ranked[:] = _sorted_then_by_label(ranked, key)
+
+
+def _sorted_then_by_label(rows: list[Row], key) -> list[Row]:
+    """sorted(rows, key=lambda x: (key(x), x.layout.label)), building labels only for rows whose keys tie (a label
+    is a string built on first use; most rows never need one)."""
+    keys = [key(x) for x in rows]
+    order = sorted(range(len(rows)), key=keys.__getitem__)
+    out, start = [], 0
+    for end in range(1, len(order) + 1):
+        if end == len(order) or keys[order[end]] != keys[order[start]]:
+            run = [rows[i] for i in order[start:end]]
+            if len(run) > 1:
+                run.sort(key=lambda x: x.layout.label)
+            out += run
+            start = end
+    return out
 
 
 # ---------------------------------------------------------------- forecast
