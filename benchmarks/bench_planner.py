@@ -19,7 +19,8 @@ apart).
 --compare-ref times the whole tree as of GITREF (e.g. main) beside this one, interleaved (old, new, new, old, ...:
 each run a fresh process, a warm-up search then one timed, the 1-minute load average read beside it): the closed
 form's layouts/s (the Marin layout space, one core, no simulation) and, unless --skip-ref-search, the Marin layout
-search as `make plan` runs it. It also times the failure forecast's Monte Carlo kernel as of GITREF beside this
+search as `make plan` runs it; then planner/search.py alone as of GITREF beside this tree's in one process (both on
+this tree's enumeration and simulator), the closed form on the CPU clock, interleaved. It also times the failure forecast's Monte Carlo kernel as of GITREF beside this
 tree's on the top 16,384-GPU row, alternating, and says whether the two give the same runs.
 """
 
@@ -196,6 +197,40 @@ def compare_trees(ref: str, repeats: int, workers: int, with_search: bool) -> No
                   f"   (load average {min(loads):.1f}-{max(loads):.1f})")
     same = {case: {x["winner"] for side in r.values() for x in side} for case, r in runs.items()}
     print(f"  the same winner in every run: {all(len(w) == 1 for w in same.values())}")
+    compare_search_module(ref, repeats)
+
+
+def compare_search_module(ref: str, repeats: int) -> None:
+    """planner/search.py as of `ref` beside this tree's, in this process (both on this tree's enumeration and
+    simulator, so only the search module differs), interleaved: the closed-form stage on the process's CPU clock."""
+    import types
+
+    from git_ref import load_module_at
+    from rackcast.planner import search as new
+
+    old = load_module_at(ref, "planner/search.py")
+    mods = {"old": old, "new": new}
+    request = dict(MARIN, top=0, simulate=False, forecast_rows=0, workers=1)
+    stage_cpu, loads = {"old": [], "new": []}, []
+    clocks = {label: m.time for label, m in mods.items()}
+    try:
+        for m in mods.values():
+            m.time = types.SimpleNamespace(perf_counter=time.process_time)
+            m.search(m.Request(**request))  # warm-up
+        for i in range(repeats):
+            loads.append(os.getloadavg()[0])
+            for label in (("old", "new") if i % 2 == 0 else ("new", "old")):
+                res = mods[label].search(mods[label].Request(**request))
+                stage_cpu[label].append(res.timings["closed_form_s"])
+    finally:
+        for label, m in mods.items():
+            m.time = clocks[label]
+    enumerated = res.counts["enumerated"]
+    print(f"  closed form, planner/search.py as of {ref} vs this tree's in one process, {repeats} interleaved runs "
+          f"each (load average {min(loads):.1f}-{max(loads):.1f}): CPU s, then layouts per CPU second")
+    for label in ("old", "new"):
+        print(f"    {label}: {spread(stage_cpu[label], '{:.3f}')} s   "
+              f"{spread((enumerated / x for x in stage_cpu[label]), '{:,.0f}')} layouts/s")
 
 
 # ------------------------------------------------------------------------------------------------ searches
