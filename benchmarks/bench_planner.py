@@ -34,6 +34,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -147,7 +148,7 @@ load = os.getloadavg()[0]
 wall0 = time.perf_counter()
 res = search(request)
 print(json.dumps(dict(wall_s=time.perf_counter() - wall0, load=load, enumerated=res.counts["enumerated"],
-                      winner=res.winner.layout.label, **res.timings)))
+                      winner=res.winner.layout.label, module=planner_search.__file__, **res.timings)))
 """
 
 
@@ -157,8 +158,10 @@ def timed_search(pythonpath: str | None, request: dict, clock: str) -> dict:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+    # Run outside the repository: `python -c` puts the working folder first on sys.path, and this tree's rackcast/
+    # there would shadow the old tree's.
     out = subprocess.run([sys.executable, "-c", TIMED_SEARCH, json.dumps(request), clock], env=env, check=True,
-                         capture_output=True, text=True).stdout
+                         capture_output=True, text=True, cwd=tempfile.gettempdir()).stdout
     return json.loads(out.splitlines()[-1])
 
 
@@ -186,7 +189,9 @@ def compare_trees(ref: str, repeats: int, workers: int, with_search: bool) -> No
         for i in range(repeats):
             for label in (("old", "new") if i % 2 == 0 else ("new", "old")):
                 runs[case][label].append(timed_search(trees[label], request, clock))
+    modules = {label: sorted({x["module"] for r in runs.values() for x in r[label]}) for label in ("old", "new")}
     print(f"old ({ref}) vs new (this tree), interleaved, {repeats} fresh processes each; min / median / max")
+    print(f"  planner.search from: old {', '.join(modules['old'])}; new {', '.join(modules['new'])}")
     source = None
     for case, request, _, value, fmt in cases:
         source = case if request is not None else source
