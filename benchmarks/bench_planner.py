@@ -326,7 +326,8 @@ def main() -> int:
     ap.add_argument("--skip-step", action="store_true")
     ap.add_argument("--skip-16k-search", action="store_true", help="16,384-GPU rows: time only the failure forecast")
     ap.add_argument("--compare-ref", metavar="GITREF",
-                    help="also time the forecast kernel as of GITREF beside this tree's, on the top 16,384-GPU row")
+                    help="also time the tree as of GITREF beside this one, interleaved (the closed form, the Marin "
+                         "layout search, planner/search.py alone) and the forecast kernel on the top 16,384-GPU row")
     ap.add_argument("--compare-runs", type=int, default=50, help="Monte Carlo runs per --compare-ref timing")
     ap.add_argument("--skip-ref-search", action="store_true",
                     help="--compare-ref: compare the closed form only, not the whole Marin layout search")
