@@ -14,20 +14,27 @@ apart).
 
     .venv/bin/python benchmarks/bench_planner.py [--repeats 3] [--workers N] [--scalar-sample 2000]
                                                  [--skip-size] [--skip-16k] [--skip-step] [--skip-16k-search]
-                                                 [--compare-ref GITREF [--compare-runs 50]]
+                                                 [--compare-ref GITREF [--compare-runs 50] [--skip-ref-search]]
 
---compare-ref times the failure forecast's Monte Carlo kernel as of GITREF (e.g. main) beside this tree's on the
-top 16,384-GPU row, alternating, and says whether the two give the same runs.
+--compare-ref times the whole tree as of GITREF (e.g. main) beside this one, interleaved (old, new, new, old, ...:
+each run a fresh process, a warm-up search then one timed, the 1-minute load average read beside it): the closed
+form's layouts/s (the Marin layout space, one core, no simulation) and, unless --skip-ref-search, the Marin layout
+search as `make plan` runs it; then planner/search.py alone as of GITREF beside this tree's in one process (both on
+this tree's enumeration and simulator), the closed form on the CPU clock, interleaved. It also times the failure forecast's Monte Carlo kernel as of GITREF beside this
+tree's on the top 16,384-GPU row, alternating, and says whether the two give the same runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -67,9 +74,10 @@ def repeat(fn, repeats: int):
     return out
 
 
-def spread(values) -> str:
+def spread(values, fmt: str = "{:.2f}") -> str:
+    """min / median / max."""
     values = sorted(values)
-    return f"{values[0]:.2f} / {statistics.median(values):.2f} / {values[-1]:.2f}"
+    return " / ".join(fmt.format(v) for v in (values[0], statistics.median(values), values[-1]))
 
 
 def median_run(runs):
@@ -109,17 +117,125 @@ def closed_form(repeats: int, sample: int) -> None:
     found = enumerate_space(spec, MARIN["racks"], su.usable_gpus, su.domain_size, SpaceOptions(), MARIN["tokens"])
     r = Request(**MARIN, top=0, simulate=False, forecast_rows=0, workers=1)
     picked = random.Random(0).sample(found.layouts, min(sample, len(found.layouts)))
-    scalar = repeat(lambda: scalar_closed_form(picked, spec, r), repeats)
-    array = repeat(lambda: search(r), repeats)
+    search(r)  # warm-up: caches and numba's kernels
+    scalar, array, loads = [], [], []
+    for _ in range(repeats):  # interleaved, so both see the same load
+        loads.append(os.getloadavg()[0])
+        scalar += repeat(lambda: scalar_closed_form(picked, spec, r), 1)
+        array += repeat(lambda: search(r), 1)
     enumerated = array[0][2].counts["enumerated"]
     scalar_rates = [len(picked) / w for w, _, _ in scalar]
     array_rates = [enumerated / res.timings["closed_form_s"] for _, _, res in array]
     print(f"closed form on one core, Marin 535B on 11 x gb200-nvl72 ({enumerated:,} layouts enumerated, "
-          f"{len(found.layouts):,} valid): layouts/s min / median / max over {repeats} runs")
+          f"{len(found.layouts):,} valid): layouts/s min / median / max over {repeats} interleaved runs "
+          f"(load average {min(loads):.1f}-{max(loads):.1f})")
     print(f"  scalar, per layout (the previous search; {len(picked):,} sampled valid layouts): "
-          f"{' / '.join(f'{x:,.0f}' for x in sorted(scalar_rates))}")
+          f"{spread(scalar_rates, '{:,.0f}')}")
     print(f"  arrays, all layouts at once (simulator.plan_arrays; enumerated layouts / closed-form stage): "
-          f"{' / '.join(f'{x:,.0f}' for x in sorted(array_rates))}")
+          f"{spread(array_rates, '{:,.0f}')}")
+
+
+# ------------------------------------------------------------------------------------------------ old vs new
+TIMED_SEARCH = """
+import json, os, sys, time, types
+import rackcast.planner.search as planner_search
+from rackcast.planner.search import Request, search
+request = Request(**json.loads(sys.argv[1]))
+if sys.argv[2] == "cpu":  # the search's stage timer reads this process's CPU clock instead of the wall clock
+    planner_search.time = types.SimpleNamespace(perf_counter=time.process_time)
+search(request)  # warm-up: imports, caches, numba's kernels
+load = os.getloadavg()[0]
+wall0 = time.perf_counter()
+res = search(request)
+print(json.dumps(dict(wall_s=time.perf_counter() - wall0, load=load, enumerated=res.counts["enumerated"],
+                      winner=res.winner.layout.label, module=planner_search.__file__, **res.timings)))
+"""
+
+
+def timed_search(pythonpath: str | None, request: dict, clock: str) -> dict:
+    """One search in a fresh process (the tree on `pythonpath`, or this one): its stage timings (on the wall or the
+    process's CPU clock), total wall seconds and the load average."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    # Run outside the repository: `python -c` puts the working folder first on sys.path, and this tree's rackcast/
+    # there would shadow the old tree's.
+    out = subprocess.run([sys.executable, "-c", TIMED_SEARCH, json.dumps(request), clock], env=env, check=True,
+                         capture_output=True, text=True, cwd=tempfile.gettempdir()).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def compare_trees(ref: str, repeats: int, workers: int, with_search: bool) -> None:
+    """The closed form (and the Marin layout search) as of `ref` and in this tree, interleaved repeats. On a shared
+    machine the wall clock mostly measures the other jobs, so the one-core closed form is timed on both clocks."""
+    from git_ref import package_at
+
+    trees = {"old": str(package_at(ref)), "new": None}
+    closed = dict(MARIN, top=0, simulate=False, forecast_rows=0, workers=1)
+    cases = [("closed form, layouts/s on the wall clock (Marin space, 1 core, no simulation)", closed, "wall",
+              lambda x: x["enumerated"] / x["closed_form_s"], "{:,.0f}"),
+             ("  enumeration wall s (same runs)", None, None, lambda x: x["enumerate_s"], "{:.2f}"),
+             ("closed form, layouts per CPU second (the same search, its stage timer on the process's CPU clock)",
+              closed, "cpu", lambda x: x["enumerated"] / x["closed_form_s"], "{:,.0f}"),
+             ("  enumeration CPU s (same runs)", None, None, lambda x: x["enumerate_s"], "{:.2f}")]
+    if with_search:
+        cases.append(("Marin layout search as `make plan`, total wall s", dict(MARIN, workers=workers), "wall",
+                      lambda x: x["wall_s"], "{:.2f}"))
+    runs = {}
+    for case, request, clock, _, _ in cases:
+        if request is None:
+            continue
+        runs[case] = {"old": [], "new": []}
+        for i in range(repeats):
+            for label in (("old", "new") if i % 2 == 0 else ("new", "old")):
+                runs[case][label].append(timed_search(trees[label], request, clock))
+    modules = {label: sorted({x["module"] for r in runs.values() for x in r[label]}) for label in ("old", "new")}
+    print(f"old ({ref}) vs new (this tree), interleaved, {repeats} fresh processes each; min / median / max")
+    print(f"  planner.search from: old {', '.join(modules['old'])}; new {', '.join(modules['new'])}")
+    source = None
+    for case, request, _, value, fmt in cases:
+        source = case if request is not None else source
+        print(f"  {case}")
+        for label in ("old", "new"):
+            loads = [x["load"] for x in runs[source][label]]
+            print(f"    {label}: {spread((value(x) for x in runs[source][label]), fmt)}"
+                  f"   (load average {min(loads):.1f}-{max(loads):.1f})")
+    same = {case: {x["winner"] for side in r.values() for x in side} for case, r in runs.items()}
+    print(f"  the same winner in every run: {all(len(w) == 1 for w in same.values())}")
+    compare_search_module(ref, repeats)
+
+
+def compare_search_module(ref: str, repeats: int) -> None:
+    """planner/search.py as of `ref` beside this tree's, in this process (both on this tree's enumeration and
+    simulator, so only the search module differs), interleaved: the closed-form stage on the process's CPU clock."""
+    import types
+
+    from git_ref import load_module_at
+    from rackcast.planner import search as new
+
+    old = load_module_at(ref, "planner/search.py")
+    mods = {"old": old, "new": new}
+    request = dict(MARIN, top=0, simulate=False, forecast_rows=0, workers=1)
+    stage_cpu, loads = {"old": [], "new": []}, []
+    clocks = {label: m.time for label, m in mods.items()}
+    try:
+        for m in mods.values():
+            m.time = types.SimpleNamespace(perf_counter=time.process_time)
+            m.search(m.Request(**request))  # warm-up
+        for i in range(repeats):
+            loads.append(os.getloadavg()[0])
+            for label in (("old", "new") if i % 2 == 0 else ("new", "old")):
+                res = mods[label].search(mods[label].Request(**request))
+                stage_cpu[label].append(res.timings["closed_form_s"])
+    finally:
+        for label, m in mods.items():
+            m.time = clocks[label]
+    enumerated = res.counts["enumerated"]
+    print(f"  closed form, planner/search.py as of {ref} vs this tree's in one process, {repeats} interleaved runs "
+          f"each (load average {min(loads):.1f}-{max(loads):.1f}): CPU s, then layouts per CPU second")
+    for label in ("old", "new"):
+        print(f"    {label}: {spread(stage_cpu[label], '{:.3f}')} s   "
+              f"{spread((enumerated / x for x in stage_cpu[label]), '{:,.0f}')} layouts/s")
 
 
 # ------------------------------------------------------------------------------------------------ searches
@@ -210,11 +326,16 @@ def main() -> int:
     ap.add_argument("--skip-step", action="store_true")
     ap.add_argument("--skip-16k-search", action="store_true", help="16,384-GPU rows: time only the failure forecast")
     ap.add_argument("--compare-ref", metavar="GITREF",
-                    help="also time the forecast kernel as of GITREF beside this tree's, on the top 16,384-GPU row")
+                    help="also time the tree as of GITREF beside this one, interleaved (the closed form, the Marin "
+                         "layout search, planner/search.py alone) and the forecast kernel on the top 16,384-GPU row")
     ap.add_argument("--compare-runs", type=int, default=50, help="Monte Carlo runs per --compare-ref timing")
+    ap.add_argument("--skip-ref-search", action="store_true",
+                    help="--compare-ref: compare the closed form only, not the whole Marin layout search")
     args = ap.parse_args()
     print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}, workers {args.workers}, "
           f"repeats {args.repeats}")
+    if args.compare_ref:
+        compare_trees(args.compare_ref, args.repeats, args.workers, not args.skip_ref_search)
     closed_form(args.repeats, args.scalar_sample)
     layout_search("Marin layout search (marin-535b-a23b, 11 x gb200-nvl72, 18e12 tokens, as `make plan`)",
                   Request(**MARIN, workers=args.workers), args.repeats)

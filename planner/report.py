@@ -13,11 +13,11 @@ from rich.table import Table
 from rackcast.atomic import atomic_path
 from rackcast.plan import Plan, save_plan, with_prediction
 from rackcast.simulator import metrics
+from rackcast.planner.rows import MEMORY_PARTS
 from rackcast.planner.search import Result, Row, predicted_for
 from rackcast.planner.space import LAYOUT_COLUMNS
 from rackcast.units import GIB
 from rackcast.vocab import PHASES
-MEMORY_PARTS = ("weights", "gradients", "master", "optimizer", "activations", "buffers", "total", "host")
 
 
 def fmt_rate(tokens_per_s: float) -> str:

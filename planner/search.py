@@ -36,6 +36,7 @@ from rackcast.units import GIB
 from rackcast.vocab import PHASES
 
 from rackcast.planner.infeasible import tightest_constraint
+from rackcast.planner.rows import MEMORY_PARTS, OverMemory, Rejected, Row
 from rackcast.planner.space import (Enumeration, Layout, SpaceOptions, enumerate_space, expert_transport, fast_spec,
                                     make_plan, optimizer_for)
 from rackcast.planner.verify import ESTIMATE_BAND, MAX_SIMULATED, default_workers, verify_ranking
@@ -65,46 +66,12 @@ class Request:
 
 
 @dataclass
-class Row:
-    """One candidate and its figures (NaN where a stage did not reach it)."""
-
-    layout: Layout
-    status: str  # ranked | invalid | no_fit
-    reason: str = ""
-    memory: dict = field(default_factory=dict)  # MemoryBreakdown.as_dict() per GPU
-    host_per_host: float = math.nan
-    step_time_s: float = math.nan
-    tokens_per_s: float = math.nan
-    mfu: float = math.nan
-    days: float = math.nan  # steady-state days to the token budget
-    phases: dict = field(default_factory=dict)
-    drop_fraction: float = 0.0
-    sim: dict = field(default_factory=dict)  # simulated figures when simulated
-    rank: int = 0  # 1-based among ranked rows
-
-    @property
-    def best_tokens_per_s(self) -> float:
-        return self.sim.get("tokens_per_s", self.tokens_per_s)
-
-    @property
-    def best_mfu(self) -> float:
-        return self.sim.get("mfu", self.mfu)
-
-    @property
-    def best_days(self) -> float:
-        return self.sim.get("days", self.days)
-
-    @property
-    def peak_memory(self) -> float:
-        return self.sim.get("peak_memory_bytes", self.memory.get("total", math.nan))
-
-
-@dataclass
 class Result:
     request: Request
     spec: ModelSpec
     topo: Topology  # at the preset's default GPUs per domain
-    rows: list[Row]
+    evaluated: list[Row]  # the candidates the closed form priced, in the order it priced them
+    rejected: Rejected  # the refused layouts; their Rows are built only when `rows` is read
     ranked: list[Row]
     hbm_bytes: float
     host_bytes: float
@@ -117,6 +84,18 @@ class Result:
     memory_note: str = ""  # the memory per GPU candidates were fitted into, when the request held it below HBM
     forecast_days: dict[int, float] = field(default_factory=dict)  # id(row) -> P50 days with failures
     deadline_prob: dict[int, float] = field(default_factory=dict)  # id(row) -> P(finish by the deadline)
+    _rows: list[Row] | None = field(default=None, repr=False)
+
+    @property
+    def rows(self) -> list[Row]:
+        """Every candidate: the refused (invalid, then over memory) and then the evaluated ones."""
+        if self._rows is None:
+            self._rows = self.rejected.rows() + self.evaluated
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows: list[Row]) -> None:
+        self._rows = rows
 
     @property
     def winner(self) -> Row:
@@ -196,7 +175,8 @@ def _selective_saves(spec: ModelSpec, layouts: list[Layout], r: Request) -> np.n
 
 def _memory_choices(layouts: list[Layout], spec: ModelSpec, topos, r: Request):
     """For every layout, the lightest fitting (recompute, optimizer location) choices, or the leanest failure.
-    Returns (candidates, memory dicts, host bytes per host, fits) in layout order."""
+    Returns ([(candidate, memory dict, host bytes per host)] in layout order, the OverMemory of those that fit
+    nowhere)."""
     opts, n = r.options, len(layouts)
     levels = [x for x in ("none", "selective", "full") if x in opts.recompute and x in opts.capabilities.recompute]
     locations = [x for x in ("hbm", "host") if x in opts.opt_locations and x in opts.capabilities.optimizer_state]
@@ -233,28 +213,32 @@ def _memory_choices(layouts: list[Layout], spec: ModelSpec, topos, r: Request):
     # The leanest failure: the first smallest total among the choices tried (every one, where nothing fit).
     totals = np.array([np.where(mask, m.total, np.inf) for _, _, m, _, _, mask in tried])
     leanest = np.argmin(totals, axis=0)
-    picks = [(np.flatnonzero(ok), order, k, True) for order, ok, k in emitted]
-    picks.append((np.flatnonzero(~any_fit), len(emitted), None, False))
+    picks = [(np.flatnonzero(ok), order, k) for order, ok, k in emitted]
     index = np.concatenate([p[0] for p in picks])
     order = np.concatenate([np.full(len(p[0]), p[1]) for p in picks])
     sort = np.lexsort((order, index))  # per layout, in the order its choices were tried
-    which = np.concatenate([np.full(len(p[0]), -1 if p[2] is None else p[2]) for p in picks])[sort]
+    which = np.concatenate([np.full(len(p[0]), p[2]) for p in picks])[sort]
     index = index[sort]
-    which = np.where(which < 0, leanest[index], which)
-    fits = np.concatenate([np.full(len(p[0]), p[3]) for p in picks])[sort]
-    parts = ("weights", "gradients", "master", "optimizer", "activations", "buffers", "total", "host")
-    columns = {k: np.zeros(len(index)) for k in (*parts, "hph")}
+    lists = {k: v.tolist() for k, v in _memory_columns(tried, n, index, which).items()}
+    mems = [dict(zip(MEMORY_PARTS, vals)) for vals in zip(*(lists[p] for p in MEMORY_PARTS))]
+    cands = [Layout(lay.usable, lay.parallel, lay.global_batch, lay.micro_batch, lay.schedule, tried[k][0],
+                    tried[k][1], lay.transport) for lay, k in zip((layouts[i] for i in index.tolist()), which.tolist())]
+    over = np.flatnonzero(~any_fit)
+    over_memory = OverMemory(layouts, over, [(t[0], t[1]) for t in tried], leanest[over],
+                             _memory_columns(tried, n, over, leanest[over]), topos)
+    return list(zip(cands, mems, lists["host_per_host"])), over_memory
+
+
+def _memory_columns(tried, n: int, index: np.ndarray, which: np.ndarray) -> dict[str, np.ndarray]:
+    """MEMORY_PARTS and host bytes per host of layout index[j] under the choice tried[which[j]]."""
+    columns = {k: np.zeros(len(index)) for k in (*MEMORY_PARTS, "host_per_host")}
     for k, (_, _, m, _, hph, _) in enumerate(tried):
         sel = which == k
         d = m.as_dict()
-        for part in parts:
+        for part in MEMORY_PARTS:
             columns[part][sel] = np.broadcast_to(d[part], (n,))[index[sel]]
-        columns["hph"][sel] = hph[index[sel]]
-    lists = {k: v.tolist() for k, v in columns.items()}
-    mems = [dict(zip(parts, vals)) for vals in zip(*(lists[p] for p in parts))]
-    cands = [Layout(lay.usable, lay.parallel, lay.global_batch, lay.micro_batch, lay.schedule, tried[k][0],
-                    tried[k][1], lay.transport) for lay, k in zip((layouts[i] for i in index.tolist()), which.tolist())]
-    return cands, mems, lists["hph"], fits.tolist()
+        columns["host_per_host"][sel] = hph[index[sel]]
+    return columns
 
 
 # ---------------------------------------------------------------- search
@@ -324,14 +308,14 @@ def search(r: Request, progress=None) -> Result:
         from rackcast.simulator.op_counts import op_counts
 
         op_counts(spec, optimizer_for(spec))
-    rows = [Row(layout=lay, status="invalid", reason=why) for lay, why in found.rejected]
-    ranked = _evaluate(found.layouts, rows, fspec, base, topos, r)
+    rejected, evaluated = Rejected(invalid=found.rejected), []
+    ranked = _evaluate(found.layouts, rejected, evaluated, fspec, base, topos, r)
     if "capacity" in r.options.transports and "dropless" in r.options.transports and spec.moe is not None:
-        ranked += _refine_capacity(ranked, rows, fspec, base, topos, r)
+        ranked += _refine_capacity(ranked, evaluated, fspec, base, topos, r)
     timings["closed_form_s"] = time.perf_counter() - t0
     _sort(ranked, r.objective, simulated=False)
 
-    result = Result(request=r, spec=spec, topo=base, rows=rows, ranked=ranked, hbm_bytes=base.accelerator.hbm_bytes,
+    result = Result(request=r, spec=spec, topo=base, evaluated=evaluated, rejected=rejected, ranked=ranked, hbm_bytes=base.accelerator.hbm_bytes,
                     host_bytes=base.host.memory_bytes, available_days=avail, counts={}, timings=timings,
                     batch_note=batch_note(r, spec, su.usable_gpus))
     if base.accelerator.hbm_bytes < full.accelerator.hbm_bytes:
@@ -354,33 +338,30 @@ def search(r: Request, progress=None) -> Result:
     rows_forecast = max(r.top, r.forecast_rows)
     result.days_note = apply_forecast(result, rows_forecast) if rows_forecast else "no failure forecast (0 rows)"
     timings["forecast_s"] = time.perf_counter() - t0
+    refused = rejected.counts()
     result.counts = {
-        "enumerated": len(rows), "invalid": sum(x.status == "invalid" for x in rows),
-        "no_fit": sum(x.status == "no_fit" for x in rows), "ranked": len(ranked),
+        "enumerated": sum(refused.values()) + len(evaluated), **refused, "ranked": len(ranked),
         "simulated": sum(bool(x.sim) for x in ranked),
     }
     return result
 
 
-def _evaluate(layouts: list[Layout], rows: list[Row], spec: ModelSpec, base: Topology, topos, r: Request) -> list[Row]:
-    """Memory of every layout, the lightest fitting choices, then the closed form over those that fit (arrays)."""
+def _evaluate(layouts: list[Layout], rejected: Rejected, evaluated: list[Row], spec: ModelSpec, base: Topology, topos,
+              r: Request) -> list[Row]:
+    """Memory of every layout, the lightest fitting choices, then the closed form over those that fit (arrays).
+    Layouts that fit nowhere join `rejected`; the candidates' rows join `evaluated` and are returned."""
     if not layouts:
         return []
-    cands, mems, hphs, fits = _memory_choices(layouts, spec, topos, r)
-    kept = []
-    for cand, mem, hph, ok in zip(cands, mems, hphs, fits):
-        if ok:
-            kept.append((cand, mem, hph))
-        else:
-            rows.append(Row(cand, "no_fit", _no_fit_reason(mem, hph, topos[cand.usable]), mem, hph))
-    return _closed_form_by_usable(kept, rows, spec, base, topos, r)
+    kept, over_memory = _memory_choices(layouts, spec, topos, r)
+    rejected.over_memory.append(over_memory)
+    return _closed_form_by_usable(kept, evaluated, spec, base, topos, r)
 
 
-def _closed_form_by_usable(kept: list[tuple[Layout, dict, float]], rows: list[Row], spec: ModelSpec, base: Topology,
+def _closed_form_by_usable(kept: list[tuple[Layout, dict, float]], evaluated: list[Row], spec: ModelSpec, base: Topology,
                            topos, r: Request) -> list[Row]:
     """_closed_form once per count of GPUs used per domain, on that count's topology: per-GPU figures can depend on
     it (processes that time-share a CPU host's cores, topologies.spec.Topology.time_shared); placement takes each
-    candidate's own. The rows keep `kept`'s order and are added to `rows`."""
+    candidate's own. The rows keep `kept`'s order and are added to `evaluated`."""
     by_usable: dict[int, list[int]] = {}
     for i, (cand, _, _) in enumerate(kept):
         by_usable.setdefault(cand.usable, []).append(i)
@@ -388,7 +369,7 @@ def _closed_form_by_usable(kept: list[tuple[Layout, dict, float]], rows: list[Ro
     for usable, idx in sorted(by_usable.items()):
         for i, row in zip(idx, _closed_form([kept[i] for i in idx], spec, topos.get(usable, base), r)):
             out[i] = row
-    rows.extend(out)
+    evaluated.extend(out)
     return out
 
 
@@ -414,21 +395,14 @@ def _closed_form(kept: list[tuple[Layout, dict, float]], spec: ModelSpec, topo: 
     return ranked
 
 
-def _refine_capacity(ranked: list[Row], rows: list[Row], spec: ModelSpec, base: Topology, topos,
+def _refine_capacity(ranked: list[Row], evaluated: list[Row], spec: ModelSpec, base: Topology, topos,
                      r: Request) -> list[Row]:
     """Capacity transport changes only the expert all-to-all and the load imbalance (not memory or validity), so it
     is tried on the best dropless layouts with experts split over several GPUs rather than on all of them."""
     _sort(ranked, r.objective, simulated=False)
     best = [x for x in ranked if x.layout.parallel.expert > 1][:REFINE]
     return _closed_form_by_usable([(replace(x.layout, transport="capacity"), x.memory, x.host_per_host) for x in best],
-                                  rows, spec, base, topos, r)
-
-
-def _no_fit_reason(mem: dict, host_per_host: float, topo: Topology) -> str:
-    if mem["total"] > topo.accelerator.hbm_bytes:
-        return f"memory per GPU {mem['total'] / GIB:.1f} GiB > HBM {topo.accelerator.hbm_bytes / GIB:.1f} GiB"
-    return (f"host memory {host_per_host / GIB:.1f} GiB per host > {topo.host.memory_bytes / GIB:.1f} GiB "
-            f"(offloaded optimizer state)")
+                                  evaluated, spec, base, topos, r)
 
 
 def _sort(ranked: list[Row], objective: str, simulated: bool) -> None:
@@ -436,14 +410,29 @@ def _sort(ranked: list[Row], objective: str, simulated: bool) -> None:
     def key(row: Row):
         score = row.best_days if objective == "days" else -row.best_mfu
         sim_fits = not row.sim or row.sim.get("fits", True)
-        return (0 if sim_fits else 1, score, row.drop_fraction, row.layout.transport != "dropless", row.layout.label)
+        return (0 if sim_fits else 1, score, row.drop_fraction, row.layout.transport != "dropless")
     if simulated:
         top = [x for x in ranked if x.sim]
         rest = [x for x in ranked if not x.sim]
-        top.sort(key=key)
-        ranked[:] = top + rest
+        ranked[:] = _sorted_then_by_label(top, key) + rest
     else:
-        ranked.sort(key=key)
+        ranked[:] = _sorted_then_by_label(ranked, key)
+
+
+def _sorted_then_by_label(rows: list[Row], key) -> list[Row]:
+    """sorted(rows, key=lambda x: (key(x), x.layout.label)), building labels only for rows whose keys tie (a label
+    is a string built on first use; most rows never need one)."""
+    keys = [key(x) for x in rows]
+    order = sorted(range(len(rows)), key=keys.__getitem__)
+    out, start = [], 0
+    for end in range(1, len(order) + 1):
+        if end == len(order) or keys[order[end]] != keys[order[start]]:
+            run = [rows[i] for i in order[start:end]]
+            if len(run) > 1:
+                run.sort(key=lambda x: x.layout.label)
+            out += run
+            start = end
+    return out
 
 
 # ---------------------------------------------------------------- forecast

@@ -250,6 +250,12 @@ def expert_transport(mode: str) -> ExpertTransport:
     return ExpertTransport(mode=mode, capacity_factor=CAPACITY_FACTOR if mode == "capacity" else 1.0)
 
 
+@lru_cache(maxsize=None)
+def _optimizer(recipe: Recipe, state_location: str) -> OptimizerSpec:
+    """The plan's optimizer block (frozen, so one per recipe and location serves every layout)."""
+    return OptimizerSpec.from_recipe(recipe, state_location=state_location)
+
+
 def make_plan(layout: Layout, model: str | ModelSpec, topology: str, domains: int, spec: ModelSpec, *,
               tokens: float = 0.0, start: str = "", deadline: str = "", name: str = "") -> Plan:
     recipe = spec.recipe or Recipe(optimizer=optimizer_for(spec))
@@ -262,7 +268,7 @@ def make_plan(layout: Layout, model: str | ModelSpec, topology: str, domains: in
         batch=BatchSpec(global_batch=layout.global_batch, micro_batch=layout.micro_batch),
         schedule=layout.schedule,
         recompute=layout.recompute,
-        optimizer=OptimizerSpec.from_recipe(recipe, state_location=layout.opt_location),
+        optimizer=_optimizer(recipe, layout.opt_location),
         expert_transport=transport,
         z_loss_weight=recipe.z_loss_weight, combine_sum=recipe.combine_sum,
         tokens=tokens, start=start, deadline=deadline,
@@ -304,12 +310,17 @@ def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_s
     fallback = options.global_batch or default_global_batch(spec, default_usable, domains, tokens)
     for u in usable_options(options, default_usable, domain_size):
         for d, f, t, c, p, e, et in structures(spec, domains, u, options):
-            pars = {v: [ParallelSpec(data=d, fsdp=f, tensor=t, pipeline=p, virtual=v, expert=e, expert_tensor=et,
-                                     context=c, sequence_parallel=t > 1, stage_layers=split, zero=z)
-                        for split in layer_splits(spec.layers, p * v, options.capabilities)
-                        for z in zero_stages(options, d, f)]
-                    for v in {1, *options.virtuals, 2}}
-            base = Layout(u, pars[1][0], options.global_batch or fallback, 1, "1f1b", "none", "hbm", "dropless")
+            pars = {}  # per virtual stage count, built when a knob variant first needs it
+
+            def parallels(v: int) -> list[ParallelSpec]:
+                if v not in pars:
+                    pars[v] = [ParallelSpec(data=d, fsdp=f, tensor=t, pipeline=p, virtual=v, expert=e,
+                                            expert_tensor=et, context=c, sequence_parallel=t > 1, stage_layers=split,
+                                            zero=z)
+                               for split in layer_splits(spec.layers, p * v, options.capabilities)
+                               for z in zero_stages(options, d, f)]
+                return pars[v]
+            base = Layout(u, parallels(1)[0], options.global_batch or fallback, 1, "1f1b", "none", "hbm", "dropless")
             reason = check(base, spec, domains, options.capabilities)
             if reason and not _knob_dependent(reason):
                 out.rejected.append((base, reason))
@@ -317,7 +328,7 @@ def enumerate_space(spec: ModelSpec, domains: int, default_usable: int, domain_s
             any_knobs = False
             for gb, mb, sched, v, tr in knob_variants(spec, options, d, f, p, fallback):
                 any_knobs = True
-                for par in pars[v]:
+                for par in parallels(v):
                     layout = Layout(u, par, gb, mb, sched, "none", "hbm", tr)
                     reason = check(layout, spec, domains, options.capabilities)
                     if reason:

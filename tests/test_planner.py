@@ -53,6 +53,33 @@ def test_ranking_is_sorted_and_rows_cover_every_status(small_result):
     assert all(row.reason for row in small_result.rows if row.status != "ranked")
 
 
+def test_refused_rows_built_on_demand_hold_their_own_layouts_memory_and_match_the_counts(small_result):
+    """The refused layouts become Rows only when result.rows is read (planner.rows): every over-memory row must
+    carry the memory simulator.memory gives its own layout (with the recompute and optimizer location it lists),
+    must not fit, and the counts must be those of the rows."""
+    from collections import Counter
+
+    from rackcast.simulator import metrics
+    from rackcast.simulator.memory import memory_breakdown
+    from rackcast.topologies import load_topology
+
+    rows = small_result.rows
+    statuses = Counter(row.status for row in rows)
+    counts = small_result.counts
+    assert counts["enumerated"] == len(rows)
+    assert {k: counts[k] for k in ("invalid", "no_fit", "ranked")} == dict(statuses)
+    over = [row for row in rows if row.status == "no_fit"]
+    assert over
+    for row in over[:: max(1, len(over) // 12)]:
+        plan = small_result.plan_for(row)
+        mem = memory_breakdown(small_result.spec, plan)
+        topo = load_topology(plan.topology.name, plan.topology.domains, plan.topology.usable_gpus)
+        assert row.memory["total"] == pytest.approx(mem.total, rel=1e-12)
+        assert row.memory["host"] == pytest.approx(mem.host, rel=1e-12)
+        assert row.host_per_host == pytest.approx(metrics.host_bytes_per_host(mem.host, topo), rel=1e-12)
+        assert not metrics.fits_memory(mem.total, mem.host, topo)
+
+
 def test_host_offload_shortcut_matches_memory_breakdown():
     from rackcast.planner.search import offloaded
     from rackcast.planner.space import Layout, make_plan

@@ -171,6 +171,7 @@ def _call(fn, progress, *args):
 
 
 def run_search(request, progress) -> SearchOutcome:
+    from rackcast.planner.rows import Rejected
     from rackcast.planner.search import search
 
     result = _call(search, progress, request)
@@ -182,7 +183,9 @@ def run_search(request, progress) -> SearchOutcome:
         out.days.append(result.forecast_days.get(id(row), math.nan))
         out.probs.append(result.deadline_prob.get(id(row), math.nan))
     result.ranked = ranked
-    result.rows = [x for x in result.rows if id(x) in keep]
+    result.evaluated = [x for x in result.evaluated if id(x) in keep]
+    result.rows = list(result.evaluated)
+    result.rejected = Rejected()  # the refused layouts are never kept (nor sent back through the pipe)
     out.result = result
     return out
 
@@ -190,6 +193,7 @@ def run_search(request, progress) -> SearchOutcome:
 def run_size(kwargs: dict, progress) -> "SizeOutcome":
     """planner.size.size_search(**kwargs), each shape's result trimmed to its best layout."""
     from rackcast.planner import size
+    from rackcast.planner.rows import Rejected
 
     result = _call(lambda: size.size_search(**kwargs), progress)
     out = SizeOutcome(result=result)
@@ -198,7 +202,7 @@ def run_size(kwargs: dict, progress) -> "SizeOutcome":
         out.days.append(s.days)
         if r is not None:
             out.probs.append(r.deadline_prob.get(id(s.best), math.nan))
-            r.ranked, r.rows = r.ranked[:1], []
+            r.ranked, r.rows, r.evaluated, r.rejected = r.ranked[:1], [], [], Rejected()
         else:
             out.probs.append(math.nan)
     return out
