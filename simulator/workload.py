@@ -150,14 +150,13 @@ class Workload:
         spec, plan = self.spec, self.plan
         rp = rank_params(spec, plan, s)
         layers = [lw.index for c in chunks for lw in chunks[c]]
-        head_s = self._gemm_s(spec.tail_flops_fwd(HW), costs.unquantised(plan.precision)) \
-            if (self.n_chunks - 1) in chunks else 0.0
+        last = (self.n_chunks - 1) in chunks
+        head_s = self._gemm_s(spec.tail_flops_fwd(HW), costs.unquantised(plan.precision)) if last else 0.0
         embed_s = self._gemm_s(spec.embed_flops_fwd()) if 0 in chunks else 0.0
         static = static_bytes(rp, plan)
         # The multi-token-prediction modules' saved tensors, held on the head's stage for the step (as the memory
         # model's one in-flight micro-batch of the last chunk under 1F1B; not allocated and freed per micro-batch).
-        mtp_bytes = mtp_activation_bytes_per_token(spec, plan) * self.tokens_mb if (self.n_chunks - 1) in chunks \
-            else 0.0
+        mtp_bytes = mtp_activation_bytes_per_token(spec, plan) * self.tokens_mb if last else 0.0
         host_bytes = static.pop("host")  # resident on the host; the step moves it in and back out
         opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
         ns = newton_schulz_flops(spec, plan, layers)
@@ -169,7 +168,7 @@ class Workload:
         if self.counts:
             optimizer_s += optimizer_ops(self.counts, spec, plan, s) * self.host.optimizer
             embed_ops = self.counts["fwd_embed"] if 0 in chunks else 0.0
-            head_ops = self.counts["fwd_head"] if (self.n_chunks - 1) in chunks else 0.0
+            head_ops = self.counts["fwd_head"] if last else 0.0
         return StageWork(stage=s, chunks=chunks, head_s=head_s, embed_s=embed_s, top_params=top,
                          embed_params=rp.embed_end, head_params=rp.head_end, static_bytes=static,
                          reduction_comms=self.reduction_comms(rp.dense, rp.expert),
