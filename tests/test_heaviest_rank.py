@@ -64,11 +64,12 @@ def test_the_planner_refuses_a_layout_whose_rank_0_fits_but_whose_heaviest_rank_
     base = load_topology("a100-dgx", 1, 8)
     tight = replace(base, accelerator=replace(base.accelerator, hbm_bytes=(rank0 + heaviest) / 2))
     assert metrics.fits_memory(rank0, 0.0, tight)  # the old rank-0 check would have called it fitting
-    _, mems, _, fits = S._memory_choices([lay], GPT, {8: tight}, request)
-    assert list(fits) == [False]
-    assert mems[0]["total"] == pytest.approx(heaviest, rel=1e-12)
+    fitting, over = S._memory_choices([lay], GPT, {8: tight}, request)
+    assert fitting == [] and over.index.tolist() == [0]
+    assert over.memory["total"][0] == pytest.approx(heaviest, rel=1e-12)
     roomy = replace(base, accelerator=replace(base.accelerator, hbm_bytes=heaviest * 1.01))
-    assert list(S._memory_choices([lay], GPT, {8: roomy}, request)[3]) == [True]
+    fitting, over = S._memory_choices([lay], GPT, {8: roomy}, request)
+    assert len(fitting) == 1 and len(over) == 0
 
 
 def test_the_simulated_peak_over_every_rank_agrees_with_the_heaviest_rank_estimate():
