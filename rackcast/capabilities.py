@@ -56,7 +56,6 @@ class Capabilities:
     context_with_fsdp: bool = True  # context > 1 together with fsdp > 1 (sharding over data x fsdp x context)
     context_with_pipeline: bool = True  # context > 1 together with pipeline > 1
     context_with_zero: bool = True  # context > 1 together with parallel.zero >= 1
-    context_model_features: bool = True  # context > 1 with multi-token prediction
     expert_tensor_with_tensor: bool = True  # expert_tensor > 1 together with tensor > 1
     expert_tensor_with_context: bool = True  # expert_tensor > 1 together with context > 1
     expert_tensor_with_fsdp: bool = True  # expert_tensor > 1 together with fsdp > 1
@@ -106,9 +105,6 @@ TRAINER = Capabilities(
     context_with_fsdp=True,  # backend.parallel.dense_fsdp_mesh: sharded over fsdp, replicated over data x context
     context_with_zero=True,  # backend.zero over the token ranks (data x fsdp x context), divided by them
     context_with_pipeline=True,  # backend.train._pipeline_loss: stages on sequence chunks, the loss scaled per chunk
-    # MTP (backend.mtp with context_parallel.next_head), latent attention and the aux loss run
-    # (backend.latent_attention, backend.frontier_routing)
-    context_model_features=True,
     expert_tensor_with_tensor=False,  # not tried: width slices in an expert group folded over the tp ranks
     expert_tensor_with_context=True,  # the width slices' gradients averaged over the token ranks data x context
     # backend.fsdp: the width slices' DTensors on the expert FSDP mesh's root (backend.parallel.Groups), sharded 2-D
@@ -284,12 +280,6 @@ def _context_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
     p = plan.parallel
     # tensor with context is refused once, by _tensor_refusals (Capabilities has no context_with_tensor)
     out = _combination_refusals(p, caps, "context", "context parallelism")
-    if not caps.context_model_features:
-        features = [what for what, present in (
-            ("multi-token prediction (mtp)", spec.mtp is not None),) if present]
-        if features:
-            out.append(f"parallel.context: context parallelism with {', '.join(features)} is not implemented by "
-                       "the trainer")
     if spec.mtp is not None and spec.seq_len // p.context < spec.mtp.depth + 2:
         out.append(f"parallel.context: chunks of {spec.seq_len // p.context} tokens are shorter than multi-token "
                    f"prediction's lookahead of mtp.depth + 2 = {spec.mtp.depth + 2}")

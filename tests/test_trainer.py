@@ -34,9 +34,9 @@ def data_folder(tmp_path_factory):
 
 @pytest.mark.parametrize("field, plan_name, change", [
     ("parallel.tensor", "tiny-1proc", dict(tensor=2)),
-    # context runs with fsdp, ZeRO, pipelines and latent attention; with multi-token prediction it is refused
-    ("parallel.context", "tiny-deepseek-v3", dict(context=2)),
-    ("parallel.expert_tensor", "tiny-1proc", dict(expert_tensor=2, fsdp=2)),  # with fsdp refused
+    # context runs with multi-token prediction while each chunk holds MTP's lookahead (depth + 2 tokens): 128 / 64 not
+    ("parallel.context", "tiny-deepseek-v3", dict(context=64)),
+    ("parallel.expert_tensor", "tiny-2proc-tp-ep", dict(expert_tensor=2)),  # with tensor parallelism refused
 ])
 def test_validate_trainable_refuses_unsupported_parallelism_naming_the_field(field, plan_name, change):
     plan = load_plan(PLANS / f"{plan_name}.yaml")
