@@ -174,17 +174,23 @@ class Pipeline:
         chunk 0, hidden states [mb, seq, d_model] between chunks, logits [mb, seq, vocab] out of the last. Given on
         every stage, torch's pipelining skips its metadata-inference forward and backward on the first step, whose
         expert all-to-alls (and FSDP gathers) interleaved with the stages' metadata messages in a rank-dependent
-        order and hung (D2 x E2 x P2 x V2 zb_h1). None under tensor parallelism: its stages' boundary layout is
-        DTensor-dependent, so torch infers it."""
-        if self.layout.tp > 1:
-            return {}
+        order and hung (D2 x E2 x P2 x V2 zb_h1; under tensor parallelism TP2 x EP2 x PP2, where the inference
+        forward on torch's uninitialised inputs routed differently on the two tp ranks, whose backwards then entered
+        the tp all-gather and the expert all-to-all in different orders). Under tensor parallelism the boundaries are
+        plain tensors (the row-parallel outputs are local, backend.tensor_parallel), with sequence parallelism the
+        rank's part of the sequence (`sequence_part`)."""
+        from rackcast.backend.tensor_parallel import sequence_part
+
         spec = module.spec
         mb = tokens.chunk(self.microbatches)[0].shape  # torch splits the step's rows the same way (tensor_split)
         hidden = next(p for p in module.parameters() if p.is_floating_point()).dtype
         autocast = torch.is_autocast_enabled(self.device.type)
         logits = torch.get_autocast_dtype(self.device.type) if autocast else hidden
         meta = dict(device="meta")  # requires_grad: torch sends gradients back only for inputs that ask
-        hidden_states = torch.empty(*mb, spec.d_model, dtype=hidden, requires_grad=True, **meta)
+        seq = mb[1]
+        if self.layout.tp > 1 and self.layout.sequence_parallel:
+            seq = sequence_part(torch.empty(1, seq, **meta), self.layout.tp_rank, self.layout.tp).shape[1]
+        hidden_states = torch.empty(mb[0], seq, spec.d_model, dtype=hidden, requires_grad=True, **meta)
         inputs = torch.empty(*mb, dtype=tokens.dtype, **meta) if chunk == 0 else hidden_states
         last = chunk == self.total - 1
         outputs = torch.empty(*mb, spec.vocab, dtype=logits, requires_grad=True, **meta) if last else hidden_states
