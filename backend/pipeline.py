@@ -20,8 +20,9 @@ Schedules: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved_1f1b -> Sch
 zb_h1 -> ScheduleInterleavedZeroBubble, dualpipev -> ScheduleDualPipeV. Gradients are averaged over micro-batches by
 the schedule (scale_grads). Stage forward/backward calls are timed, so the rest of a schedule step is pipeline wait.
 The stages and the schedule are built on the first step, each stage given its input and output shapes
-(`Pipeline._static_shapes`), so torch runs no shape-inference forward and backward (whose expert all-to-alls hung
-against other ranks' metadata messages); under tensor parallelism torch still infers them.
+(`Pipeline._static_shapes`; under sequence parallelism the rank's part of the sequence), so torch runs no
+shape-inference forward and backward (whose expert all-to-alls hung against other ranks' metadata messages, and under
+tensor parallelism against the tp collectives).
 
 With pipeline == 1 the trainer still uses one StageChunk holding the whole model, without a schedule.
 """
@@ -124,28 +125,6 @@ def _timed(fn, timer: PhaseTimer, name: str):
     return wrapper
 
 
-def _without_statistics(fn, module: nn.Module):
-    """Run fn (the stage's metadata-inference forward) without it counting as a training forward: no
-    quantile-balancing margins, routing counts, auxiliary-loss-free balancing counts or drop counts are kept from it."""
-    from rackcast.backend.moe import MoE
-
-    def wrapper(*args, **kwargs):
-        moes = [m for m in module.modules() if isinstance(m, MoE)]
-        saved = [(m.collect_margins, m.routing_counts_sum, m.step_counts, getattr(m, "dropped", 0),
-                  getattr(m, "assigned", 0)) for m in moes]
-        for m in moes:
-            m.collect_margins = False
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            for m, (collect, counts, step_counts, dropped, assigned) in zip(moes, saved):
-                m.collect_margins, m.routing_counts_sum, m.step_counts = collect, counts, step_counts
-                if hasattr(m, "dropped"):
-                    m.dropped, m.assigned = dropped, assigned
-
-    return wrapper
-
-
 class Pipeline:
     """The plan's schedule over this rank's stage chunks (each possibly FSDP-wrapped), and the sum of the token
     embedding's gradients over the embedding group (`sum_embedding_grads`, after the step's backward)."""
@@ -203,8 +182,6 @@ class Pipeline:
         for module, c in zip(self.modules, self.chunk_index):
             stage = PipelineStage(module, c, self.total, self.device, group=self.group,
                                   **self._static_shapes(tokens, module, c))
-            if hasattr(stage, "_forward_metadata_inference"):  # torch 2.13 infers shapes: tensor parallelism
-                stage._forward_metadata_inference = _without_statistics(stage._forward_metadata_inference, module)
             for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, method, _timed(getattr(stage, method), self.timer, "pipeline_stage_work"))
             self.stages.append(stage)
