@@ -20,8 +20,9 @@ Schedules: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved_1f1b -> Sch
 zb_h1 -> ScheduleInterleavedZeroBubble, dualpipev -> ScheduleDualPipeV. Gradients are averaged over micro-batches by
 the schedule (scale_grads). Stage forward/backward calls are timed, so the rest of a schedule step is pipeline wait.
 The stages and the schedule are built on the first step, each stage given its input and output shapes
-(`Pipeline._static_shapes`), so torch runs no shape-inference forward and backward (whose expert all-to-alls hung
-against other ranks' metadata messages); under tensor parallelism torch still infers them.
+(`Pipeline._static_shapes`; under sequence parallelism the rank's part of the sequence), so torch runs no
+shape-inference forward and backward (whose expert all-to-alls hung against other ranks' metadata messages, and under
+tensor parallelism against the tp collectives).
 
 With pipeline == 1 the trainer still uses one StageChunk holding the whole model, without a schedule.
 """
@@ -124,28 +125,6 @@ def _timed(fn, timer: PhaseTimer, name: str):
     return wrapper
 
 
-def _without_statistics(fn, module: nn.Module):
-    """Run fn (the stage's metadata-inference forward) without it counting as a training forward: no
-    quantile-balancing margins, routing counts, auxiliary-loss-free balancing counts or drop counts are kept from it."""
-    from rackcast.backend.moe import MoE
-
-    def wrapper(*args, **kwargs):
-        moes = [m for m in module.modules() if isinstance(m, MoE)]
-        saved = [(m.collect_margins, m.routing_counts_sum, m.step_counts, getattr(m, "dropped", 0),
-                  getattr(m, "assigned", 0)) for m in moes]
-        for m in moes:
-            m.collect_margins = False
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            for m, (collect, counts, step_counts, dropped, assigned) in zip(moes, saved):
-                m.collect_margins, m.routing_counts_sum, m.step_counts = collect, counts, step_counts
-                if hasattr(m, "dropped"):
-                    m.dropped, m.assigned = dropped, assigned
-
-    return wrapper
-
-
 class Pipeline:
     """The plan's schedule over this rank's stage chunks (each possibly FSDP-wrapped), and the sum of the token
     embedding's gradients over the embedding group (`sum_embedding_grads`, after the step's backward)."""
@@ -174,17 +153,23 @@ class Pipeline:
         chunk 0, hidden states [mb, seq, d_model] between chunks, logits [mb, seq, vocab] out of the last. Given on
         every stage, torch's pipelining skips its metadata-inference forward and backward on the first step, whose
         expert all-to-alls (and FSDP gathers) interleaved with the stages' metadata messages in a rank-dependent
-        order and hung (D2 x E2 x P2 x V2 zb_h1). None under tensor parallelism: its stages' boundary layout is
-        DTensor-dependent, so torch infers it."""
-        if self.layout.tp > 1:
-            return {}
+        order and hung (D2 x E2 x P2 x V2 zb_h1; under tensor parallelism TP2 x EP2 x PP2, where the inference
+        forward on torch's uninitialised inputs routed differently on the two tp ranks, whose backwards then entered
+        the tp all-gather and the expert all-to-all in different orders). Under tensor parallelism the boundaries are
+        plain tensors (the row-parallel outputs are local, backend.tensor_parallel), with sequence parallelism the
+        rank's part of the sequence (`sequence_part`)."""
+        from rackcast.backend.tensor_parallel import sequence_part
+
         spec = module.spec
         mb = tokens.chunk(self.microbatches)[0].shape  # torch splits the step's rows the same way (tensor_split)
         hidden = next(p for p in module.parameters() if p.is_floating_point()).dtype
         autocast = torch.is_autocast_enabled(self.device.type)
         logits = torch.get_autocast_dtype(self.device.type) if autocast else hidden
         meta = dict(device="meta")  # requires_grad: torch sends gradients back only for inputs that ask
-        hidden_states = torch.empty(*mb, spec.d_model, dtype=hidden, requires_grad=True, **meta)
+        seq = mb[1]
+        if self.layout.tp > 1 and self.layout.sequence_parallel:
+            seq = sequence_part(torch.empty(1, seq, **meta), self.layout.tp_rank, self.layout.tp).shape[1]
+        hidden_states = torch.empty(mb[0], seq, spec.d_model, dtype=hidden, requires_grad=True, **meta)
         inputs = torch.empty(*mb, dtype=tokens.dtype, **meta) if chunk == 0 else hidden_states
         last = chunk == self.total - 1
         outputs = torch.empty(*mb, spec.vocab, dtype=logits, requires_grad=True, **meta) if last else hidden_states
@@ -197,8 +182,6 @@ class Pipeline:
         for module, c in zip(self.modules, self.chunk_index):
             stage = PipelineStage(module, c, self.total, self.device, group=self.group,
                                   **self._static_shapes(tokens, module, c))
-            if hasattr(stage, "_forward_metadata_inference"):  # torch 2.13 infers shapes: tensor parallelism
-                stage._forward_metadata_inference = _without_statistics(stage._forward_metadata_inference, module)
             for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, method, _timed(getattr(stage, method), self.timer, "pipeline_stage_work"))
             self.stages.append(stage)

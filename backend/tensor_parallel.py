@@ -67,13 +67,19 @@ def order_rows(fused: FusedLinear, tp: int) -> Tensor:
     return stored
 
 
+def sequence_part(x: Tensor, rank: int, tp: int) -> Tensor:
+    """Tensor-parallel rank `rank`'s part of the sequence (dim 1) of x under sequence parallelism: what the blocks
+    and the pipeline stage boundaries between them hold (backend.pipeline.Pipeline._static_shapes)."""
+    return x.chunk(tp, 1)[rank]
+
+
 class SequenceShard(torch.autograd.Function):
     """Forward: this rank's 1/tp of the sequence (dim 1); backward: the gradient all-gathered along it."""
 
     @staticmethod
     def forward(ctx, x: Tensor, group, rank: int, tp: int) -> Tensor:
         ctx.group, ctx.tp = group, tp
-        return x.chunk(tp, 1)[rank].contiguous()
+        return sequence_part(x, rank, tp).contiguous()
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -96,7 +96,7 @@ TRAINER = Capabilities(
     # expert_coordinates) and backend.expert_parallel dispatches each tp rank's tokens over them; with FSDP2
     # (backend.fsdp) and ZeRO (backend.zero) the expert gradients are divided by Layout.expert_divide too
     tensor_with_experts=True,
-    tensor_experts_with_pipeline=False,  # TP2 x EP2 x PP2 with sequence parallelism hung on gloo (not resolved)
+    tensor_experts_with_pipeline=True,  # backend.pipeline: static stage shapes under tp (the rank's sequence part with SP)
     tensor_with_context=False,  # not tried: tp and cp meshes are built apart (backend.parallel.Groups)
     tensor_with_sharding=True,  # backend.fsdp (FSDP2 over the tp DTensors, one root mesh) and backend.zero (owners per tp rank)
     tensor_with_offload=True,  # backend.offload (host copies of the tp DTensors on the CPU mesh; CUDA meshes refused there)

@@ -162,10 +162,11 @@ def test_expert_tensor_plans_pass_train_check_and_its_untried_combinations_are_r
     assert any(p.pipeline > 1 for p in etp) and any(p.zero > 0 for p in etp)
 
 
-def test_tensor_with_experts_passes_train_check_and_only_its_pipelines_are_refused(tmp_path, cli):
+def test_tensor_with_experts_passes_train_check_with_fsdp_zero_and_pipelines(tmp_path, cli):
     """The trainer folds the expert groups over the tensor ranks (backend.parallel.Groups.expert_mesh), so the
-    example TP2 x EP2 plan passes `rackcast train PLAN --check` and nothing refuses tensor with expert, with fsdp or
-    with ZeRO; with a pipeline it is refused, one "parallel.tensor" line, and the simulator prices it."""
+    example TP2 x EP2 plan passes `rackcast train PLAN --check` and nothing refuses tensor with expert, with fsdp,
+    with ZeRO or with a pipeline (backend.pipeline's static stage shapes); an executor without the pipeline case
+    refuses it in one "parallel.tensor" line, and the simulator prices it."""
     from dataclasses import replace
 
     from rackcast.layout import ParallelSpec
@@ -180,6 +181,8 @@ def test_tensor_with_experts_passes_train_check_and_only_its_pipelines_are_refus
     for parallel in (ParallelSpec(tensor=2, expert=2, fsdp=2), ParallelSpec(tensor=2, expert=2, data=2, zero=2)):
         assert refusals(replace(plan, parallel=parallel), spec) == []
     piped = replace(plan, parallel=ParallelSpec(tensor=2, expert=2, pipeline=2))
-    assert refusals(piped, spec) == ["parallel.tensor: tensor parallelism together with expert > 1 and pipeline > 1 "
-                                     "is not implemented by the trainer"]
+    assert refusals(piped, spec) == []
+    without = replace(TRAINER, tensor_experts_with_pipeline=False)
+    assert refusals(piped, spec, without) == ["parallel.tensor: tensor parallelism together with expert > 1 and "
+                                              "pipeline > 1 is not implemented by the trainer"]
     assert refusals(piped, spec, EVERYTHING) == []

@@ -12,12 +12,16 @@ backend.parallel.Groups.expert_mesh), each tp rank dispatching the tokens it hol
   mesh's ep dim is the tp pair) and divides its reduce-scatter by fsdp x tp;
 - TP2 x EP2 x data 2 under ZeRO-2 (4 processes): backend.zero reduces each expert slice's gradient to its owner
   among the expert-data replicas and divides it by Layout.expert_divide (data x tp), the dense ones by the token
-  ranks.
+  ranks;
+- TP2 x EP2 x PP2 with sequence parallelism (4 processes): each stage's expert group is its tp pair, and the stages
+  pass the rank's part of the sequence with static shapes (backend.pipeline.Pipeline._static_shapes; torch's
+  first-step shape inference hung here, the two tp ranks' backwards entering the tp all-gather and the expert
+  all-to-all in different orders).
 
 The model is tests/test_trainer_tensor.py's (tiny-moe, eight experts, two stored KV heads on every layer, the short
 convolution after K only).
 
-    .venv/bin/pytest -q tests/test_trainer_tensor_experts.py     (8 tests: about 6 min on 2 shared cores)
+    .venv/bin/pytest -q tests/test_trainer_tensor_experts.py     (10 tests: about 7 min on 2 shared cores)
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ LAYOUTS = {  # name: (parallel, processes)
     "t2e4d2sp": ({"tensor": 2, "expert": 4, "data": 2, "sequence_parallel": True}, 4),  # one group: all four
     "t2e2f2": ({"tensor": 2, "expert": 2, "fsdp": 2}, 4),
     "t2e2d2z2": ({"tensor": 2, "expert": 2, "data": 2, "zero": 2}, 4),
+    "t2e2p2sp": ({"tensor": 2, "expert": 2, "pipeline": 2, "sequence_parallel": True}, 4),  # tp innermost per stage
 }
 
 
