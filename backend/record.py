@@ -147,39 +147,40 @@ def progress_line(row: dict, steps: int) -> str:
             f"mfu {100 * row['mfu']:.2f}%  step {row['step_time_s']:.3f}s")
 
 
-# Columns of step_row's per-rank figures before the phases: loss, ce, z_loss, micro-batches, dropped rows, assigned
-# rows, step seconds, step CPU seconds.
-PHASE_COLUMN = 8
+# step_row's per-rank figures in column order (loss, ce and z_loss sums, micro-batches, dropped and assigned rows,
+# step wall and process CPU seconds), then each phase's seconds from PHASE_COLUMN on.
+STEP_COLUMNS = ("loss", "ce", "z_loss", "micro_batches", "dropped", "assigned", "step_s", "step_cpu_s")
+COLUMN = {name: i for i, name in enumerate(STEP_COLUMNS)}
+PHASE_COLUMN = len(STEP_COLUMNS)
 
 
 def step_row(per_rank, mem, names: list[str], *, tokens_per_step: float, model_flops: float, peak_flops: float,
              pipeline: bool) -> dict:
     """One metrics.parquet row from backend.train's figures, reduced over the ranks: `per_rank` [world, PHASE_COLUMN +
-    phases] (loss, ce and z_loss sums, micro-batches, dropped and assigned rows, step seconds, the step's process CPU
-    seconds, then each of `names`' phase seconds; a rank's row is zero on the others before the sum), `mem` [peak
-    live bytes, peak RSS] (maxima over ranks). Means over ranks, the slowest rank's step and phases (the critical
+    phases] (STEP_COLUMNS, then each of `names`' phase seconds; a rank's row is zero on the others before the sum),
+    `mem` [peak live bytes, peak RSS] (maxima over ranks). Means over ranks, the slowest rank's step and phases (the critical
     path), loss means per micro-batch (ce and z_loss NaN under pipeline parallelism, whose schedule returns the loss
     only)."""
     world = per_rank.shape[0]
     vec = per_rank.sum(0)
-    slowest = int(per_rank[:, 6].argmax())
-    n = max(vec[3].item(), 1.0)
-    step_time = vec[6].item() / world
-    step_cpu = vec[7].item() / world
-    out = {"loss": vec[0].item() / n, "ce": vec[1].item() / n if not pipeline else math.nan,
-           "z_loss": vec[2].item() / n if not pipeline else math.nan,
+    total = {name: vec[i].item() for name, i in COLUMN.items()}
+    slowest = int(per_rank[:, COLUMN["step_s"]].argmax())
+    n = max(total["micro_batches"], 1.0)
+    step_time, step_cpu = total["step_s"] / world, total["step_cpu_s"] / world
+    out = {"loss": total["loss"] / n, "ce": total["ce"] / n if not pipeline else math.nan,
+           "z_loss": total["z_loss"] / n if not pipeline else math.nan,
            "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
            "mfu": model_flops / (step_time * world * peak_flops),
            "step_cpu_s": step_cpu, "core_share": step_cpu / step_time}
     for i, name in enumerate(names):
         out[f"phase_{name}_s"] = vec[PHASE_COLUMN + i].item() / world
     out["slowest_rank"] = slowest
-    out["step_time_slowest_s"] = per_rank[slowest, 6].item()
+    out["step_time_slowest_s"] = per_rank[slowest, COLUMN["step_s"]].item()
     for i, name in enumerate(names):
         out[f"phase_{name}_slowest_s"] = per_rank[slowest, PHASE_COLUMN + i].item()
     out["peak_memory_bytes"] = int(mem[0].item()) if mem[0].item() >= 0 else math.nan
     out["peak_rss_bytes"] = int(mem[1].item())
-    out["drop_fraction"] = vec[4].item() / vec[5].item() if vec[5].item() else 0.0
+    out["drop_fraction"] = total["dropped"] / total["assigned"] if total["assigned"] else 0.0
     return out
 
 

@@ -190,7 +190,7 @@ class Trainer:
         self.rows: list[dict] = []
         self.start_step = 0
         topo = self.plan.topology_spec()
-        self.peak_dtype = "bf16" if self.plan.precision == "bf16" else "fp32"  # the dtype matmuls run in
+        self.peak_dtype = topo.peak_dtype(self.plan.precision)  # the dtype matmuls run in, as the simulator prices
         self.param_dtype = DTYPE_NAMES.get(next(self.local.parameters()).dtype, "other")
         self.memory_measure = "cuda max_memory_allocated" if self.cuda else "torch profiler live tensor bytes"
         self.memory_peak = -1.0  # CPU: the measured peak live tensor bytes of this rank (-1: not measured yet)
@@ -378,11 +378,11 @@ class Trainer:
     def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time, step_cpu) -> dict:
         dropped, assigned = pop_drop_counts(self.moes)
         names = list(MEASURED_PHASES)
-        # Every rank's figures, one row per rank (a sum of rows that are zero elsewhere), so the record keeps the
-        # slowest rank's step and phases (the critical path) beside the means.
+        # One row per rank (a sum of rows zero elsewhere): the record keeps the slowest rank's figures beside the means
         per_rank = torch.zeros(self.world, record.PHASE_COLUMN + len(names), dtype=torch.float64)
-        per_rank[self.rank] = torch.tensor([loss_sum, ce_sum, z_sum, count, dropped, assigned, step_time, step_cpu]
-                                           + [phases.get(n, 0.0) for n in names], dtype=torch.float64)
+        figures = dict(loss=loss_sum, ce=ce_sum, z_loss=z_sum, micro_batches=count, dropped=dropped, assigned=assigned,
+                       step_s=step_time, step_cpu_s=step_cpu) | {n: phases.get(n, 0.0) for n in names}
+        per_rank[self.rank] = torch.tensor([figures[c] for c in (*record.STEP_COLUMNS, *names)], dtype=torch.float64)
         mem = torch.tensor([self._peak_memory(), record.peak_rss_bytes()], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(per_rank)

@@ -12,7 +12,8 @@ import math
 from collections import defaultdict
 
 from rackcast.planner.report import distinct_label, fmt_days, varying_knobs
-from rackcast.planner.search import Result, Row
+from rackcast.planner.rows import Row
+from rackcast.planner.search import Result
 from rackcast.simulator.placement import place
 from rackcast.units import GIB
 PHASE_WORDS = {

@@ -13,8 +13,8 @@ from rich.table import Table
 from rackcast.atomic import atomic_path
 from rackcast.plan import Plan, save_plan, with_prediction
 from rackcast.simulator import metrics
-from rackcast.planner.rows import MEMORY_PARTS
-from rackcast.planner.search import Result, Row, predicted_for
+from rackcast.planner.rows import MEMORY_PARTS, Row
+from rackcast.planner.search import Result, predicted_for
 from rackcast.planner.space import LAYOUT_COLUMNS
 from rackcast.units import GIB
 from rackcast.vocab import PHASES

@@ -28,7 +28,8 @@ from rackcast.layout import ParallelSpec
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import list_models, load_model
 
-from rackcast.planner.search import Request, Result, Row, apply_forecast, search
+from rackcast.planner.rows import Row
+from rackcast.planner.search import Request, Result, apply_forecast, search
 from rackcast.planner.verify import ESTIMATE_BAND, MAX_SIMULATED, attach_simulation, simulate_plans, verify
 from rackcast.planner.space import SpaceOptions
 

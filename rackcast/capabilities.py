@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rackcast.modelspec import ModelSpec
-from rackcast.vocab import PLAN_SCHEDULES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES
+from rackcast.vocab import PLAN_SCHEDULES, PRECISIONS, SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES
 
 
 
@@ -126,7 +126,8 @@ EVERYTHING = Capabilities(
     recompute=("none", "selective", "full"), optimizer_state=("hbm", "host"),
     schedules=PLAN_SCHEDULES, zero_bubble_with_experts=True,
     zero_bubble_with_fsdp=True,
-    zb_h1_single_chunk=True, tied_embeddings_pipeline=True, uneven_pipeline=True, zero=(0, 1, 2), zero_with_fsdp=True, mtp_pipeline=True, precisions=("bf16", "fp8", "fp32"),
+    zb_h1_single_chunk=True, tied_embeddings_pipeline=True, uneven_pipeline=True, zero=(0, 1, 2), zero_with_fsdp=True,
+    mtp_pipeline=True, precisions=PRECISIONS,
     grad_dtypes=("bf16", "fp32"), master_weights=(True, False), attention_kernels=("flash", "materialized"),
     dropout=True, balanced_routing=True, compile_processes=2**31 - 1,
     expert_tensor_with_tensor=True, expert_tensor_with_context=True, expert_tensor_with_fsdp=True,
@@ -280,10 +281,13 @@ def _context_refusals(plan, spec: ModelSpec, caps: Capabilities) -> list[str]:
     p = plan.parallel
     # tensor with context is refused once, by _tensor_refusals (Capabilities has no context_with_tensor)
     out = _combination_refusals(p, caps, "context", "context parallelism")
-    if spec.mtp is not None and spec.seq_len // p.context < spec.mtp.depth + 2:
-        out.append(f"parallel.context: chunks of {spec.seq_len // p.context} tokens are shorter than multi-token "
-                   f"prediction's lookahead of mtp.depth + 2 = {spec.mtp.depth + 2}")
-    if spec.conv is not None and spec.seq_len // p.context < spec.conv.kernel - 1:
-        out.append(f"parallel.context: chunks of {spec.seq_len // p.context} tokens are shorter than the short "
-                   f"convolution's halo of {spec.conv.kernel - 1}")
+    chunk = spec.seq_len // p.context
+    # the last rank's chunk must hold the deepest MTP module's depth + 1 lookahead and one position with a target
+    if spec.mtp is not None and chunk < spec.mtp.depth + 2:
+        out.append(f"parallel.context: chunks of {chunk} tokens leave the last context rank no position with a "
+                   f"target for multi-token prediction at depth {spec.mtp.depth} (it needs mtp.depth + 2 = "
+                   f"{spec.mtp.depth + 2} tokens per chunk)")
+    if spec.conv is not None and chunk < spec.conv.kernel - 1:
+        out.append(f"parallel.context: chunks of {chunk} tokens are shorter than the short convolution's halo of "
+                   f"{spec.conv.kernel - 1}")
     return out

@@ -152,7 +152,7 @@ class Workload:
         layers = [lw.index for c in chunks for lw in chunks[c]]
         last = (self.n_chunks - 1) in chunks
         head_s = self._gemm_s(spec.tail_flops_fwd(HW), costs.unquantised(plan.precision)) if last else 0.0
-        embed_s = self._gemm_s(spec.embed_flops_fwd()) if 0 in chunks else 0.0
+        embed_s = self._gemm_s(spec.embed_flops_fwd(), costs.unquantised(plan.precision)) if 0 in chunks else 0.0
         static = static_bytes(rp, plan)
         # The multi-token-prediction modules' saved tensors, held on the head's stage for the step (as the memory
         # model's one in-flight micro-batch of the last chunk under 1F1B; not allocated and freed per micro-batch).

@@ -155,8 +155,8 @@ def test_step_row_means_cpu_time_over_ranks_and_reads_phases_after_it():
     names = list(MEASURED_PHASES)
     per_rank = torch.zeros(2, PHASE_COLUMN + len(names), dtype=torch.float64)
     #                  loss ce   z  mbs drop assigned wall cpu
-    per_rank[0, :8] = torch.tensor([4.0, 4.0, 0, 2, 0, 10, 2.0, 1.0])
-    per_rank[1, :8] = torch.tensor([4.0, 4.0, 0, 2, 0, 10, 4.0, 2.0])
+    per_rank[0, :PHASE_COLUMN] = torch.tensor([4.0, 4.0, 0, 2, 0, 10, 2.0, 1.0])
+    per_rank[1, :PHASE_COLUMN] = torch.tensor([4.0, 4.0, 0, 2, 0, 10, 4.0, 2.0])
     per_rank[0, PHASE_COLUMN + names.index("compute")] = 1.5
     per_rank[1, PHASE_COLUMN + names.index("compute")] = 3.5
     row = step_row(per_rank, torch.tensor([1.0, 2.0]), names, tokens_per_step=100, model_flops=1e9,
