@@ -82,6 +82,13 @@ def unquantised(precision):
     return np.where(codes == PRECISIONS.index("fp8"), PRECISIONS.index("bf16"), codes)
 
 
+def element_bytes(precision):
+    """Bytes of one matrix element in `precision` (a name, or an array of PRECISIONS indices)."""
+    if isinstance(precision, str):
+        return BYTES[precision]
+    return np.array([BYTES[p] for p in PRECISIONS], dtype=float)[np.asarray(precision).astype(int)]
+
+
 # ------------------------------------------------------------------------------------------------------- efficiency
 def efficiency(curve, sizes):
     """Efficiency-profile curve at `sizes` (log-linear, clamped; as topologies.spec.interpolate), vectorised."""
@@ -264,15 +271,16 @@ def parameter_gathers(dense_bytes, expert_bytes, inner, expert_fsdp, zero=0) -> 
 def gemm_seconds(shape: GemmShape, topo: Topology, ceiling, precision):
     """One kernel of `shape` on the shape model: output tiles (tile_m x tile_n of the accelerator) of every group,
     run in waves of one tile per SM, each tile 2 x tile_m x tile_n x k FLOPs at the SM's share of the compute peak of
-    `precision` x `ceiling`
-    (a partly filled tile or wave costs a full one); no less than its operands and output moved at the memory-bound
-    HBM rate (the roofline), nor than the stack profile's launch floor."""
+    `precision` x `ceiling` (a partly filled tile or wave costs a full one); no less than its operands (in
+    `precision`) and output (fp8's in bf16) moved at the memory-bound HBM rate (the roofline), nor than the stack
+    profile's launch floor."""
     a, e = topo.accelerator, topo.efficiency
     m, n, k, groups = (np.asarray(v, dtype=float) for v in shape)
     tiles = groups * np.ceil(m / a.tile_m) * np.ceil(n / a.tile_n)
     waves = np.ceil(tiles / a.sms)
     compute = waves * 2.0 * a.tile_m * a.tile_n * k * a.sms / (compute_peak(topo, precision) * ceiling)
-    memory = memory_bound_time(W_BYTES * groups * (m * k + k * n + m * n), topo)
+    memory = memory_bound_time(groups * (element_bytes(precision) * (m * k + k * n) +
+                                         element_bytes(unquantised(precision)) * m * n), topo)
     return np.maximum(np.maximum(compute, memory), e.launch_s)
 
 

@@ -67,6 +67,19 @@ def test_fp8_keeps_attention_head_and_optimizer_products_at_bf16():
     assert costs.unquantised("fp32") == "fp32"
 
 
+def test_a_memory_bound_gemm_moves_its_operands_in_the_plans_precision():
+    """The shape model's roofline: a thin GEMM (k = 16) is bound by its bytes, operands in the plan's precision and
+    the output in bf16 under fp8 (costs.element_bytes, unquantised): fp32 moves twice bf16's bytes."""
+    shape = costs.GemmShape(8192.0, 8192.0, 16.0)
+    m, n, k = 8192.0, 8192.0, 16.0
+    times = {p: float(costs.gemm_seconds(shape, H100, 1.0, p)) for p in ("fp32", "bf16", "fp8")}
+    for p, (operand, out) in {"fp32": (4, 4), "bf16": (2, 2), "fp8": (1, 2)}.items():
+        assert times[p] == pytest.approx(float(costs.memory_bound_time(operand * (m * k + k * n) + out * m * n, H100)),
+                                         rel=1e-12)
+    codes = np.array([PRECISIONS.index(p) for p in ("fp32", "bf16", "fp8")])
+    assert costs.element_bytes(codes).tolist() == [4.0, 2.0, 1.0]
+
+
 def test_the_estimates_precision_feature_indexes_the_peaks_elementwise():
     codes = np.array([PRECISIONS.index(p) for p in ("bf16", "fp32", "bf16")], dtype=float)
     assert costs.compute_peak(CPU, codes).tolist() == [225e9, 103e9, 225e9]
