@@ -242,11 +242,8 @@ def load_plan(path: str, check: bool = True) -> Plan:
         _resolve("topology.profile", lambda: load_profile(plan.topology.profile), path)
         topo = _resolve("topology", plan.topology_spec, path)
         validate(plan, spec, topo.gpus, where=str(path))
-        dtype = topo.peak_dtype(plan.precision)
-        if dtype not in topo.accelerator.peak_flops:  # compute is priced at it (simulator.costs.compute_peak)
-            raise RackcastError(f"precision: {plan.precision} computes at accelerator.peak_flops.{dtype}, which "
-                                f"topology {plan.topology.name} does not list (it lists "
-                                f"{', '.join(sorted(topo.accelerator.peak_flops))})", where=str(path))
+        # compute is priced at the precision's peak (simulator.costs.compute_peak): the topology must list it
+        _resolve(f"precision (topology {plan.topology.name})", lambda: topo.precision_peak(plan.precision), path)
     return plan
 
 

@@ -45,14 +45,8 @@ W_BYTES = BYTES["bf16"]  # activations and gathered weights on the wire
 
 # ------------------------------------------------------------------------------------------------------------ peaks
 def _peak(topo: Topology, precision: str) -> float:
-    dtype = topo.peak_dtype(precision)
-    peaks = topo.accelerator.peak_flops
-    if dtype not in peaks:
-        preset = PRESET_DIR / f"{topo.name}.yaml"
-        raise RackcastError(f"accelerator.peak_flops.{dtype}: missing; a plan with precision {precision} computes at "
-                            f"it (topology {topo.name} lists {', '.join(sorted(peaks))})",
-                            where=str(preset) if preset.is_file() else f"topology {topo.name}")
-    return peaks[dtype]
+    preset = PRESET_DIR / f"{topo.name}.yaml"  # a plan built in code: name the preset file the topology came from
+    return topo.precision_peak(precision, where=str(preset) if preset.is_file() else f"topology {topo.name}")
 
 
 def compute_peak(topo: Topology, precision):

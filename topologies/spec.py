@@ -268,6 +268,19 @@ class Topology:
         except KeyError:
             raise ValueError(f"{self.name} has no peak for dtype {dtype!r} (has {sorted(self.accelerator.peak_flops)})")
 
+    def precision_peak(self, precision: str, where: str = "") -> float:
+        """FLOP/s a plan of `precision` computes at (the peak_dtype entry); a one-line RackcastError naming the field
+        (reported against `where`) when this topology does not list it. The one check: plan loading and
+        simulator.costs.compute_peak both call it."""
+        from rackcast.errors import RackcastError
+
+        dtype, peaks = self.peak_dtype(precision), self.accelerator.peak_flops
+        if dtype not in peaks:
+            raise RackcastError(f"accelerator.peak_flops.{dtype}: topology {self.name} does not list it (it lists "
+                                f"{', '.join(sorted(peaks))}), and a plan with precision {precision} computes at it",
+                                where=where)
+        return peaks[dtype]
+
     def peak_dtype(self, precision: str) -> str:
         """The `accelerator.peak_flops` entry a plan of `precision` computes at (simulator.costs.compute_peak prices
         with it): bf16 and fp32 their own; fp8 the fp8 peak where listed, else bf16 (its GEMMs priced as bf16 ones)."""
