@@ -31,7 +31,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.simulator import collective_formulas as formulas
 from rackcast.simulator.activations import BYTES, INDEX_BYTES
