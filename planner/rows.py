@@ -102,12 +102,14 @@ class Rejected:
 
     invalid: list[tuple[Layout, str]] = field(default_factory=list)
     over_memory: list[OverMemory] = field(default_factory=list)
+    _built: list[Row] | None = field(default=None, repr=False)  # rows(), built on first use
 
     def counts(self) -> dict[str, int]:
         return {"invalid": len(self.invalid), "no_fit": sum(len(x) for x in self.over_memory)}
 
     def rows(self) -> list[Row]:
-        out = [Row(layout=lay, status="invalid", reason=why) for lay, why in self.invalid]
-        for part in self.over_memory:
-            out += part.rows()
-        return out
+        if self._built is None:
+            self._built = [Row(layout=lay, status="invalid", reason=why) for lay, why in self.invalid]
+            for part in self.over_memory:
+                self._built += part.rows()
+        return list(self._built)

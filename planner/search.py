@@ -84,18 +84,12 @@ class Result:
     memory_note: str = ""  # the memory per GPU candidates were fitted into, when the request held it below HBM
     forecast_days: dict[int, float] = field(default_factory=dict)  # id(row) -> P50 days with failures
     deadline_prob: dict[int, float] = field(default_factory=dict)  # id(row) -> P(finish by the deadline)
-    _rows: list[Row] | None = field(default=None, repr=False)
 
     @property
     def rows(self) -> list[Row]:
-        """Every candidate: the refused (invalid, then over memory) and then the evaluated ones."""
-        if self._rows is None:
-            self._rows = self.rejected.rows() + self.evaluated
-        return self._rows
-
-    @rows.setter
-    def rows(self, rows: list[Row]) -> None:
-        self._rows = rows
+        """Every candidate: the refused (invalid, then over memory; Rejected builds them once) and then the evaluated
+        ones."""
+        return self.rejected.rows() + self.evaluated
 
     @property
     def winner(self) -> Row:

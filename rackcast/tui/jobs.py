@@ -184,7 +184,6 @@ def run_search(request, progress) -> SearchOutcome:
         out.probs.append(result.deadline_prob.get(id(row), math.nan))
     result.ranked = ranked
     result.evaluated = [x for x in result.evaluated if id(x) in keep]
-    result.rows = list(result.evaluated)
     result.rejected = Rejected()  # the refused layouts are never kept (nor sent back through the pipe)
     out.result = result
     return out
@@ -202,7 +201,7 @@ def run_size(kwargs: dict, progress) -> "SizeOutcome":
         out.days.append(s.days)
         if r is not None:
             out.probs.append(r.deadline_prob.get(id(s.best), math.nan))
-            r.ranked, r.rows, r.evaluated, r.rejected = r.ranked[:1], [], [], Rejected()
+            r.ranked, r.evaluated, r.rejected = r.ranked[:1], [], Rejected()
         else:
             out.probs.append(math.nan)
     return out
