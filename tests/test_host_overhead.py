@@ -35,6 +35,14 @@ def _t_op(topo, t: HostOpTimes):
     return topo.with_efficiency(replace(topo.efficiency, host_op_s=t))
 
 
+@pytest.fixture(autouse=True)
+def _ops_alone(monkeypatch):
+    """These tests price the op counts alone: the counted eager bytes (tests/test_op_bytes.py) left out."""
+    from rackcast.simulator import op_bytes
+
+    monkeypatch.setattr(op_bytes, "lookup", lambda spec, optimizer: None)
+
+
 def test_host_overhead_follows_the_layout():
     one = load_plan(str(PLANS / "tiny-1proc.yaml"))
     ep = load_plan(str(PLANS / "tiny-2proc-ep.yaml"))
