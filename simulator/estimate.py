@@ -24,7 +24,7 @@ Host per-op overhead (only where the topology's efficiency.host_op_s is measured
 counts of the backend model (simulator.op_counts) per step, as simulator.host_overhead models them (rank 0's own
 forward and backward ops, the extra ones on the pipeline's critical path, the optimizer's), each x its host time per
 op, added to compute, pipeline_bubble and optimizer. With them, where simulator.op_bytes has the model's counted
-eager bytes, the same parts' bytes at costs.memory_bound_time (simulator.host_overhead.host_bytes), which then
+eager bytes, the same parts' bytes at costs.eager_bytes_time (simulator.host_overhead.host_bytes), which then
 replace the fused elementwise_bytes and optimizer-update traffic (feature eager_bytes_counted 1; 0: the analytic
 terms stand).
 """
@@ -369,7 +369,7 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     op_b = f.get("op_bubble_forward", 0.0) * hop.forward + f.get("op_bubble_backward", 0.0) * hop.backward
     op_o = f.get("op_optimizer", 0.0) * hop.optimizer
     # Counted eager bytes (zero where not counted), memory-bound, blocking as the host ops are.
-    eager = lambda *keys: costs.memory_bound_time(sum(f.get(k, 0.0) for k in keys), topo)  # noqa: E731
+    eager = lambda *keys: costs.eager_bytes_time(sum(f.get(k, 0.0) for k in keys), topo)  # noqa: E731
     op_c = op_c + eager("eager_forward", "eager_backward")
     op_b = op_b + eager("eager_bubble_forward", "eager_bubble_backward")
     op_o = op_o + eager("eager_optimizer")

@@ -19,8 +19,8 @@ Communication is blocking in the CPU trainer, so the overhead is added, not over
 Eager memory traffic (same topologies, where simulator.op_bytes has the model's counted bytes): an eager framework
 runs every op as its own kernel, reading and writing whole tensors, so each micro-batch's forward and backward and
 the optimizer step also move the counted bytes of their non-GEMM, non-attention-core ops, at
-costs.memory_bound_time (HBM bandwidth x efficiency.memory_bound). With b = tokens per micro-batch / seq_len
-sequences, a part's bytes are fixed + per_sequence x b; per rank s, as the op counts:
+costs.eager_bytes_time (the measured bandwidth; see there why not efficiency.memory_bound). With b = tokens per
+micro-batch / seq_len sequences, a part's bytes are fixed + per_sequence x b; per rank s, as the op counts:
     bytes_mb(s) = [embed] + sum over L(s) of layer bytes + [head and loss],  x (1 + bwd_bytes / fwd_bytes) for the
     backward (the backward's total spread over the parts as their forward bytes), the critical path as above, and
     optimizer bytes x |L(s)| / layers.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
-from rackcast.simulator.costs import memory_bound_time
+from rackcast.simulator.costs import eager_bytes_time
 from rackcast.topologies.spec import HostOpTimes, Topology
 
 
@@ -135,7 +135,7 @@ def host_bytes(e: EagerBytes, spec: ModelSpec, plan: Plan) -> HostOps:
 
 class HostCosts:
     """Seconds of host ops and eager bytes for the discrete-event workload (simulator.workload): a forward's ops x
-    host_op_s.forward plus its bytes at costs.memory_bound_time; a backward action's bwd_over_fwd times those (kind
+    host_op_s.forward plus its bytes at costs.eager_bytes_time; a backward action's bwd_over_fwd times those (kind
     BW: all; B or W: half each). counts and bytes are None where not measured or not counted."""
 
     def __init__(self, counts: dict | None, nbytes: EagerBytes | None, times: HostOpTimes, topo: Topology):
@@ -152,11 +152,11 @@ class HostCosts:
         """The optimizer step's host ops and eager bytes on rank `stage`."""
         s = optimizer_ops(self.counts, spec, plan, stage) * self.times.optimizer if self.counts else 0.0
         if self.bytes:
-            s += memory_bound_time(optimizer_bytes(self.bytes, spec, plan, stage), self.topo)
+            s += eager_bytes_time(optimizer_bytes(self.bytes, spec, plan, stage), self.topo)
         return s
 
     def forward_s(self, forward_ops: float, forward_bytes: float = 0.0) -> float:
-        return forward_ops * self.times.forward + memory_bound_time(forward_bytes, self.topo)
+        return forward_ops * self.times.forward + eager_bytes_time(forward_bytes, self.topo)
 
     def backward_s(self, forward_ops: float, kind: str, forward_bytes: float = 0.0) -> float:
         if not self.counts:
@@ -164,7 +164,7 @@ class HostCosts:
         share = 1.0 if kind == "BW" else 0.5
         ops_s = self.counts["bwd_over_fwd"] * forward_ops * self.times.backward
         ratio = self.bytes.bwd_over_fwd if self.bytes else 0.0
-        return share * (ops_s + memory_bound_time(ratio * forward_bytes, self.topo))
+        return share * (ops_s + eager_bytes_time(ratio * forward_bytes, self.topo))
 
 
 @dataclass

@@ -84,7 +84,7 @@ def test_estimate_and_simulator_add_the_same_eager_bytes_in_place_of_the_fused_e
     topo = plan.topology_spec()
     topo = topo.with_efficiency(replace(topo.efficiency, host_op_s=HostOpTimes(1e-5, 6e-6, 4e-6)))
     e = host_bytes(eager_bytes(ob.lookup(spec, "muonh"), spec, plan), spec, plan)
-    counted_s = costs.memory_bound_time(e.forward + e.backward + e.optimizer, topo)
+    counted_s = costs.eager_bytes_time(e.forward + e.backward + e.optimizer, topo)
     with_bytes = [estimate(plan, topo=topo).step_time_s, simulate(plan, topo=topo, record=False).step_time_s]
     monkeypatch.setattr(ob, "lookup", lambda s, o: None)
     without = [estimate(plan, topo=topo).step_time_s, simulate(plan, topo=topo, record=False).step_time_s]
