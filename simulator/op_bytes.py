@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from functools import lru_cache
 from pathlib import Path
 
-from rackcast.atomic import write_json_atomic, write_text_atomic
 from rackcast.errors import RackcastError
 from rackcast.modelspec import ModelSpec
-from rackcast.simulator.op_counts import UNKEYED, cache_dir, spec_data
+from rackcast.simulator.op_counts import (UNKEYED, cache_dir, read_cached, read_table, spec_data, write_cached,
+                                          write_section)
 
 TABLE_PATH = Path(__file__).with_name("op_bytes.json")
 CACHE_SUBDIR = "op-bytes"
 KEYS = ("seq_len", "fwd_embed", "fwd_layers", "fwd_head", "bwd", "opt_step")
 # The counter instantiates the model in fp32 with its gradients and optimizer state (about 16 bytes a parameter)
-# and runs two sequences through it: 50M parameters is under 1 GB, seconds on a CPU. The tiny presets are ~1M.
+# and runs three sequences through it: 50M parameters is under 1 GB, seconds on a CPU. The tiny presets are ~1M.
 MAX_PARAMS = 50_000_000
 _MEMORY: dict[str, dict] = {}
 
@@ -58,36 +57,19 @@ def cache_key(spec: ModelSpec, optimizer: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def valid(counts) -> bool:
-    return isinstance(counts, dict) and all(k in counts for k in KEYS)
-
-
-@lru_cache(maxsize=None)
 def _table(path: Path = TABLE_PATH) -> dict[str, dict]:
-    """The packaged table's bytes by key (empty when the file is missing or unreadable)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return {k: v for k, v in data.get("bytes", {}).items() if valid(v)}
+    """The packaged table's bytes by key."""
+    return read_table(path, "bytes", KEYS)
 
 
 def _cache_file(key: str) -> Path:
     return cache_dir().parent / CACHE_SUBDIR / f"{key}.json"
 
 
-def _cached(key: str) -> dict | None:
-    try:
-        counts = json.loads(_cache_file(key).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # absent or unreadable: the table's stands, else none
-    return counts if valid(counts) else None
-
-
 def lookup(spec: ModelSpec, optimizer: str) -> dict | None:
     """The eager bytes of `spec` trained with `optimizer` (memory, then cache, then table), or None: not counted."""
     key = cache_key(spec, optimizer)
-    counts = _MEMORY.get(key) or _cached(key) or _table().get(key)
+    counts = _MEMORY.get(key) or read_cached(_cache_file(key), KEYS) or _table().get(key)
     if counts is not None:
         _MEMORY[key] = counts
     return counts
@@ -95,21 +77,12 @@ def lookup(spec: ModelSpec, optimizer: str) -> dict | None:
 
 def store(spec: ModelSpec, optimizer: str, counts: dict) -> Path:
     """Write bytes the backend counted for `spec` into the op-byte cache (atomically); returns the file."""
-    if not valid(counts):
-        raise RackcastError(f"eager bytes of model {spec.name!r} lack {', '.join(k for k in KEYS if k not in counts)}")
     key = cache_key(spec, optimizer)
-    path = _cache_file(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, counts, indent=None, sort_keys=True)
+    path = write_cached(_cache_file(key), counts, KEYS, f"eager bytes of model {spec.name!r}")
     _MEMORY[key] = counts
     return path
 
 
 def write_table(entries: dict[str, dict], torch_version: str, path: Path = TABLE_PATH) -> None:
     """Write the packaged table: bytes by key (cache_key), counted with `torch_version`."""
-    bad = [k for k, v in entries.items() if not valid(v)]
-    if bad:
-        raise RackcastError(f"eager bytes under {', '.join(bad)} lack fields")
-    rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(entries.items()))
-    write_text_atomic(path, f'{{"torch": {json.dumps(torch_version)}, "bytes": {{\n{rows}\n}}}}\n')
-    _table.cache_clear()
+    write_section(entries, torch_version, path, "bytes", KEYS, "eager bytes")
