@@ -37,7 +37,8 @@ def test_a_mul_moves_its_two_inputs_and_its_output_a_broadcast_operand_once_view
     a, b, w = torch.randn(8, 128, 64), torch.randn(8, 128, 64), torch.randn(64)
     full = 8 * 128 * 64 * FP32
     assert _moved(lambda: a * b) == 3 * full
-    assert _moved(lambda: a * w) == 2 * full + 64 * FP32  # w broadcast: stride 0 over the rows
+    assert _moved(lambda: a * w) == 2 * full + 64 * FP32  # the kernel broadcasts w: read once
+    assert _moved(lambda: a * w.expand_as(a)) == 2 * full + 64 * FP32  # expanded: stride 0 over the rows, read once
     assert _moved(lambda: a.view(8 * 128, 64).transpose(0, 1)) == 0
     assert _moved(lambda: a.reshape(-1, 64) @ torch.ones(64, 32)) == 64 * 32 * FP32  # the ones' fill, not the mm
 
