@@ -63,9 +63,8 @@ def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, f
     host_op_s."""
     if not topo.efficiency.host_op_s.measured:
         return dict.fromkeys(HOST_OP_FEATURES, 0.0)
-    from rackcast.simulator.op_counts import op_counts
-
     from rackcast.simulator.op_bytes import lookup
+    from rackcast.simulator.op_counts import op_counts
 
     o = host_ops(op_counts(spec, plan.optimizer.name), spec, plan)
     counted = lookup(spec, plan.optimizer.name)

@@ -92,3 +92,16 @@ def test_estimate_and_simulator_add_the_same_eager_bytes_in_place_of_the_fused_e
     est_delta, sim_delta = with_bytes[0] - without[0], with_bytes[1] - without[1]
     assert counted_s > 0.0 and est_delta == pytest.approx(sim_delta, rel=1e-6)
     assert est_delta < counted_s  # the fused elementwise and optimizer-update traffic went out
+
+
+def test_without_measured_host_times_no_bytes_are_looked_up_and_the_fused_term_stands(monkeypatch):
+    from rackcast.simulator.estimate import plan_features
+
+    def no_lookup(*a, **k):
+        raise AssertionError("eager bytes asked for without measured host_op_s")
+
+    monkeypatch.setattr(ob, "lookup", no_lookup)
+    plan = load_plan(str(PLANS / "tiny-1proc.yaml"))  # local-cpu: host_op_s not measured
+    f = plan_features(plan.model_spec(), plan, plan.topology_spec())
+    assert f["eager_bytes_counted"] == 0.0 and f["elementwise_bytes"] > 0.0 and f["opt_bytes"] > 0.0
+    assert simulate(plan, record=False).step_time_s > 0.0
