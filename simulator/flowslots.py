@@ -26,7 +26,8 @@ Tests: `.venv/bin/pytest -q tests/test_network.py tests/test_step_digest.py`.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from rackcast.simulator.fairshare import maxmin_rates_into, maxmin_workspace
 
@@ -140,21 +141,37 @@ G_LEFT, G_LATEST = range(2)
 G_ROWS = 2
 
 
+def _item(x, i):
+    """x[i], or x itself when x is one value for all (compiled only: `_item_overload` picks by x's type)."""
+    raise NotImplementedError
+
+
+@overload(_item)
+def _item_overload(x, i):
+    if isinstance(x, types.Array):
+        return lambda x, i: x[i]
+    return lambda x, i: x
+
+
 @njit(cache=True)
-def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
-    """Start a batch (rows of hops, hop counts, wire bytes, rate caps, route latencies) in free slots, reused ones
-    first (the most recently freed last), then fresh ones, in row order; flows with no bytes or no link are not
-    started. Returns how many were started, when the others are delivered (now + their latency, the latest; now
-    when none) and whether a byte count is negative (nothing is started then); or, when the slot arrays lack room
-    for every row (fresh slots, or hop columns), -1 and nothing is started."""
-    if cnt[C_SIZE] + wire.shape[0] > ii.shape[1] or hops.shape[1] > s_hops.shape[1]:
+def _start(hops, nhops, nbytes, efficiency, caps, lat, now, gid, fl, ii, s_hops, cnt, groups):
+    """Start a batch (rows of hops, hop counts, bytes and rate caps (each an array, or one value for all), route
+    latencies) as group `gid` in free slots, reused ones first (the most recently freed last), then fresh ones, in
+    row order; a flow puts nbytes / efficiency on the wire; flows with no bytes or no link are not started. Sets the
+    group's flows still moving and latest delivery so far (groups rows G_LEFT, G_LATEST) when it started any.
+    Returns how many were started, when the others are delivered (now + their latency, the latest; now when none)
+    and whether a byte count is negative (nothing is started then); or, when the slot arrays lack room for every
+    row (fresh slots, hop columns, or the group's column), -1 and nothing is started."""
+    k = nhops.shape[0]
+    if cnt[C_SIZE] + k > ii.shape[1] or hops.shape[1] > s_hops.shape[1] or gid >= groups.shape[1]:
         return -1, now, False
     m = 0
     deliver = now
     negative = False
-    for i in range(wire.shape[0]):
-        negative |= wire[i] < 0
-        if wire[i] > 0 and nhops[i] > 0:
+    for i in range(k):
+        wire = _item(nbytes, i) / efficiency
+        negative |= wire < 0
+        if wire > 0 and nhops[i] > 0:
             m += 1
         elif now + lat[i] > deliver:
             deliver = now + lat[i]
@@ -165,8 +182,9 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
     first_reused = cnt[C_FREE] - take
     fresh = cnt[C_SIZE]
     j = 0
-    for i in range(wire.shape[0]):
-        if not (wire[i] > 0 and nhops[i] > 0):
+    for i in range(k):
+        wire = _item(nbytes, i) / efficiency
+        if not (wire > 0 and nhops[i] > 0):
             continue
         if j < take:
             s = free[first_reused + j]
@@ -174,13 +192,13 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
             s = fresh
             fresh += 1
         s_hops[s, :] = -1
-        for k in range(hops.shape[1]):
-            s_hops[s, k] = hops[i, k]
+        for h in range(hops.shape[1]):
+            s_hops[s, h] = hops[i, h]
         ii[I_NHOPS, s] = nhops[i]
-        fl[F_REM, s] = wire[i]
-        fl[F_WIRE, s] = wire[i]
+        fl[F_REM, s] = wire
+        fl[F_WIRE, s] = wire
         fl[F_RATE, s] = 0.0
-        fl[F_CAP, s] = caps[i]
+        fl[F_CAP, s] = _item(caps, i)
         fl[F_LAT, s] = lat[i]
         fl[F_START, s] = now
         ii[I_GROUP, s] = gid
@@ -191,6 +209,8 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
     cnt[C_FREE] = first_reused
     cnt[C_SIZE] = fresh
     cnt[C_FLOW] += m
+    groups[G_LEFT, gid] = m
+    groups[G_LATEST, gid] = deliver
     return m, deliver, negative
 
 
@@ -287,9 +307,10 @@ def _step(fl, ii, hops, cnt, links, groups, ints, floats, dt, eps, now, track):
     """One network update in one dispatch: `_drain`, `_activate`, then `_resolve` (gather, solve, write the rates;
     ints and floats: its workspace_sizes). links row L_LOAD receives the bytes/s in use per link (zeros when none
     are active or not tracked). Returns (finished flows, finished groups, active flows, the earliest time one of
-    them finishes from now: inf when none)."""
+    them finishes from now: inf when none, the first finished group and its delivery time: rows I_OUT_GROUP and
+    F_OUT_GROUP's first entries, returned so the caller need not index them in the usual case of one)."""
     done, complete = _drain(fl, ii, cnt, dt, eps, now, groups)
     _activate(ii, cnt)
     n_act, t_min = _resolve(ii[I_ACTIVE], cnt[C_SIZE], ii[I_NHOPS], hops, fl[F_CAP], links[L_CAP], fl[F_REM],
                             fl[F_RATE], track, links[L_LOAD], ints, floats)
-    return done, complete, n_act, t_min
+    return done, complete, n_act, t_min, ii[I_OUT_GROUP, 0], fl[F_OUT_GROUP, 0]

@@ -40,7 +40,7 @@ import simpy
 
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
 from rackcast.simulator.flowslots import (C_PEND, C_ROWS, C_SIZE, F_CAP, F_OUT, F_OUT_GROUP, F_RATE, F_REM, F_ROWS,
-                                            F_START, F_WIRE, G_LATEST, G_LEFT, G_ROWS, I_ACTIVE, I_FLOW, I_GROUP,
+                                            F_START, F_WIRE, G_ROWS, I_ACTIVE, I_FLOW, I_GROUP,
                                             I_NHOPS, I_OUT, I_OUT_GROUP, I_ROWS, L_CAP, L_LOAD, L_ROWS, _activate,
                                             _apply_rates, _changed, _drain, _gather_active, _start, _step,
                                             workspace_sizes)
@@ -103,8 +103,6 @@ class Network:
         self._fl = np.zeros((F_ROWS, 0))
         self._ii = np.zeros((I_ROWS, 0), dtype=np.int64)
         self._cnt = np.zeros(C_ROWS, dtype=np.int64)
-        self._no_caps: dict[int, np.ndarray] = {}
-        self._wire: dict[int, np.ndarray] = {}
         self._groups: dict[int, tuple] = {}  # gid -> (event, tag) until its last flow is delivered
         self._grp = np.zeros((G_ROWS, 0))  # per gid: flows still moving, latest delivery so far (flowslots._drain)
         self._links = np.zeros((L_ROWS, len(self.links)))  # capacity, bytes/s in use after the last update
@@ -198,36 +196,24 @@ class Network:
         lat: route_latencies(hops), when the caller keeps it."""
         if not 0.0 < efficiency <= 1.0:
             raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
-        k = hops.shape[0]
-        if type(nbytes) is float or not _per_flow(nbytes):  # the same division, once (into a kept buffer: _start
-            wire = self._wire.get(k)                          # copies it) or elementwise
-            if wire is None:
-                wire = self._wire[k] = np.empty(k)
-            wire.fill(float(nbytes) / efficiency)
-        else:
-            wire = np.asarray(nbytes, dtype=np.float64) / efficiency
+        if type(nbytes) is not float:  # one value for all, or an array of one per flow (the step simulator's
+            nbytes = np.asarray(nbytes, dtype=np.float64) if _per_flow(nbytes) else float(nbytes)  # floats pass)
+        if type(rate_cap_Bps) is not float:
+            rate_cap_Bps = np.asarray(rate_cap_Bps, dtype=np.float64) if _per_flow(rate_cap_Bps) \
+                else float(rate_cap_Bps)
         if type(nhops) is not np.ndarray:  # the step simulator's callers pass int64 arrays already
             nhops = np.asarray(nhops, dtype=np.int64)
         if lat is None:
             lat = self.route_latencies(hops)
-        now = self.env._now
-        per_flow_caps = type(rate_cap_Bps) is not float and _per_flow(rate_cap_Bps)
-        if per_flow_caps:
-            caps = np.asarray(rate_cap_Bps, dtype=np.float64)
-        elif rate_cap_Bps == math.inf:  # the usual case: no cap (the kernels only read the array)
-            caps = self._no_caps.get(k)
-            if caps is None:
-                caps = self._no_caps[k] = np.full(k, math.inf)
-        else:
-            caps = np.full(k, float(rate_cap_Bps))
+        now = float(self.env._now)
         gid = self._next_group
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
-        m, deliver, negative = _start(hops, nhops, wire, caps, lat, float(now), gid, self._fl, self._ii, self._hops,
-                                      self._cnt)
+        m, deliver, negative = _start(hops, nhops, nbytes, float(efficiency), rate_cap_Bps, lat, now, gid,
+                                      self._fl, self._ii, self._hops, self._cnt, self._grp)
         if m < 0:  # no room in the slot arrays (checked there, where the counts are): grow them, start again
-            self._reserve(k, hops.shape[1])
-            m, deliver, negative = _start(hops, nhops, wire, caps, lat, float(now), gid, self._fl, self._ii,
-                                          self._hops, self._cnt)
+            self._reserve(hops.shape[0], hops.shape[1], gid)
+            m, deliver, negative = _start(hops, nhops, nbytes, float(efficiency), rate_cap_Bps, lat, now, gid,
+                                          self._fl, self._ii, self._hops, self._cnt, self._grp)
         if negative:
             raise ValueError("nbytes must be >= 0")
         done = simpy.Event(self.env)
@@ -235,11 +221,6 @@ class Network:
             self._deliver(done, tag, deliver - now)
             return done
         self._next_group += 1
-        grp = self._grp
-        if gid >= grp.shape[1]:
-            grp = self._grp = np.concatenate([grp, np.zeros((G_ROWS, max(64, grp.shape[1])))], axis=1)
-        grp[G_LEFT, gid] = m
-        grp[G_LATEST, gid] = deliver
         self._groups[gid] = (done, tag)
         self.stats["flows"] += m
         if not self._kick:
@@ -247,9 +228,11 @@ class Network:
             self.env.timeout(0).callbacks.append(self._on_kick)
         return done
 
-    def _reserve(self, k: int, width: int) -> None:
-        """Room for k more flows of up to `width` hops (growing the slot arrays; the slots a flow gets do not
-        depend on how much room there is)."""
+    def _reserve(self, k: int, width: int, gid: int) -> None:
+        """Room for k more flows of up to `width` hops, and for group `gid` (growing the slot arrays; the slots a
+        flow gets do not depend on how much room there is)."""
+        if gid >= self._grp.shape[1]:
+            self._grp = np.concatenate([self._grp, np.zeros((G_ROWS, max(64, self._grp.shape[1])))], axis=1)
         if width > self._hops.shape[1]:
             grown = np.full((self._hops.shape[0], width), -1, dtype=np.int64)
             grown[:, : self._hops.shape[1]] = self._hops
@@ -291,16 +274,17 @@ class Network:
         self._last = now
         track = self.track_utilisation
         if self._compiled:  # drain, retire, activate, gather, solve and apply in one compiled call
-            done, groups, n_act, t_min = _step(self._fl, self._ii, self._hops, self._cnt, self._links, self._grp,
-                                               self._work_ints, self._work_floats, dt, eps, now, track)
-            if done:
-                self._finish(now, done, groups)
+            done, groups, n_act, t_min, group, delivery = _step(self._fl, self._ii, self._hops, self._cnt,
+                                                                self._links, self._grp, self._work_ints,
+                                                                self._work_floats, dt, eps, now, track)
+            if groups or (done and self.record_flows):
+                self._finish(now, done, groups, group, delivery)
             load = self._links[L_LOAD] if track else None
         else:
             load = np.zeros(len(self.links))
             done, groups = _drain(self._fl, self._ii, self._cnt, dt, eps, now, self._grp)
             if done:
-                self._finish(now, done, groups)
+                self._finish(now, done, groups, int(self._ii[I_OUT_GROUP, 0]), float(self._fl[F_OUT_GROUP, 0]))
             _activate(self._ii, self._cnt)
             act, indptr, indices, caps = _gather_active(self._ii[I_ACTIVE], self._cnt[C_SIZE], self._ii[I_NHOPS],
                                                         self._hops, self._fl[F_CAP])
@@ -329,9 +313,10 @@ class Network:
         wake = self._wake = self.env.timeout(delay if delay > 0.0 else 0.0)
         wake.callbacks.append(self._on_wake_callback)
 
-    def _finish(self, now: float, done: int, groups: int) -> None:
+    def _finish(self, now: float, done: int, groups: int, group: int, delivery: float) -> None:
         """Deliver the groups whose last flow finished (`flowslots._drain` retired `done` flows, completing
-        `groups` groups, and wrote them to the output buffers)."""
+        `groups` groups, and wrote them to the output buffers; the first of them is `group`, delivered at
+        `delivery`)."""
         if self.record_flows:
             slots = self._ii[I_OUT, :done]
             for g, s, d, w in zip(self._ii[I_GROUP, slots].tolist(), self._fl[F_START, slots].tolist(),
@@ -339,7 +324,7 @@ class Network:
                 self.flow_log.append((self._groups[g][1], s, d, w))
         pop, timeout = self._groups.pop, self.env.timeout
         if groups == 1:  # the usual case: one batch ends (scalars, without the lists)
-            out_group = ((int(self._ii[I_OUT_GROUP, 0]), float(self._fl[F_OUT_GROUP, 0])),)
+            out_group = ((group, delivery),)
         else:
             out_group = zip(self._ii[I_OUT_GROUP, :groups].tolist(), self._fl[F_OUT_GROUP, :groups].tolist())
         for g, d in out_group:
