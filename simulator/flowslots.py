@@ -141,6 +141,52 @@ G_LEFT, G_LATEST = range(2)
 G_ROWS = 2
 
 
+# The packed buffers (`allot`): ints = header (H_SLOTS, H_WIDTH, H_LINKS, H_GROUPS: the sizes), cnt, ii, hops, the
+# solve's ints; floats = fl, links, groups, the solve's floats. Two array arguments per compiled call instead of
+# eight: numba unboxes every array argument on every call, and the step simulator makes tens of thousands.
+H_SLOTS, H_WIDTH, H_LINKS, H_GROUPS = range(4)
+H_ROWS = 4
+
+
+@njit(cache=True)
+def unpack(fbuf, ibuf):
+    """The views (fl, ii, hops, cnt, links, groups, ints, floats) of packed buffers (see `allot`)."""
+    slots, width, n_links, n_groups = ibuf[H_SLOTS], ibuf[H_WIDTH], ibuf[H_LINKS], ibuf[H_GROUPS]
+    i = H_ROWS + C_ROWS
+    cnt = ibuf[H_ROWS: i]
+    ii = ibuf[i: i + I_ROWS * slots].reshape((I_ROWS, slots))
+    i += I_ROWS * slots
+    hops = ibuf[i: i + slots * width].reshape((slots, width))
+    f = F_ROWS * slots
+    fl = fbuf[:f].reshape((F_ROWS, slots))
+    links = fbuf[f: f + L_ROWS * n_links].reshape((L_ROWS, n_links))
+    f += L_ROWS * n_links
+    groups = fbuf[f: f + G_ROWS * n_groups].reshape((G_ROWS, n_groups))
+    return fl, ii, hops, cnt, links, groups, ibuf[i + slots * width:], fbuf[f + G_ROWS * n_groups:]
+
+
+def allot(slots: int, width: int, n_links: int, n_groups: int, old: tuple | None = None):
+    """Packed buffers (floats, ints) for `slots` flow slots of up to `width` hops, `n_links` links and `n_groups`
+    groups, and their views (`unpack`), holding `old`'s views' contents (each at least as large) when given, else
+    empty slots (hops -1) and links with no capacity set."""
+    ints, floats = workspace_sizes(slots, width, n_links)
+    ibuf = np.zeros(H_ROWS + C_ROWS + (I_ROWS + width) * slots + ints, dtype=np.int64)
+    fbuf = np.zeros(F_ROWS * slots + L_ROWS * n_links + G_ROWS * n_groups + floats)
+    ibuf[:H_ROWS] = slots, width, n_links, n_groups
+    views = unpack(fbuf, ibuf)
+    fl, ii, hops, cnt, links, groups = views[:6]
+    hops.fill(-1)
+    if old is not None:
+        o_fl, o_ii, o_hops, o_cnt, o_links, o_groups = old[:6]
+        fl[:, : o_fl.shape[1]] = o_fl
+        ii[:, : o_ii.shape[1]] = o_ii
+        hops[: o_hops.shape[0], : o_hops.shape[1]] = o_hops
+        cnt[:] = o_cnt
+        links[:] = o_links
+        groups[:, : o_groups.shape[1]] = o_groups
+    return fbuf, ibuf, views
+
+
 def _item(x, i):
     """x[i], or x itself when x is one value for all (compiled only: `_item_overload` picks by x's type)."""
     raise NotImplementedError
@@ -154,14 +200,16 @@ def _item_overload(x, i):
 
 
 @njit(cache=True)
-def _start(hops, nhops, nbytes, efficiency, caps, lat, now, gid, fl, ii, s_hops, cnt, groups):
+def _start(hops, nhops, nbytes, efficiency, caps, lat, now, gid, fbuf, ibuf):
     """Start a batch (rows of hops, hop counts, bytes and rate caps (each an array, or one value for all), route
     latencies) as group `gid` in free slots, reused ones first (the most recently freed last), then fresh ones, in
     row order; a flow puts nbytes / efficiency on the wire; flows with no bytes or no link are not started. Sets the
     group's flows still moving and latest delivery so far (groups rows G_LEFT, G_LATEST) when it started any.
     Returns how many were started, when the others are delivered (now + their latency, the latest; now when none)
     and whether a byte count is negative (nothing is started then); or, when the slot arrays lack room for every
-    row (fresh slots, hop columns, or the group's column), -1 and nothing is started."""
+    row (fresh slots, hop columns, or the group's column), -1 and nothing is started. fbuf, ibuf: the packed slot
+    arrays (`allot`)."""
+    fl, ii, s_hops, cnt, _, groups, _, _ = unpack(fbuf, ibuf)
     k = nhops.shape[0]
     if cnt[C_SIZE] + k > ii.shape[1] or hops.shape[1] > s_hops.shape[1] or gid >= groups.shape[1]:
         return -1, now, False
@@ -303,12 +351,14 @@ def _activate(ii, cnt):
 
 
 @njit(cache=True)
-def _step(fl, ii, hops, cnt, links, groups, ints, floats, dt, eps, now, track):
+def _step(fbuf, ibuf, dt, eps, now, track):
     """One network update in one dispatch: `_drain`, `_activate`, then `_resolve` (gather, solve, write the rates;
     ints and floats: its workspace_sizes). links row L_LOAD receives the bytes/s in use per link (zeros when none
     are active or not tracked). Returns (finished flows, finished groups, active flows, the earliest time one of
     them finishes from now: inf when none, the first finished group and its delivery time: rows I_OUT_GROUP and
-    F_OUT_GROUP's first entries, returned so the caller need not index them in the usual case of one)."""
+    F_OUT_GROUP's first entries, returned so the caller need not index them in the usual case of one). fbuf, ibuf:
+    the packed slot arrays (`allot`)."""
+    fl, ii, hops, cnt, links, groups, ints, floats = unpack(fbuf, ibuf)
     done, complete = _drain(fl, ii, cnt, dt, eps, now, groups)
     _activate(ii, cnt)
     n_act, t_min = _resolve(ii[I_ACTIVE], cnt[C_SIZE], ii[I_NHOPS], hops, fl[F_CAP], links[L_CAP], fl[F_REM],

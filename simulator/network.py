@@ -39,11 +39,10 @@ import numpy as np
 import simpy
 
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
-from rackcast.simulator.flowslots import (C_PEND, C_ROWS, C_SIZE, F_CAP, F_OUT, F_OUT_GROUP, F_RATE, F_REM, F_ROWS,
-                                            F_START, F_WIRE, G_ROWS, I_ACTIVE, I_FLOW, I_GROUP,
-                                            I_NHOPS, I_OUT, I_OUT_GROUP, I_ROWS, L_CAP, L_LOAD, L_ROWS, _activate,
-                                            _apply_rates, _changed, _drain, _gather_active, _start, _step,
-                                            workspace_sizes)
+from rackcast.simulator.flowslots import (C_PEND, C_SIZE, F_CAP, F_OUT, F_OUT_GROUP, F_RATE, F_REM, F_START, F_WIRE,
+                                            I_ACTIVE, I_FLOW, I_GROUP, I_NHOPS, I_OUT, I_OUT_GROUP, L_CAP, L_LOAD,
+                                            _activate, _apply_rates, _changed, _drain, _gather_active, _start, _step,
+                                            allot)
 
 Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 
@@ -99,15 +98,11 @@ class Network:
         self._matrix_cache: dict[tuple, tuple] = {}
 
         # Flows live in slots of these arrays (simulator.flowslots); a slot is reused after its flow finishes.
-        self._hops = np.full((0, 8), -1, dtype=np.int64)  # link indices per slot, padded with -1
-        self._fl = np.zeros((F_ROWS, 0))
-        self._ii = np.zeros((I_ROWS, 0), dtype=np.int64)
-        self._cnt = np.zeros(C_ROWS, dtype=np.int64)
-        self._groups: dict[int, tuple] = {}  # gid -> (event, tag) until its last flow is delivered
-        self._grp = np.zeros((G_ROWS, 0))  # per gid: flows still moving, latest delivery so far (flowslots._drain)
-        self._links = np.zeros((L_ROWS, len(self.links)))  # capacity, bytes/s in use after the last update
+        # (simulator.flowslots.allot packs them into one float and one int buffer, the compiled kernels' arguments)
+        self._views = None
+        self._allot(0, 8, 0)
         self._links[L_CAP] = self.capacity
-        self._work_ints, self._work_floats = self._workspace()  # flowslots._step's working arrays
+        self._groups: dict[int, tuple] = {}  # gid -> (event, tag) until its last flow is delivered
         self._next_group = 0
         self._last = env.now
         self._kick = False
@@ -209,11 +204,11 @@ class Network:
         gid = self._next_group
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
         m, deliver, negative = _start(hops, nhops, nbytes, float(efficiency), rate_cap_Bps, lat, now, gid,
-                                      self._fl, self._ii, self._hops, self._cnt, self._grp)
+                                      self._fbuf, self._ibuf)
         if m < 0:  # no room in the slot arrays (checked there, where the counts are): grow them, start again
             self._reserve(hops.shape[0], hops.shape[1], gid)
             m, deliver, negative = _start(hops, nhops, nbytes, float(efficiency), rate_cap_Bps, lat, now, gid,
-                                          self._fl, self._ii, self._hops, self._cnt, self._grp)
+                                          self._fbuf, self._ibuf)
         if negative:
             raise ValueError("nbytes must be >= 0")
         done = simpy.Event(self.env)
@@ -231,24 +226,16 @@ class Network:
     def _reserve(self, k: int, width: int, gid: int) -> None:
         """Room for k more flows of up to `width` hops, and for group `gid` (growing the slot arrays; the slots a
         flow gets do not depend on how much room there is)."""
-        if gid >= self._grp.shape[1]:
-            self._grp = np.concatenate([self._grp, np.zeros((G_ROWS, max(64, self._grp.shape[1])))], axis=1)
-        if width > self._hops.shape[1]:
-            grown = np.full((self._hops.shape[0], width), -1, dtype=np.int64)
-            grown[:, : self._hops.shape[1]] = self._hops
-            self._hops = grown
-        n = self._ii.shape[1]
-        if self._cnt[C_SIZE] + k > n:
-            grow = max(64, int(self._cnt[C_SIZE]) + k, 2 * n) - n
-            self._hops = np.vstack([self._hops, np.full((grow, self._hops.shape[1]), -1, dtype=np.int64)])
-            self._fl = np.concatenate([self._fl, np.zeros((F_ROWS, grow))], axis=1)
-            self._ii = np.concatenate([self._ii, np.zeros((I_ROWS, grow), dtype=np.int64)], axis=1)
-        self._work_ints, self._work_floats = self._workspace()
+        slots, groups = self._ii.shape[1], self._grp.shape[1]
+        if self._cnt[C_SIZE] + k > slots:
+            slots = max(64, int(self._cnt[C_SIZE]) + k, 2 * slots)
+        self._allot(slots, max(width, self._hops.shape[1]), groups + max(64, groups) if gid >= groups else groups)
 
-    def _workspace(self) -> tuple[np.ndarray, np.ndarray]:
-        """flowslots._step's working arrays, sized for the slot arrays as they are (any content)."""
-        ints, floats = workspace_sizes(self._hops.shape[0], self._hops.shape[1], len(self.links))
-        return np.empty(ints, dtype=np.int64), np.empty(floats)
+    def _allot(self, slots: int, width: int, groups: int) -> None:
+        """The slot arrays (flowslots.allot) for `slots` flows of up to `width` hops and `groups` groups, holding
+        the current ones' contents (none at first)."""
+        self._fbuf, self._ibuf, self._views = allot(slots, width, len(self.links), groups, self._views)
+        self._fl, self._ii, self._hops, self._cnt, self._links, self._grp = self._views[:6]
 
     def _deliver(self, event: simpy.Event, tag, delay: float) -> None:
         if delay > 0:  # the timeout carries the tag: event.trigger(timeout) is event.succeed(tag) then
@@ -274,9 +261,7 @@ class Network:
         self._last = now
         track = self.track_utilisation
         if self._compiled:  # drain, retire, activate, gather, solve and apply in one compiled call
-            done, groups, n_act, t_min, group, delivery = _step(self._fl, self._ii, self._hops, self._cnt,
-                                                                self._links, self._grp, self._work_ints,
-                                                                self._work_floats, dt, eps, now, track)
+            done, groups, n_act, t_min, group, delivery = _step(self._fbuf, self._ibuf, dt, eps, now, track)
             if groups or (done and self.record_flows):
                 self._finish(now, done, groups, group, delivery)
             load = self._links[L_LOAD] if track else None
