@@ -7,6 +7,7 @@ order (tests/test_step_digest.py holds the simulated step bit for bit).
   URGENT priority), for work run as callbacks rather than as a generator process;
 - `StepEnvironment.drive` runs a generator of events as `env.process` would (the same start, resumptions and end
   event) without simpy.Process's per-resumption work (it does not send event values into the generator);
+- `new_event` builds a simpy.Event without its constructor's call chain;
 - `run_to_end` processes every event as repeated `env.step()` calls do, with SimPy 4's step inlined.
 
     env = StepEnvironment()
@@ -20,10 +21,18 @@ import heapq
 from collections.abc import Callable
 
 import simpy
-from simpy.events import NORMAL, URGENT, Timeout
+from simpy.events import NORMAL, PENDING, URGENT, Event, Timeout
 
 _new_timeout = Timeout.__new__
+_new_event_object = Event.__new__
 _push = heapq.heappush
+
+
+def new_event(env: simpy.Environment) -> Event:
+    """simpy.Event(env) without its constructor's call (the same attributes: pending, no callbacks yet)."""
+    ev = _new_event_object(Event)
+    ev.env, ev.callbacks, ev._value = env, [], PENDING
+    return ev
 
 
 class StepEnvironment(simpy.Environment):
@@ -39,8 +48,8 @@ class StepEnvironment(simpy.Environment):
 
     def start_soon(self, callback: Callable[[simpy.Event], None]) -> None:
         """Run callback(event) at the point where a process created now would start (SimPy's Initialize)."""
-        ev = simpy.Event(self)
-        ev._ok, ev._value = True, None
+        ev = _new_event_object(Event)
+        ev.env, ev.callbacks, ev._ok, ev._value = self, [], True, None
         ev.callbacks.append(callback)
         _push(self._queue, (self._now, URGENT, next(self._eid), ev))
 
@@ -59,7 +68,7 @@ class Driven:
     __slots__ = ("env", "generator", "end")
 
     def __init__(self, env: simpy.Environment, generator=None):
-        self.env, self.generator, self.end = env, generator, simpy.Event(env)
+        self.env, self.generator, self.end = env, generator, new_event(env)
 
     def resume(self, _event) -> None:
         for event in self.generator:

@@ -79,15 +79,16 @@ def _gather_active_into(active, size, nhops, hops, caps, act, indptr, indices, f
 def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
     """Write the solved rates to their slots; returns the earliest time one of the flows finishes from now and
     the bytes/s in use per link (summed in the order np.bincount would)."""
-    load = np.empty(links)
+    load = np.zeros(links)
     return _apply_rates_into(act, indptr, indices, rates, remaining, rate, load, track), load
 
 
 @njit(cache=True)
 def _apply_rates_into(act, indptr, indices, rates, remaining, rate, load, track):
-    """_apply_rates writing the bytes/s in use per link into `load` (zeros when not tracked)."""
-    for k in range(load.shape[0]):
-        load[k] = 0.0
+    """_apply_rates writing the bytes/s in use per link into `load` when tracked (else `load` is left as it is)."""
+    if track:
+        for k in range(load.shape[0]):
+            load[k] = 0.0
     t_min = np.inf
     for j in range(act.shape[0]):
         s = act[j]
@@ -112,8 +113,8 @@ def _resolve(active, size, nhops, hops, caps, capacity, remaining, rate, track, 
     """Gather the active flows, solve their max-min fair rates (fairshare.maxmin_rates) and write them to their
     slots, in one compiled call (the same steps as `_gather_active`, the solver and `_apply_rates`, so the same rates
     bit for bit), with the working arrays carved out of `ints` and `floats` (workspace_sizes: allocations would cost
-    more than the arithmetic). Writes the bytes/s in use per link into `load` (zeros when none are active, or when
-    not tracked); returns the active flow count and the earliest time one of them finishes from now (inf when
+    more than the arithmetic). Writes the bytes/s in use per link into `load` when tracked (zeros when none are
+    active); returns the active flow count and the earliest time one of them finishes from now (inf when
     none)."""
     n_slots, width = active.shape[0], hops.shape[1]
     act, indptr, ints = ints[:n_slots], ints[n_slots: 2 * n_slots + 1], ints[2 * n_slots + 1:]
@@ -121,7 +122,7 @@ def _resolve(active, size, nhops, hops, caps, capacity, remaining, rate, track, 
     flow_caps, rates, floats = floats[:n_slots], floats[n_slots: 2 * n_slots], floats[2 * n_slots:]
     n, nnz = _gather_active_into(active, size, nhops, hops, caps, act, indptr, indices, flow_caps)
     if n == 0:
-        for k in range(load.shape[0]):
+        for k in range(load.shape[0] if track else 0):
             load[k] = 0.0
         return 0, np.inf
     maxmin_rates_into(indptr[: n + 1], indices[:nnz], capacity, flow_caps[:n], rates[:n], ints, floats)
@@ -353,8 +354,8 @@ def _activate(ii, cnt):
 @njit(cache=True)
 def _step(fbuf, ibuf, dt, eps, now, track):
     """One network update in one dispatch: `_drain`, `_activate`, then `_resolve` (gather, solve, write the rates;
-    ints and floats: its workspace_sizes). links row L_LOAD receives the bytes/s in use per link (zeros when none
-    are active or not tracked). Returns (finished flows, finished groups, active flows, the earliest time one of
+    ints and floats: its workspace_sizes). links row L_LOAD receives the bytes/s in use per link when tracked (zeros
+    when none are active). Returns (finished flows, finished groups, active flows, the earliest time one of
     them finishes from now: inf when none, the first finished group and its delivery time: rows I_OUT_GROUP and
     F_OUT_GROUP's first entries, returned so the caller need not index them in the usual case of one). fbuf, ibuf:
     the packed slot arrays (`allot`)."""

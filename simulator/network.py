@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import simpy
 
+from rackcast.simulator.eventloop import new_event
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
 from rackcast.simulator.flowslots import (C_PEND, C_SIZE, F_CAP, F_OUT, F_OUT_GROUP, F_RATE, F_REM, F_START, F_WIRE,
                                             I_ACTIVE, I_FLOW, I_GROUP, I_NHOPS, I_OUT, I_OUT_GROUP, L_CAP, L_LOAD,
@@ -191,8 +192,8 @@ class Network:
         lat: route_latencies(hops), when the caller keeps it."""
         if not 0.0 < efficiency <= 1.0:
             raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
-        if type(nbytes) is not float:  # one value for all, or an array of one per flow (the step simulator's
-            nbytes = np.asarray(nbytes, dtype=np.float64) if _per_flow(nbytes) else float(nbytes)  # floats pass)
+        if type(nbytes) is not float and not (type(nbytes) is np.ndarray and nbytes.ndim == 1):  # one value for
+            nbytes = np.asarray(nbytes, dtype=np.float64) if _per_flow(nbytes) else float(nbytes)  # all, or per flow
         if type(rate_cap_Bps) is not float:
             rate_cap_Bps = np.asarray(rate_cap_Bps, dtype=np.float64) if _per_flow(rate_cap_Bps) \
                 else float(rate_cap_Bps)
@@ -200,18 +201,18 @@ class Network:
             nhops = np.asarray(nhops, dtype=np.int64)
         if lat is None:
             lat = self.route_latencies(hops)
-        now = float(self.env._now)
+        now, efficiency = float(self.env._now), float(efficiency)
         gid = self._next_group
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
-        m, deliver, negative = _start(hops, nhops, nbytes, float(efficiency), rate_cap_Bps, lat, now, gid,
-                                      self._fbuf, self._ibuf)
+        m, deliver, negative = _start(hops, nhops, nbytes, efficiency, rate_cap_Bps, lat, now, gid, self._fbuf,
+                                      self._ibuf)
         if m < 0:  # no room in the slot arrays (checked there, where the counts are): grow them, start again
             self._reserve(hops.shape[0], hops.shape[1], gid)
-            m, deliver, negative = _start(hops, nhops, nbytes, float(efficiency), rate_cap_Bps, lat, now, gid,
-                                          self._fbuf, self._ibuf)
+            m, deliver, negative = _start(hops, nhops, nbytes, efficiency, rate_cap_Bps, lat, now, gid, self._fbuf,
+                                          self._ibuf)
         if negative:
             raise ValueError("nbytes must be >= 0")
-        done = simpy.Event(self.env)
+        done = new_event(self.env)
         if m == 0:
             self._deliver(done, tag, deliver - now)
             return done
