@@ -155,7 +155,7 @@ def maxmin_rates_into(indptr, indices, capacity, caps, rates, ints, floats):
     nc = 0
     for f in range(nf):
         nc += caps[f] < np.inf
-    order = np.empty(0, np.int64)  # the capped flows, lowest cap first
+    order = lflows[:0]  # the capped flows, lowest cap first (none: an empty view, not an allocation)
     if nc:
         capped = np.flatnonzero(caps < np.inf)
         order = capped[np.argsort(caps[capped], kind="mergesort")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import simpy
 
-from rackcast.simulator.eventloop import StepEnvironment, run_to_end
+from rackcast.simulator.eventloop import StepEnvironment, new_event, run_to_end
 
 DELAYS = (0.0, 0.5, 0.25, 0.0, 0.25, 1.0, 0.5)
 
@@ -55,3 +55,14 @@ def test_step_environment_timeouts_fire_at_their_time_with_their_value():
     env.timeout(1.0, "a").callbacks.append(lambda e: seen.append((env.now, e.value)))
     assert run_to_end(env) == 2
     assert seen == [(1.0, "a"), (2.0, "b")]
+
+
+def test_new_event_is_a_pending_simpy_event_that_runs_its_callbacks_when_it_succeeds():
+    env = StepEnvironment()
+    ev, plain = new_event(env), simpy.Event(env)
+    assert type(ev) is type(plain) and not ev.triggered and ev.callbacks == [] and ev.env is env
+    seen = []
+    ev.callbacks.append(lambda e: seen.append((env.now, e.value)))
+    env.timeout(1.5).callbacks.append(lambda _e: ev.succeed("done"))
+    assert run_to_end(env) == 2
+    assert seen == [(1.5, "done")] and ev.processed
