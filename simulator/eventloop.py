@@ -7,7 +7,8 @@ order (tests/test_step_digest.py holds the simulated step bit for bit).
   URGENT priority), for work run as callbacks rather than as a generator process;
 - `StepEnvironment.drive` runs a generator of events as `env.process` would (the same start, resumptions and end
   event) without simpy.Process's per-resumption work (it does not send event values into the generator);
-- `new_event` builds a simpy.Event without its constructor's call chain;
+- `new_event` builds a simpy.Event without its constructor's call chain; `call_later` schedules a callback as a
+  timeout would, its event a slotted `Scheduled` (for events that nothing else waits on);
 - `run_to_end` processes every event as repeated `env.step()` calls do, with SimPy 4's step inlined.
 
     env = StepEnvironment()
@@ -28,6 +29,26 @@ _new_event_object = Event.__new__
 _push = heapq.heappush
 
 
+class Scheduled:
+    """A bare scheduled event for callbacks that nothing else waits on or inspects (the network's wake-ups and
+    deliveries, a comm's start, a rank's compute): only what SimPy's step and run_to_end read (callbacks, _ok,
+    _value), in slots, without a simpy.Event's instance dictionary."""
+
+    __slots__ = ("callbacks", "_ok", "_value")
+
+
+_new_scheduled = Scheduled.__new__
+
+
+def call_later(env: simpy.Environment, delay: float, callback: Callable, value=None) -> Scheduled:
+    """Run callback(event) `delay` (>= 0) after now: the queue entry of env.timeout(delay, value) with `callback`
+    appended to its callbacks, as a `Scheduled` event (whose _value is `value`)."""
+    ev = _new_scheduled(Scheduled)
+    ev.callbacks, ev._ok, ev._value = [callback], True, value
+    _push(env._queue, (env._now + delay, NORMAL, next(env._eid), ev))
+    return ev
+
+
 def new_event(env: simpy.Environment) -> Event:
     """simpy.Event(env) without its constructor's call (the same attributes: pending, no callbacks yet)."""
     ev = _new_event_object(Event)
@@ -46,11 +67,11 @@ class StepEnvironment(simpy.Environment):
         _push(self._queue, (self._now + delay, NORMAL, next(self._eid), ev))
         return ev
 
-    def start_soon(self, callback: Callable[[simpy.Event], None]) -> None:
-        """Run callback(event) at the point where a process created now would start (SimPy's Initialize)."""
-        ev = _new_event_object(Event)
-        ev.env, ev.callbacks, ev._ok, ev._value = self, [], True, None
-        ev.callbacks.append(callback)
+    def start_soon(self, callback: Callable) -> None:
+        """Run callback(event) at the point where a process created now would start (SimPy's Initialize; the event
+        a `Scheduled`)."""
+        ev = _new_scheduled(Scheduled)
+        ev.callbacks, ev._ok, ev._value = [callback], True, None
         _push(self._queue, (self._now, URGENT, next(self._eid), ev))
 
     def drive(self, generator) -> simpy.Event:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import simpy
 
-from rackcast.simulator.eventloop import new_event
+from rackcast.simulator.eventloop import call_later, new_event
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
 from rackcast.simulator.flowslots import (C_PEND, C_SIZE, F_CAP, F_OUT, F_OUT_GROUP, F_RATE, F_REM, F_START, F_WIRE,
                                             I_ACTIVE, I_FLOW, I_GROUP, I_NHOPS, I_OUT, I_OUT_GROUP, L_CAP, L_LOAD,
@@ -107,7 +107,7 @@ class Network:
         self._next_group = 0
         self._last = env.now
         self._kick = False
-        self._wake = None  # the pending wake-up (a timeout), None when none is needed
+        self._wake = None  # the pending wake-up (eventloop.call_later's event), None when none is needed
         self._on_wake_callback = self._on_wake  # bound once
         self._compiled = self._solve is maxmin_rates
         self._wake_at = math.inf
@@ -221,7 +221,7 @@ class Network:
         self.stats["flows"] += m
         if not self._kick:
             self._kick = True
-            self.env.timeout(0).callbacks.append(self._on_kick)
+            call_later(self.env, 0, self._on_kick)
         return done
 
     def _reserve(self, k: int, width: int, gid: int) -> None:
@@ -239,8 +239,8 @@ class Network:
         self._fl, self._ii, self._hops, self._cnt, self._links, self._grp = self._views[:6]
 
     def _deliver(self, event: simpy.Event, tag, delay: float) -> None:
-        if delay > 0:  # the timeout carries the tag: event.trigger(timeout) is event.succeed(tag) then
-            self.env.timeout(delay, tag).callbacks.append(event.trigger)
+        if delay > 0:  # the delay's event carries the tag: event.trigger(it) is event.succeed(tag) then
+            call_later(self.env, delay, event.trigger, tag)
         else:
             event.succeed(tag)
 
@@ -292,12 +292,11 @@ class Network:
         t_next = now + t_min
         if t_next == self._wake_at:
             return  # the pending wake-up is still the right one
-        # SimPy cannot cancel a timeout: the superseded wake-up stays queued and is ignored when it fires (it may
+        # SimPy cannot cancel a scheduled event: the superseded wake-up stays queued and is ignored when it fires (it may
         # still advance env.now past the last delivery, so time collectives by their process, not env.now).
         self._wake_at = t_next
         delay = t_next - now
-        wake = self._wake = self.env.timeout(delay if delay > 0.0 else 0.0)
-        wake.callbacks.append(self._on_wake_callback)
+        self._wake = call_later(self.env, delay if delay > 0.0 else 0.0, self._on_wake_callback)
 
     def _finish(self, now: float, done: int, groups: int, group: int, delivery: float) -> None:
         """Deliver the groups whose last flow finished (`flowslots._drain` retired `done` flows, completing
@@ -308,7 +307,7 @@ class Network:
             for g, s, d, w in zip(self._ii[I_GROUP, slots].tolist(), self._fl[F_START, slots].tolist(),
                                   self._fl[F_OUT, :done].tolist(), self._fl[F_WIRE, slots].tolist()):
                 self.flow_log.append((self._groups[g][1], s, d, w))
-        pop, timeout = self._groups.pop, self.env.timeout
+        pop, env = self._groups.pop, self.env
         if groups == 1:  # the usual case: one batch ends (scalars, without the lists)
             out_group = ((group, delivery),)
         else:
@@ -316,7 +315,7 @@ class Network:
         for g, d in out_group:
             event, tag = pop(g)
             if d > now:  # as _deliver
-                timeout(d - now, tag).callbacks.append(event.trigger)
+                call_later(env, d - now, event.trigger, tag)
             else:
                 event.succeed(tag)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import simpy
 
-from rackcast.simulator.eventloop import StepEnvironment, new_event, run_to_end
+from rackcast.simulator.eventloop import StepEnvironment, call_later, new_event, run_to_end
 
 DELAYS = (0.0, 0.5, 0.25, 0.0, 0.25, 1.0, 0.5)
 
@@ -66,3 +66,21 @@ def test_new_event_is_a_pending_simpy_event_that_runs_its_callbacks_when_it_succ
     env.timeout(1.5).callbacks.append(lambda _e: ev.succeed("done"))
     assert run_to_end(env) == 2
     assert seen == [(1.5, "done")] and ev.processed
+
+
+def test_call_later_runs_its_callbacks_in_the_order_of_the_same_timeouts_with_their_values():
+    def schedule(env, later: bool) -> list:
+        seen = []
+        for i, d in enumerate((0.5, 0.0, 0.5, 0.25, 0.0, 0.5)):
+            cb = (lambda e, i=i: seen.append((env.now, i, e._value)))
+            if later and i % 2:
+                call_later(env, d, cb, f"v{i}")
+            else:
+                env.timeout(d, f"v{i}").callbacks.append(cb)
+        return seen
+
+    for make in (simpy.Environment, StepEnvironment):
+        env_a, env_b = make(), make()
+        a, b = schedule(env_a, False), schedule(env_b, True)
+        assert run_to_end(env_a) == run_to_end(env_b) == 6
+        assert b == a and [i for _, i, _ in a] == [1, 4, 3, 0, 2, 5]
