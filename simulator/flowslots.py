@@ -13,14 +13,15 @@ over a time step, retiring finished ones, gathering the active flows as a CSR in
     groups  float64 (G_ROWS, groups): per batch, flows still moving and its latest delivery so far
     ints, floats: the solve's working arrays (workspace_sizes; any content), kept by the Network
 
-Few, packed arguments (numba unboxes each array argument on every call, ~0.2 us each), results written into
+`allot` packs all eight into one float64 and one int64 buffer (sizes in the int buffer's header); `_start` and
+`_step` take the two buffers and `unpack` them into these views. Few, packed arguments (numba unboxes each array argument on every call, ~0.2 us each), results written into
 preallocated rows and no allocations in an update (working arrays are slices of kept buffers; a few flows finish
 per update, sorted by insertion) keep numba's per-call cost down (the step simulator makes tens of thousands of
 calls per step). `_step` runs a whole network update (drain, retire, activate, solve) in one dispatch. The
 arithmetic and its order are those of the per-array kernels it replaced, so the simulated step stays bit for bit
 the same (tests/test_step_digest.py).
 
-Tests: `.venv/bin/pytest -q tests/test_network.py tests/test_step_digest.py`.
+Tests: `.venv/bin/pytest -q tests/test_flowslots.py tests/test_network.py tests/test_step_digest.py`.
 """
 
 from __future__ import annotations
