@@ -35,7 +35,7 @@ from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import PredictedBand, Plan, Predicted
 from rackcast.simulator import costs, metrics
-from rackcast.simulator.eventloop import Driven, Scheduled, StepEnvironment, run_to_end
+from rackcast.simulator.eventloop import Driven, Scheduled, StepEnvironment, new_event, run_to_end
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Reduce, Start, Wait
 from rackcast.simulator.schedules import pipeline_orders
 from rackcast.simulator.stepnet import StepNetwork
@@ -249,7 +249,8 @@ class _CommRun(Driven):
     __slots__ = ("rank", "comm", "prev", "t0")
 
     def __init__(self, rank: _Rank, comm: Comm, prev):
-        super().__init__(rank.env)
+        env = self.env = rank.env  # Driven.__init__, without the super() call (one per communication op)
+        self.generator, self.end = None, new_event(env)
         self.rank, self.comm, self.prev = rank, comm, prev
         self.t0 = 0.0
 
@@ -273,7 +274,7 @@ class _CommRun(Driven):
         sim, now = rank.sim, rank.env._now
         if sim.record:
             sim.timeline.slices.append((rank.stage, sim.thread(self.comm), self.comm.name, self.t0, now))
-        super().finish(now)
+        Driven.finish(self, now)
 
 
 class _StepSim:
