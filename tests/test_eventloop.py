@@ -4,6 +4,7 @@ delays, events triggered by others, events already processed when yielded)."""
 
 from __future__ import annotations
 
+import pytest
 import simpy
 
 from rackcast.simulator.eventloop import StepEnvironment, call_later, new_event, run_to_end
@@ -84,3 +85,23 @@ def test_call_later_runs_its_callbacks_in_the_order_of_the_same_timeouts_with_th
         a, b = schedule(env_a, False), schedule(env_b, True)
         assert run_to_end(env_a) == run_to_end(env_b) == 6
         assert b == a and [i for _, i, _ in a] == [1, 4, 3, 0, 2, 5]
+
+
+def test_run_to_end_pauses_the_garbage_collector_and_restores_its_state_even_when_an_event_fails():
+    import gc
+
+    seen = []
+    for was_on in (True, False):
+        (gc.enable if was_on else gc.disable)()
+        try:
+            env = StepEnvironment()
+            env.timeout(1.0).callbacks.append(lambda _e: seen.append(gc.isenabled()))
+            assert run_to_end(env) == 1
+            assert gc.isenabled() == was_on
+            env.event().fail(RuntimeError("boom"))
+            with pytest.raises(RuntimeError, match="boom"):
+                run_to_end(env)
+            assert gc.isenabled() == was_on
+        finally:
+            gc.enable()
+    assert seen == [False, False]
