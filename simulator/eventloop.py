@@ -8,7 +8,8 @@ order (tests/test_step_digest.py holds the simulated step bit for bit).
 - `StepEnvironment.drive` runs a generator of events as `env.process` would (the same start, resumptions and end
   event) without simpy.Process's per-resumption work (it does not send event values into the generator);
 - `new_event` builds a simpy.Event without its constructor's call chain; `call_later` schedules a callback as a
-  timeout would, its event a slotted `Scheduled` (for events that nothing else waits on);
+  timeout would, its event a slotted `Scheduled` (for events that nothing else waits on), and `trigger_later`
+  succeeds an event after a delay as a timeout triggering it would;
 - `run_to_end` processes every event as repeated `env.step()` calls do, with SimPy 4's step inlined.
 
     env = StepEnvironment()
@@ -35,7 +36,7 @@ class Scheduled:
     deliveries, a comm's start, a rank's compute): only what SimPy's step and run_to_end read (callbacks, _ok,
     _value), in slots, without a simpy.Event's instance dictionary."""
 
-    __slots__ = ("callbacks", "_ok", "_value")
+    __slots__ = ("callbacks", "_ok", "_value", "target")
 
 
 _new_scheduled = Scheduled.__new__
@@ -48,6 +49,23 @@ def call_later(env: simpy.Environment, delay: float, callback: Callable, value=N
     ev.callbacks, ev._ok, ev._value = [callback], True, value
     _push(env._queue, (env._now + delay, NORMAL, next(env._eid), ev))
     return ev
+
+
+def trigger_later(env: simpy.Environment, delay: float, event: Event, value=None) -> None:
+    """Succeed `event` with `value` `delay` (>= 0) after now, with the two queue entries of
+    env.timeout(delay, value).callbacks.append(event.trigger) (a Scheduled event, then `event` when it fires),
+    without building the bound method or calling trigger and schedule."""
+    ev = _new_scheduled(Scheduled)
+    ev.callbacks, ev._ok, ev._value, ev.target = [_relay], True, value, event
+    _push(env._queue, (env._now + delay, NORMAL, next(env._eid), ev))
+
+
+def _relay(scheduled: Scheduled) -> None:
+    """simpy.Event.trigger(scheduled) of scheduled.target: its state and value, then scheduled now."""
+    event = scheduled.target
+    env = event.env
+    event._ok, event._value = scheduled._ok, scheduled._value
+    _push(env._queue, (env._now, NORMAL, next(env._eid), event))
 
 
 def new_event(env: simpy.Environment) -> Event:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import simpy
 
-from rackcast.simulator.eventloop import call_later, new_event
+from rackcast.simulator.eventloop import call_later, new_event, trigger_later
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
 from rackcast.simulator.flowslots import (C_PEND, C_SIZE, F_CAP, F_OUT, F_OUT_GROUP, F_RATE, F_REM, F_START, F_WIRE,
                                             I_ACTIVE, I_FLOW, I_GROUP, I_NHOPS, I_OUT, I_OUT_GROUP, L_CAP, L_LOAD,
@@ -239,8 +239,8 @@ class Network:
         self._fl, self._ii, self._hops, self._cnt, self._links, self._grp = self._views[:6]
 
     def _deliver(self, event: simpy.Event, tag, delay: float) -> None:
-        if delay > 0:  # the delay's event carries the tag: event.trigger(it) is event.succeed(tag) then
-            call_later(self.env, delay, event.trigger, tag)
+        if delay > 0:  # event succeeds with the tag after the delay (as a timeout triggering it would)
+            trigger_later(self.env, delay, event, tag)
         else:
             event.succeed(tag)
 
@@ -315,7 +315,7 @@ class Network:
         for g, d in out_group:
             event, tag = pop(g)
             if d > now:  # as _deliver
-                call_later(env, d - now, event.trigger, tag)
+                trigger_later(env, d - now, event, tag)
             else:
                 event.succeed(tag)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import simpy
 
-from rackcast.simulator.eventloop import StepEnvironment, call_later, new_event, run_to_end
+from rackcast.simulator.eventloop import StepEnvironment, call_later, new_event, run_to_end, trigger_later
 
 DELAYS = (0.0, 0.5, 0.25, 0.0, 0.25, 1.0, 0.5)
 
@@ -105,3 +105,23 @@ def test_run_to_end_pauses_the_garbage_collector_and_restores_its_state_even_whe
         finally:
             gc.enable()
     assert seen == [False, False]
+
+
+def test_trigger_later_succeeds_its_event_in_the_order_and_with_the_value_of_a_timeout_triggering_it():
+    def schedule(env, later: bool) -> list:
+        seen = []
+        for i, d in enumerate((0.5, 0.0, 0.5, 0.25, 0.0)):
+            target = env.event()
+            target.callbacks.append(lambda e, i=i: seen.append((env.now, i, e.value, e.ok)))
+            if later and i % 2:
+                trigger_later(env, d, target, f"v{i}")
+            else:
+                env.timeout(d, f"v{i}").callbacks.append(target.trigger)
+            env.timeout(d).callbacks.append(lambda _e, i=i: seen.append((env.now, "tie", i)))  # ties in between
+        return seen
+
+    for make in (simpy.Environment, StepEnvironment):
+        env_a, env_b = make(), make()
+        a, b = schedule(env_a, False), schedule(env_b, True)
+        assert run_to_end(env_a) == run_to_end(env_b) == 15
+        assert b == a and (0.0, 1, "v1", True) in a
