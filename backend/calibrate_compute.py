@@ -65,29 +65,34 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 
 
 def _shapes(device: torch.device, quick: bool) -> dict:
-    """Benchmark shapes: tokens x width families around what training runs (scaled up on a GPU)."""
+    """Benchmark shapes: tokens x width families around what training runs (scaled up on a GPU). GEMMs run on the
+    grid gemm_m x gemm_nk x gemm_nk (m tokens, n and k widths from skinny to square), grouped GEMMs on grouped_rows
+    (mean rows per expert) x grouped_nk x grouped_nk; the grids hold the square-weight shapes (n = k) the FLOPs
+    curves are built from."""
     if device.type == "cuda":
-        gemm_m, gemm_k = ((2048, 8192), (1024, 4096)) if quick else ((512, 2048, 8192, 32768), (512, 2048, 8192))
+        gemm_m, gemm_nk = ((2048, 8192), (8, 1024, 4096)) if quick else ((512, 2048, 8192, 32768),
+                                                                          (8, 64, 512, 2048, 8192))
         peak_n = (4096, 8192)
-        grouped = ((128, 1024), (1024, 2048)) if quick else ((64, 256, 1024, 4096), (512, 2048, 4096))
+        grouped = ((128, 1024), (8, 1024, 2048)) if quick else ((64, 256, 1024, 4096), (8, 64, 512, 2048, 4096))
         attn = [(1, 16, 2048, 128)] if quick else [(4, 16, 1024, 128), (1, 32, 4096, 128), (1, 16, 8192, 128)]
         mem = (1 << 24,) if quick else (1 << 20, 1 << 24, 1 << 28)
         stream = 1 << 28
     else:
-        gemm_m, gemm_k = ((512, 2048), (64, 256)) if quick else ((128, 512, 2048, 8192), (64, 256, 1024))
+        # Tiny presets: widths 8 (router) to 256 (vocabulary), 128-1024 tokens and 32-256 rows per expert a micro-batch
+        gemm_m, gemm_nk = ((128, 512, 2048), (8, 64, 256)) if quick else ((128, 512, 2048, 8192), (8, 32, 64, 256, 1024))
         peak_n = (512,) if quick else (256, 512, 1024)
-        grouped = ((32, 256), (32, 128)) if quick else ((16, 64, 256, 1024), (32, 128, 512))
+        grouped = ((32, 256), (8, 32, 128)) if quick else ((16, 64, 256, 1024), (8, 32, 128, 512))
         attn = [(4, 4, 128, 16)] if quick else [(4, 4, 128, 16), (2, 8, 512, 64), (1, 8, 1024, 64)]
         mem = (1 << 18,) if quick else (1 << 16, 1 << 18, 1 << 22)
         stream = 1 << 22 if quick else 1 << 24  # out of cache: the memory figure, not a cache figure
-    return {"gemm_m": gemm_m, "gemm_k": gemm_k, "peak_n": peak_n, "grouped": grouped, "attn": attn, "mem": mem,
+    return {"gemm_m": gemm_m, "gemm_nk": gemm_nk, "peak_n": peak_n, "grouped": grouped, "attn": attn, "mem": mem,
             "stream": stream}
 
 
 def task_count(device: torch.device, quick: bool) -> int:
     s = _shapes(device, quick)
     peak = len(s["peak_n"]) * (1 if device.type == "cuda" else 2)
-    return (len(s["gemm_m"]) * len(s["gemm_k"]) + peak + len(s["grouped"][0]) * len(s["grouped"][1])
+    return (len(s["gemm_m"]) * len(s["gemm_nk"]) ** 2 + peak + len(s["grouped"][0]) * len(s["grouped"][1]) ** 2
             + len(s["attn"]) + len(s["mem"]) + 2)
 
 
@@ -105,12 +110,13 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)
 
     for m in s["gemm_m"]:
-        for k in s["gemm_k"]:
-            a, b = rand(m, k), rand(k, k)
-            barrier()
-            t = timer(lambda: a @ b)
-            out["gemm"].append({"m": m, "k": k, "n": k, "flops": 2.0 * m * k * k, "seconds": t})
-            tick(f"gemm {m}x{k}x{k}")
+        for n in s["gemm_nk"]:
+            for k in s["gemm_nk"]:
+                a, b = rand(m, k), rand(k, n)
+                barrier()
+                t = timer(lambda: torch.matmul(a, b))  # what the trainer's linear layers run
+                out["gemm"].append({"m": m, "k": k, "n": n, "flops": 2.0 * m * n * k, "seconds": t})
+                tick(f"gemm {m}x{n}x{k}")
     peak_dtypes = [torch.bfloat16] if device.type == "cuda" else [torch.bfloat16, torch.float32]
     for pdt in peak_dtypes:
         for n in s["peak_n"]:
@@ -127,13 +133,14 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
         # uneven, so the measurement includes what uneven groups cost the kernel.
         counts = torch.multinomial(torch.ones(experts), experts * rows, replacement=True, generator=g)
         offs = torch.bincount(counts, minlength=experts).cumsum(0).to(device=device, dtype=torch.int32)
-        for dim in dims:
-            x, w = rand(experts * rows, dim), rand(experts, dim, dim)
-            barrier()
-            t = timer(lambda: grouped_matmul(x, w, offs))  # what the trainer's GroupedExperts runs (backend.moe)
-            out["grouped_gemm"].append({"experts": experts, "rows": rows, "dim": dim,
-                                        "flops_per_group": 2.0 * rows * dim * dim, "seconds": t / experts})
-            tick(f"grouped gemm {experts}x{rows}x{dim}")
+        for n in dims:
+            for k in dims:
+                x, w = rand(experts * rows, k), rand(experts, k, n)
+                barrier()
+                t = timer(lambda: grouped_matmul(x, w, offs))  # what the trainer's GroupedExperts runs (backend.moe)
+                out["grouped_gemm"].append({"experts": experts, "rows": rows, "n": n, "k": k,
+                                            "flops_per_group": 2.0 * rows * n * k, "seconds": t / experts})
+                tick(f"grouped gemm {experts}x{rows}x{n}x{k}")
     for (b, h, seq, d) in s["attn"]:
         q, k, v = (rand(b, h, seq, d, grad=True) for _ in range(3))
 
