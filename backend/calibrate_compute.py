@@ -11,6 +11,7 @@ CUDA timings use CUDA events.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -109,10 +110,17 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
     def rand(*shape, dtype=dt, grad=False):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)
 
+    def operand(pool, *shape):
+        """The first elements of `pool` (random numbers drawn once) as a contiguous tensor of `shape`: drawing every
+        shape of a grid its own operands would take longer than timing it."""
+        return pool[:math.prod(shape)].view(*shape)
+
+    widest = max(s["gemm_nk"])
+    pool = rand(max(s["gemm_m"]) * widest + widest * widest)
     for m in s["gemm_m"]:
         for n in s["gemm_nk"]:
             for k in s["gemm_nk"]:
-                a, b = rand(m, k), rand(k, n)
+                a, b = operand(pool, m, k), operand(pool[m * k:], k, n)
                 barrier()
                 t = timer(lambda: torch.matmul(a, b))  # what the trainer's linear layers run
                 out["gemm"].append({"m": m, "k": k, "n": n, "flops": 2.0 * m * n * k, "seconds": t})
@@ -128,6 +136,7 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
             tick(f"peak {pdt} {n}^3")
     experts = 8
     rows_list, dims = s["grouped"]
+    pool = rand(experts * (max(rows_list) + max(dims)) * max(dims))
     for rows in rows_list:
         # Per-expert token counts as a routing draw gives them (uniform top-k routing: multinomial around `rows`),
         # uneven, so the measurement includes what uneven groups cost the kernel.
@@ -135,7 +144,7 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
         offs = torch.bincount(counts, minlength=experts).cumsum(0).to(device=device, dtype=torch.int32)
         for n in dims:
             for k in dims:
-                x, w = rand(experts * rows, k), rand(experts, k, n)
+                x, w = operand(pool, experts * rows, k), operand(pool[experts * rows * k:], experts, k, n)
                 barrier()
                 t = timer(lambda: grouped_matmul(x, w, offs))  # what the trainer's GroupedExperts runs (backend.moe)
                 out["grouped_gemm"].append({"experts": experts, "rows": rows, "n": n, "k": k,

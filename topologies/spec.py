@@ -165,16 +165,16 @@ class EfficiencyProfile:
 
     def __post_init__(self):
         for name in ("gemm", "grouped_gemm"):
-            if getattr(self, name):
-                _check_curve(name, getattr(self, name))
-            elif not 0.0 < getattr(self, name + "_ceiling") <= 1.0:
-                raise ValueError(f"efficiency.{name}_ceiling must lie in (0, 1] where efficiency.{name} has no "
-                                 "measured curve")
             if getattr(self, name + "_surface"):
                 if not getattr(self, name):
                     raise ValueError(f"efficiency.{name}_surface needs the measured curve efficiency.{name} beside "
                                      "it (rackcast calibrate writes both)")
                 _check_surface(name + "_surface", getattr(self, name + "_surface"))
+            if getattr(self, name):
+                _check_curve(name, getattr(self, name))
+            elif not 0.0 < getattr(self, name + "_ceiling") <= 1.0:
+                raise ValueError(f"efficiency.{name}_ceiling must lie in (0, 1] where efficiency.{name} has no "
+                                 "measured curve")
         for name in ("attention", "memory_bound", "host_link"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"efficiency.{name} must lie in (0, 1], got {getattr(self, name)}")
