@@ -101,6 +101,9 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
     """All compute measurements as plain data. tick(label) is called after each; barrier() before each, so ranks
     that run this together contend for the machine as training processes do."""
     timer = Timer(device, samples=3 if quick else 5, target_s=0.01 if quick else 0.03)
+    # The grids hold ~150 shapes (the other benchmarks ~15): shorter samples keep calibrate's time in bounds, and a
+    # 10 ms sample still loops a small GEMM hundreds of times (as --quick times everything).
+    grid_timer = Timer(device, samples=timer.samples, target_s=0.01)
     dt = compute_dtype(device)
     s = _shapes(device, quick)
     out = {"dtype": str(dt).replace("torch.", ""), "gemm": [], "peak": [], "grouped_gemm": [], "attention": [],
@@ -122,7 +125,7 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
             for k in s["gemm_nk"]:
                 a, b = operand(pool, m, k), operand(pool[m * k:], k, n)
                 barrier()
-                t = timer(lambda: torch.matmul(a, b))  # what the trainer's linear layers run
+                t = grid_timer(lambda: torch.matmul(a, b))  # what the trainer's linear layers run
                 out["gemm"].append({"m": m, "k": k, "n": n, "flops": 2.0 * m * n * k, "seconds": t})
                 tick(f"gemm {m}x{n}x{k}")
     peak_dtypes = [torch.bfloat16] if device.type == "cuda" else [torch.bfloat16, torch.float32]
@@ -146,7 +149,7 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
             for k in dims:
                 x, w = operand(pool, experts * rows, k), operand(pool[experts * rows * k:], experts, k, n)
                 barrier()
-                t = timer(lambda: grouped_matmul(x, w, offs))  # what the trainer's GroupedExperts runs (backend.moe)
+                t = grid_timer(lambda: grouped_matmul(x, w, offs))  # what the trainer's GroupedExperts runs (backend.moe)
                 out["grouped_gemm"].append({"experts": experts, "rows": rows, "n": n, "k": k,
                                             "flops_per_group": 2.0 * rows * n * k, "seconds": t / experts})
                 tick(f"grouped gemm {experts}x{rows}x{n}x{k}")
