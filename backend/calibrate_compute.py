@@ -80,7 +80,8 @@ def _shapes(device: torch.device, quick: bool) -> dict:
         stream = 1 << 28
     else:
         # Tiny presets: widths 8 (router) to 256 (vocabulary), 128-1024 tokens and 32-256 rows per expert a micro-batch
-        gemm_m, gemm_nk = ((128, 512, 2048), (8, 64, 256)) if quick else ((128, 512, 2048, 8192), (8, 32, 64, 256, 1024))
+        gemm_m, gemm_nk = ((128, 512, 2048), (8, 64, 256)) if quick else ((128, 512, 2048, 8192),
+                                                                         (8, 32, 64, 256, 1024))
         peak_n = (512,) if quick else (256, 512, 1024)
         grouped = ((32, 256), (8, 32, 128)) if quick else ((16, 64, 256, 1024), (8, 32, 128, 512))
         attn = [(4, 4, 128, 16)] if quick else [(4, 4, 128, 16), (2, 8, 512, 64), (1, 8, 1024, 64)]
@@ -149,7 +150,7 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
             for k in dims:
                 x, w = operand(pool, experts * rows, k), operand(pool[experts * rows * k:], experts, k, n)
                 barrier()
-                t = grid_timer(lambda: grouped_matmul(x, w, offs))  # what the trainer's GroupedExperts runs (backend.moe)
+                t = grid_timer(lambda: grouped_matmul(x, w, offs))  # the trainer's GroupedExperts kernel
                 out["grouped_gemm"].append({"experts": experts, "rows": rows, "n": n, "k": k,
                                             "flops_per_group": 2.0 * rows * n * k, "seconds": t / experts})
                 tick(f"grouped gemm {experts}x{rows}x{n}x{k}")

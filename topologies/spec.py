@@ -135,8 +135,9 @@ class EfficiencyProfile:
     """Achieved fractions of the peak figures. GEMMs are priced by the shape model of simulator.costs (tiles and
     waves on the accelerator's SMs, HBM roofline, `gemm_ceiling` / `grouped_gemm_ceiling` for large shapes, from
     kernel-level benchmarks) unless `gemm` / `grouped_gemm` hold measured curves (`rackcast calibrate`): a measured
-    curve wins, and a measured surface by shape (`gemm_surface` / `grouped_gemm_surface`) wins over its curve. A stack profile (topologies.profiles) scales the ceilings, attention, memory-bound and collective
-    efficiencies and sets the launch floor and the error band; `stack` names the one applied."""
+    curve wins, and a measured surface by shape (`gemm_surface` / `grouped_gemm_surface`) wins over its curve. A
+    stack profile (topologies.profiles) scales the ceilings, attention, memory-bound and collective efficiencies and
+    sets the launch floor and the error band; `stack` names the one applied."""
 
     attention: Annotated[float, Range(0, 1, above=True)]  # fraction of dense peak achieved by attention kernels
     memory_bound: Annotated[float, Range(0, 1, above=True)]  # fraction of HBM bandwidth achieved by elementwise ops

@@ -9,7 +9,8 @@ Conventions (they are the simulator's, topologies/spec.py):
 - GEMM and grouped-GEMM surfaces hold every measured shape of the grids (m x n x k; a grouped GEMM's m its mean
   rows per expert) at its efficiency; the FLOPs curves beside them (what older calibrated files hold, and what a
   topology without a surface is priced by) are indexed by FLOPs of one GEMM (one expert's GEMM) over the
-  square-weight shapes (n = k); points within a factor 1.6 of FLOPs are merged (median). Attention is the median over shapes of forward + backward at 3 x causal forward FLOPs.
+  square-weight shapes (n = k); points within a factor 1.6 of FLOPs are merged (median). Attention is the median
+  over shapes of forward + backward at 3 x causal forward FLOPs.
 - hbm_bandwidth_Bps is the best out-of-cache copy/add (bytes read + written); memory_bound the median over sizes of
   the trainer's elementwise mix (RMSNorm, SiLU gate, residual add) over that bandwidth.
 - collectives: nccl-tests bus bandwidth over the link bandwidth, where the link bandwidth is the best one-way
