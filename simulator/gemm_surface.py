@@ -14,7 +14,6 @@ The group count of a grouped GEMM is not an axis: the surface is measured at the
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -32,13 +31,22 @@ class Grid(NamedTuple):
     efficiency: np.ndarray
 
 
-@lru_cache(maxsize=16)
-def _grid(points: tuple[SurfacePoint, ...]) -> Grid:
+_GRIDS: dict[int, tuple[list[SurfacePoint], Grid]] = {}  # by the identity of a topology's (immutable) point list
+
+
+def _grid(points: list[SurfacePoint]) -> Grid:
+    hit = _GRIDS.get(id(points))
+    if hit is not None and hit[0] is points:
+        return hit[1]
     axes = [np.array(sorted({getattr(p, a) for p in points}), dtype=float) for a in AXES]
     values = np.empty([len(a) for a in axes])
     for p in points:
         values[tuple(int(np.searchsorted(ax, getattr(p, a))) for ax, a in zip(axes, AXES))] = p.efficiency
-    return Grid(tuple(np.log(ax) for ax in axes), np.pad(values, [(0, 1)] * len(AXES), mode="edge"))
+    grid = Grid(tuple(np.log(ax) for ax in axes), np.pad(values, [(0, 1)] * len(AXES), mode="edge"))
+    if len(_GRIDS) >= 64:
+        _GRIDS.clear()
+    _GRIDS[id(points)] = (points, grid)  # holding the list keeps its id from being reused
+    return grid
 
 
 def _bracket(log_axis: np.ndarray, x):
@@ -46,20 +54,19 @@ def _bracket(log_axis: np.ndarray, x):
     if len(log_axis) == 1:
         return np.zeros(np.shape(x), dtype=int), np.zeros(np.shape(x))
     lo = np.clip(np.searchsorted(log_axis, x, side="right") - 1, 0, len(log_axis) - 2)
-    t = (x - log_axis[lo]) / (log_axis[lo + 1] - log_axis[lo])
-    return lo, np.clip(t, 0.0, 1.0)
+    return lo, np.clip((x - log_axis[lo]) / (log_axis[lo + 1] - log_axis[lo]), 0.0, 1.0)
 
 
 def surface_efficiency(points: list[SurfacePoint], m, n, k):
     """Efficiency of GEMMs of m x n x k (floats or arrays, which broadcast) on the surface `points` (a full grid, as
     topologies.spec checks on load)."""
-    grid = _grid(tuple(points))
-    m, n, k = np.broadcast_arrays(*(np.log(np.maximum(np.asarray(v, dtype=float), 1e-30)) for v in (m, n, k)))
-    (im, tm), (i_n, tn), (ik, tk) = (_bracket(ax, x) for ax, x in zip(grid.log_axes, (m, n, k)))
-    v = grid.efficiency
-    out = np.zeros(m.shape)
-    for dm, wm in ((0, 1 - tm), (1, tm)):
-        for dn, wn in ((0, 1 - tn), (1, tn)):
-            for dk, wk in ((0, 1 - tk), (1, tk)):
-                out = out + wm * wn * wk * v[im + dm, i_n + dn, ik + dk]
-    return out
+    grid = _grid(points)
+    logs = np.broadcast_arrays(*(np.log(np.maximum(np.asarray(v, dtype=float), 1e-30)) for v in (m, n, k)))
+    (im, tm), (i_n, tn), (ik, tk) = (_bracket(ax, x) for ax, x in zip(grid.log_axes, logs))
+    _, size_n, size_k = grid.efficiency.shape
+    # the 8 corners of each point's cell in one gather from the flattened grid, ordered (m, n, k) lower/upper
+    corner = np.array([(dm * size_n + dn) * size_k + dk for dm in (0, 1) for dn in (0, 1) for dk in (0, 1)])
+    v = grid.efficiency.ravel()[((im * size_n + i_n) * size_k + ik)[..., None] + corner]
+    v = v[..., 0::2] + tk[..., None] * (v[..., 1::2] - v[..., 0::2])  # along k: 4 left
+    v = v[..., 0::2] + tn[..., None] * (v[..., 1::2] - v[..., 0::2])  # along n: 2 left
+    return v[..., 0] + tm * (v[..., 1] - v[..., 0])
