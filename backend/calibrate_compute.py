@@ -79,9 +79,10 @@ def _shapes(device: torch.device, quick: bool) -> dict:
         mem = (1 << 24,) if quick else (1 << 20, 1 << 24, 1 << 28)
         stream = 1 << 28
     else:
-        # Tiny presets: widths 8 (router) to 256 (vocabulary), 128-1024 tokens and 32-256 rows per expert a micro-batch
-        gemm_m, gemm_nk = ((128, 512, 2048), (8, 64, 256)) if quick else ((128, 512, 2048, 8192),
-                                                                         (8, 32, 64, 256, 1024))
+        # Tiny presets: widths 8 (router) to 256 (vocabulary), 128-1024 tokens and 32-256 rows per expert a micro-batch,
+        # MuonH's Newton-Schulz products d_model (64) square
+        gemm_m, gemm_nk = ((32, 128, 512, 2048), (8, 64, 256)) if quick else ((32, 128, 512, 2048, 8192),
+                                                                             (8, 32, 64, 256, 1024))
         peak_n = (512,) if quick else (256, 512, 1024)
         grouped = ((32, 256), (8, 32, 128)) if quick else ((16, 64, 256, 1024), (8, 32, 128, 512))
         attn = [(4, 4, 128, 16)] if quick else [(4, 4, 128, 16), (2, 8, 512, 64), (1, 8, 1024, 64)]
