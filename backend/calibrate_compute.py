@@ -11,6 +11,7 @@ CUDA timings use CUDA events.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -65,29 +66,36 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 
 
 def _shapes(device: torch.device, quick: bool) -> dict:
-    """Benchmark shapes: tokens x width families around what training runs (scaled up on a GPU)."""
+    """Benchmark shapes: tokens x width families around what training runs (scaled up on a GPU). GEMMs run on the
+    grid gemm_m x gemm_nk x gemm_nk (m tokens, n and k widths from skinny to square), grouped GEMMs on grouped_rows
+    (mean rows per expert) x grouped_nk x grouped_nk; the grids hold the square-weight shapes (n = k) the FLOPs
+    curves are built from."""
     if device.type == "cuda":
-        gemm_m, gemm_k = ((2048, 8192), (1024, 4096)) if quick else ((512, 2048, 8192, 32768), (512, 2048, 8192))
+        gemm_m, gemm_nk = ((2048, 8192), (8, 1024, 4096)) if quick else ((512, 2048, 8192, 32768),
+                                                                          (8, 64, 512, 2048, 8192))
         peak_n = (4096, 8192)
-        grouped = ((128, 1024), (1024, 2048)) if quick else ((64, 256, 1024, 4096), (512, 2048, 4096))
+        grouped = ((128, 1024), (8, 1024, 2048)) if quick else ((64, 256, 1024, 4096), (8, 64, 512, 2048, 4096))
         attn = [(1, 16, 2048, 128)] if quick else [(4, 16, 1024, 128), (1, 32, 4096, 128), (1, 16, 8192, 128)]
         mem = (1 << 24,) if quick else (1 << 20, 1 << 24, 1 << 28)
         stream = 1 << 28
     else:
-        gemm_m, gemm_k = ((512, 2048), (64, 256)) if quick else ((128, 512, 2048, 8192), (64, 256, 1024))
+        # Tiny presets: widths 8 (router) to 256 (vocabulary), 128-1024 tokens and 32-256 rows per expert a micro-batch,
+        # MuonH's Newton-Schulz products d_model (64) square
+        gemm_m, gemm_nk = ((32, 128, 512, 2048), (8, 64, 256)) if quick else ((32, 128, 512, 2048, 8192),
+                                                                             (8, 32, 64, 256, 1024))
         peak_n = (512,) if quick else (256, 512, 1024)
-        grouped = ((32, 256), (32, 128)) if quick else ((16, 64, 256, 1024), (32, 128, 512))
+        grouped = ((32, 256), (8, 32, 128)) if quick else ((16, 64, 256, 1024), (8, 32, 128, 512))
         attn = [(4, 4, 128, 16)] if quick else [(4, 4, 128, 16), (2, 8, 512, 64), (1, 8, 1024, 64)]
         mem = (1 << 18,) if quick else (1 << 16, 1 << 18, 1 << 22)
         stream = 1 << 22 if quick else 1 << 24  # out of cache: the memory figure, not a cache figure
-    return {"gemm_m": gemm_m, "gemm_k": gemm_k, "peak_n": peak_n, "grouped": grouped, "attn": attn, "mem": mem,
+    return {"gemm_m": gemm_m, "gemm_nk": gemm_nk, "peak_n": peak_n, "grouped": grouped, "attn": attn, "mem": mem,
             "stream": stream}
 
 
 def task_count(device: torch.device, quick: bool) -> int:
     s = _shapes(device, quick)
     peak = len(s["peak_n"]) * (1 if device.type == "cuda" else 2)
-    return (len(s["gemm_m"]) * len(s["gemm_k"]) + peak + len(s["grouped"][0]) * len(s["grouped"][1])
+    return (len(s["gemm_m"]) * len(s["gemm_nk"]) ** 2 + peak + len(s["grouped"][0]) * len(s["grouped"][1]) ** 2
             + len(s["attn"]) + len(s["mem"]) + 2)
 
 
@@ -95,6 +103,9 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
     """All compute measurements as plain data. tick(label) is called after each; barrier() before each, so ranks
     that run this together contend for the machine as training processes do."""
     timer = Timer(device, samples=3 if quick else 5, target_s=0.01 if quick else 0.03)
+    # The grids hold ~150 shapes (the other benchmarks ~15): shorter samples keep calibrate's time in bounds, and a
+    # 10 ms sample still loops a small GEMM hundreds of times (as --quick times everything).
+    grid_timer = Timer(device, samples=timer.samples, target_s=0.01)
     dt = compute_dtype(device)
     s = _shapes(device, quick)
     out = {"dtype": str(dt).replace("torch.", ""), "gemm": [], "peak": [], "grouped_gemm": [], "attention": [],
@@ -104,13 +115,21 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
     def rand(*shape, dtype=dt, grad=False):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)
 
+    def operand(pool, *shape):
+        """The first elements of `pool` (random numbers drawn once) as a contiguous tensor of `shape`: drawing every
+        shape of a grid its own operands would take longer than timing it."""
+        return pool[:math.prod(shape)].view(*shape)
+
+    widest = max(s["gemm_nk"])
+    pool = rand(max(s["gemm_m"]) * widest + widest * widest)
     for m in s["gemm_m"]:
-        for k in s["gemm_k"]:
-            a, b = rand(m, k), rand(k, k)
-            barrier()
-            t = timer(lambda: a @ b)
-            out["gemm"].append({"m": m, "k": k, "n": k, "flops": 2.0 * m * k * k, "seconds": t})
-            tick(f"gemm {m}x{k}x{k}")
+        for n in s["gemm_nk"]:
+            for k in s["gemm_nk"]:
+                a, b = operand(pool, m, k), operand(pool[m * k:], k, n)
+                barrier()
+                t = grid_timer(lambda: torch.matmul(a, b))  # what the trainer's linear layers run
+                out["gemm"].append({"m": m, "k": k, "n": n, "flops": 2.0 * m * n * k, "seconds": t})
+                tick(f"gemm {m}x{n}x{k}")
     peak_dtypes = [torch.bfloat16] if device.type == "cuda" else [torch.bfloat16, torch.float32]
     for pdt in peak_dtypes:
         for n in s["peak_n"]:
@@ -122,18 +141,20 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
             tick(f"peak {pdt} {n}^3")
     experts = 8
     rows_list, dims = s["grouped"]
+    pool = rand(experts * (max(rows_list) + max(dims)) * max(dims))
     for rows in rows_list:
         # Per-expert token counts as a routing draw gives them (uniform top-k routing: multinomial around `rows`),
         # uneven, so the measurement includes what uneven groups cost the kernel.
         counts = torch.multinomial(torch.ones(experts), experts * rows, replacement=True, generator=g)
         offs = torch.bincount(counts, minlength=experts).cumsum(0).to(device=device, dtype=torch.int32)
-        for dim in dims:
-            x, w = rand(experts * rows, dim), rand(experts, dim, dim)
-            barrier()
-            t = timer(lambda: grouped_matmul(x, w, offs))  # what the trainer's GroupedExperts runs (backend.moe)
-            out["grouped_gemm"].append({"experts": experts, "rows": rows, "dim": dim,
-                                        "flops_per_group": 2.0 * rows * dim * dim, "seconds": t / experts})
-            tick(f"grouped gemm {experts}x{rows}x{dim}")
+        for n in dims:
+            for k in dims:
+                x, w = operand(pool, experts * rows, k), operand(pool[experts * rows * k:], experts, k, n)
+                barrier()
+                t = grid_timer(lambda: grouped_matmul(x, w, offs))  # the trainer's GroupedExperts kernel
+                out["grouped_gemm"].append({"experts": experts, "rows": rows, "n": n, "k": k,
+                                            "flops_per_group": 2.0 * rows * n * k, "seconds": t / experts})
+                tick(f"grouped gemm {experts}x{rows}x{n}x{k}")
     for (b, h, seq, d) in s["attn"]:
         q, k, v = (rand(b, h, seq, d, grad=True) for _ in range(3))
 

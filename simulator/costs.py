@@ -14,7 +14,8 @@ Conventions:
   peak at the op's GEMM shape (GemmShape: m x n x k,
   groups): dense GEMMs as tokens x d_model / tensor x d_model, routed experts as one grouped GEMM of a rank's local
   experts, each its routed rows x expert width x input width. Where the topology has measured curves (`rackcast
-  calibrate`) the efficiency is the curve's at one group's FLOPs; otherwise the shape model (gemm_seconds): output
+  calibrate`) the efficiency is the measured surface's at the shape (simulator.gemm_surface), else the curve's at
+  one group's FLOPs; otherwise the shape model (gemm_seconds): output
   tiles in waves over the SMs under the kernel-level ceiling, the HBM roofline, the launch floor. Attention cores
   at the attention fraction; backward = 2 x forward;
 - memory-bound work (elementwise ops, the optimizer's state update) = bytes / (HBM bandwidth x memory_bound);
@@ -34,6 +35,7 @@ import numpy as np
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.simulator import collective_formulas as formulas
 from rackcast.simulator.activations import BYTES, INDEX_BYTES
+from rackcast.simulator.gemm_surface import surface_efficiency
 from rackcast.topologies import PRESET_DIR
 from rackcast.topologies.spec import Topology
 from rackcast.vocab import PRECISIONS
@@ -277,11 +279,14 @@ def gemm_seconds(shape: GemmShape, topo: Topology, ceiling, precision):
     return np.maximum(np.maximum(compute, memory), e.launch_s)
 
 
-def _efficiency(shape: GemmShape, topo: Topology, curve, ceiling, precision):
-    """Fraction of the compute peak of `precision` a kernel of `shape` reaches: the measured curve at one group's
-    FLOPs where there is one, else the shape model's FLOPs / (peak x gemm_seconds)."""
+def _efficiency(shape: GemmShape, topo: Topology, curve, ceiling, precision, surface=()):
+    """Fraction of the compute peak of `precision` a kernel of `shape` reaches: the measured surface at its m x n x k
+    where there is one (simulator.gemm_surface), else the measured curve at one group's FLOPs, else the shape
+    model's FLOPs / (peak x gemm_seconds)."""
     m, n, k, groups = (np.asarray(v, dtype=float) for v in shape)
     flops = 2.0 * m * n * k
+    if surface:
+        return surface_efficiency(surface, m, n, k)
     if curve:
         return efficiency(curve, flops)
     return np.maximum(groups, 1e-30) * flops / (compute_peak(topo, precision) *
@@ -289,11 +294,13 @@ def _efficiency(shape: GemmShape, topo: Topology, curve, ceiling, precision):
 
 
 def gemm_efficiency(shape: GemmShape, topo: Topology, precision):
-    return _efficiency(shape, topo, topo.efficiency.gemm, topo.efficiency.gemm_ceiling, precision)
+    e = topo.efficiency
+    return _efficiency(shape, topo, e.gemm, e.gemm_ceiling, precision, e.gemm_surface)
 
 
 def grouped_gemm_efficiency(shape: GemmShape, topo: Topology, precision):
-    return _efficiency(shape, topo, topo.efficiency.grouped_gemm, topo.efficiency.grouped_gemm_ceiling, precision)
+    e = topo.efficiency
+    return _efficiency(shape, topo, e.grouped_gemm, e.grouped_gemm_ceiling, precision, e.grouped_gemm_surface)
 
 
 def gemm_time(flops, shape: GemmShape, topo: Topology, precision):

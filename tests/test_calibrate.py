@@ -61,16 +61,19 @@ def test_apply_factors_clamps_to_valid_profile():
 
 
 def _fake_measurements() -> dict:
-    gemm = [{"m": m, "k": k, "n": k, "flops": 2.0 * m * k * k, "seconds": 2.0 * m * k * k / (50e9 * (k / 1024) ** .2)}
-            for m in (128, 2048) for k in (64, 1024)]
+    # a skinny output (small n) runs slower per FLOP than a square one, as measured on CPUs
+    gemm = [{"m": m, "k": k, "n": n, "flops": 2.0 * m * n * k,
+             "seconds": 2.0 * m * n * k / (50e9 * (k / 1024) ** .2 * (n / 1024) ** .3)}
+            for m in (128, 2048) for n in (8, 64, 1024) for k in (64, 1024)]
     coll = [{"kind": kind, "group": 2, "bytes": b, "seconds": 1e-4 + b / 2e9}
             for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven", "send_recv")
             for b in (1 << 14, 1 << 20, 1 << 23)]
     return {"compute": {"dtype": "float32", "gemm": gemm,
                         "peak": [{"dtype": dt, "n": 512, "flops": 2.0 * 512 ** 3, "seconds": 2.0 * 512 ** 3 / rate}
                                  for dt, rate in (("bfloat16", 100e9), ("float32", 50e9))],
-                        "grouped_gemm": [{"experts": 8, "rows": r, "dim": 64, "flops_per_group": 2.0 * r * 64 * 64,
-                                          "seconds": 1e-5 + 2.0 * r * 64 * 64 / 40e9} for r in (16, 256)],
+                        "grouped_gemm": [{"experts": 8, "rows": r, "n": n, "k": k, "flops_per_group": 2.0 * r * n * k,
+                                          "seconds": 1e-5 + 2.0 * r * n * k / 40e9}
+                                         for r in (16, 256) for n in (8, 64) for k in (8, 64)],
                         "attention": [{"batch": 1, "heads": 4, "seq": 128, "head_dim": 16, "train_flops": 1e7,
                                        "seconds": 1e-3}],
                         "memory": [{"elements": 1 << 18, "bytes": 1 << 20, "copy_Bps": 20e9, "add_Bps": 20e9,

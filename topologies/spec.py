@@ -62,6 +62,40 @@ def _check_curve(name: str, curve: list[CurvePoint]) -> None:
 
 
 @dataclass(frozen=True)
+class SurfacePoint:
+    """One measured point of a GEMM efficiency surface: `groups` GEMMs of m x n x k each (rows x output columns x
+    reduction; a grouped GEMM's m is its mean rows per group) run as one kernel reached `efficiency` of the peak."""
+
+    m: Annotated[float, Range(0, 1e12, above=True)]
+    n: Annotated[float, Range(0, 1e12, above=True)]
+    k: Annotated[float, Range(0, 1e12, above=True)]
+    efficiency: Annotated[float, Range(0, 1, above=True)]
+    groups: Annotated[float, Range(1, 1e9)] = 1.0
+
+    def __post_init__(self):
+        if min(self.m, self.n, self.k) <= 0:
+            raise ValueError(f"surface point m, n, k must be positive, got {self.m} x {self.n} x {self.k}")
+        if not 0.0 < self.efficiency <= 1.0:
+            raise ValueError(f"surface point efficiency must lie in (0, 1], got {self.efficiency}")
+
+    def scaled(self, factor: float, floor: float) -> "SurfacePoint":
+        """This point with its efficiency times `factor`, kept in [floor, 1]."""
+        return replace(self, efficiency=min(1.0, max(floor, self.efficiency * factor)))
+
+
+def _check_surface(name: str, points: list[SurfacePoint]) -> None:
+    """A surface is interpolated on its grid (simulator.gemm_surface), so it must be one: every combination of its
+    m, n and k values exactly once."""
+    shape = [len({getattr(p, axis) for p in points}) for axis in ("m", "n", "k")]
+    if len({(p.m, p.n, p.k) for p in points}) != len(points):
+        raise ValueError(f"efficiency.{name}: a shape (m, n, k) appears twice")
+    if shape[0] * shape[1] * shape[2] != len(points):
+        raise ValueError(f"efficiency.{name}: the points must form a full grid over their m, n and k values "
+                         f"({shape[0]} x {shape[1]} x {shape[2]} = {shape[0] * shape[1] * shape[2]} shapes), "
+                         f"got {len(points)}")
+
+
+@dataclass(frozen=True)
 class CollectiveCurves:
     """Achieved bus-bandwidth fraction of the slowest hop, by message size, inside and across scale-up domains."""
 
@@ -101,8 +135,9 @@ class EfficiencyProfile:
     """Achieved fractions of the peak figures. GEMMs are priced by the shape model of simulator.costs (tiles and
     waves on the accelerator's SMs, HBM roofline, `gemm_ceiling` / `grouped_gemm_ceiling` for large shapes, from
     kernel-level benchmarks) unless `gemm` / `grouped_gemm` hold measured curves (`rackcast calibrate`): a measured
-    curve wins. A stack profile (topologies.profiles) scales the ceilings, attention, memory-bound and collective
-    efficiencies and sets the launch floor and the error band; `stack` names the one applied."""
+    curve wins, and a measured surface by shape (`gemm_surface` / `grouped_gemm_surface`) wins over its curve. A
+    stack profile (topologies.profiles) scales the ceilings, attention, memory-bound and collective efficiencies and
+    sets the launch floor and the error band; `stack` names the one applied."""
 
     attention: Annotated[float, Range(0, 1, above=True)]  # fraction of dense peak achieved by attention kernels
     memory_bound: Annotated[float, Range(0, 1, above=True)]  # fraction of HBM bandwidth achieved by elementwise ops
@@ -118,6 +153,10 @@ class EfficiencyProfile:
     # measured efficiency by FLOPs of one GEMM (size) / of one expert's GEMM in a grouped GEMM; empty: shape model
     gemm: Annotated[list[CurvePoint], Items(256)] = field(default_factory=list)
     grouped_gemm: Annotated[list[CurvePoint], Items(256)] = field(default_factory=list)
+    # measured efficiency by GEMM shape on a grid of m x n x k (`rackcast calibrate`; a grouped GEMM's m its rows per
+    # group), beside the curve above; where present it wins over the curve (simulator.gemm_surface); empty: none
+    gemm_surface: Annotated[list[SurfacePoint], Items(4096)] = field(default_factory=list)
+    grouped_gemm_surface: Annotated[list[SurfacePoint], Items(4096)] = field(default_factory=list)
     # fraction of dense peak a large, well-shaped (grouped) GEMM reaches: the shape model's ceiling
     gemm_ceiling: Annotated[float, Range(0, 1)] = 0.0
     grouped_gemm_ceiling: Annotated[float, Range(0, 1)] = 0.0
@@ -127,6 +166,11 @@ class EfficiencyProfile:
 
     def __post_init__(self):
         for name in ("gemm", "grouped_gemm"):
+            if getattr(self, name + "_surface"):
+                if not getattr(self, name):
+                    raise ValueError(f"efficiency.{name}_surface needs the measured curve efficiency.{name} beside "
+                                     "it (rackcast calibrate writes both)")
+                _check_surface(name + "_surface", getattr(self, name + "_surface"))
             if getattr(self, name):
                 _check_curve(name, getattr(self, name))
             elif not 0.0 < getattr(self, name + "_ceiling") <= 1.0:

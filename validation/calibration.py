@@ -6,8 +6,11 @@ Conventions (they are the simulator's, topologies/spec.py):
   autocast; bf16 on CUDA) as fractions of that dtype's `accelerator.peak_flops` entry, the peak the simulator
   divides a plan of that precision by (simulator.costs.compute_peak). On CPU the peaks are the best measured matmuls
   (there is no datasheet figure); on CUDA the base preset's vendor peak is kept.
-- GEMM and grouped-GEMM curves are indexed by FLOPs of one GEMM (one expert's GEMM); points within a factor 1.6 of
-  FLOPs are merged (median). Attention is the median over shapes of forward + backward at 3 x causal forward FLOPs.
+- GEMM and grouped-GEMM surfaces hold every measured shape of the grids (m x n x k; a grouped GEMM's m its mean
+  rows per expert) at its efficiency; the FLOPs curves beside them (what older calibrated files hold, and what a
+  topology without a surface is priced by) are indexed by FLOPs of one GEMM (one expert's GEMM) over the
+  square-weight shapes (n = k); points within a factor 1.6 of FLOPs are merged (median). Attention is the median
+  over shapes of forward + backward at 3 x causal forward FLOPs.
 - hbm_bandwidth_Bps is the best out-of-cache copy/add (bytes read + written); memory_bound the median over sizes of
   the trainer's elementwise mix (RMSNorm, SiLU gate, residual add) over that bandwidth.
 - collectives: nccl-tests bus bandwidth over the link bandwidth, where the link bandwidth is the best one-way
@@ -29,12 +32,14 @@ from pathlib import Path
 from rackcast.atomic import write_text_atomic
 from rackcast.strict import dump_yaml, to_data
 from rackcast.topologies import load_topology
-from rackcast.topologies.spec import COLLECTIVE_KINDS, CollectiveCurves, CurvePoint, EfficiencyProfile, HostOpTimes, Topology
+from rackcast.topologies.spec import (COLLECTIVE_KINDS, CollectiveCurves, CurvePoint, EfficiencyProfile, HostOpTimes,
+                                      SurfacePoint, Topology)
 from rackcast.units import KIB, MIB
 
 MERGE_RATIO = 1.6
 PEAK_KEYS = {"bfloat16": "bf16", "float32": "fp32"}  # torch dtype name measured -> its accelerator.peak_flops entry
 MIN_EFF = 1e-4
+SURFACE_DIGITS = 6
 
 CALIBRATED_SOURCE = "measured by rackcast calibrate"  # starts efficiency.source of a calibrated topology
 
@@ -62,6 +67,12 @@ def _curve(points: list[tuple[float, float]]) -> list[CurvePoint]:
         size = statistics.geometric_mean([s for s, _ in g])
         out.append(CurvePoint(size=float(f"{size:.6g}"), value=round(_clamp(statistics.median(v for _, v in g)), 4)))
     return out
+
+
+def _surface_value(efficiency: float) -> float:
+    """A surface point's efficiency, clamped and kept to SURFACE_DIGITS significant digits (a measured shape is
+    priced at its measured time to that precision)."""
+    return float(f"{_clamp(efficiency):.{SURFACE_DIGITS}g}")
 
 
 def bus_factor(kind: str, n: int) -> float:
@@ -98,14 +109,19 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
     peak = peaks[peak_key]
     notes.append(f"efficiencies below are achieved {comp['dtype']} rates (the trainer's compute dtype here) / "
                  f"{peak_key} peak")
-    gemm = _curve([(e["flops"], rate(e) / peak) for e in comp["gemm"]])
-    notes.append("gemm (M x K x K: GFLOP/s): " + ", ".join(f"{e['m']}x{e['k']}: {rate(e) / 1e9:.3g}"
+    square = [e for e in comp["gemm"] if e["n"] == e["k"]]
+    gemm = _curve([(e["flops"], rate(e) / peak) for e in square])
+    gemm_surface = [SurfacePoint(e["m"], e["n"], e["k"], _surface_value(rate(e) / peak)) for e in comp["gemm"]]
+    notes.append("gemm (M x N x K: GFLOP/s): " + ", ".join(f"{e['m']}x{e['n']}x{e['k']}: {rate(e) / 1e9:.3g}"
                                                            for e in comp["gemm"]))
-    grouped = _curve([(e["flops_per_group"], rate(e, "flops_per_group") / peak) for e in comp["grouped_gemm"]])
-    notes.append(f"grouped_gemm (one grouped_mm over {comp['grouped_gemm'][0]['experts']} experts, uneven groups of "
-                 "mean rows x dim: GFLOP/s per expert): "
-                 + ", ".join(f"{e['rows']}x{e['dim']}: {rate(e, 'flops_per_group') / 1e9:.3g}"
-                             for e in comp["grouped_gemm"]))
+    groups = comp["grouped_gemm"][0]["experts"]
+    grouped = _curve([(e["flops_per_group"], rate(e, "flops_per_group") / peak) for e in comp["grouped_gemm"]
+                      if e["n"] == e["k"]])
+    grouped_surface = [SurfacePoint(e["rows"], e["n"], e["k"], _surface_value(rate(e, "flops_per_group") / peak),
+                                    groups=e["experts"]) for e in comp["grouped_gemm"]]
+    notes.append(f"grouped_gemm (one grouped_mm over {groups} experts, uneven groups of mean rows x N x K: GFLOP/s "
+                 "per expert): " + ", ".join(f"{e['rows']}x{e['n']}x{e['k']}: {rate(e, 'flops_per_group') / 1e9:.3g}"
+                                             for e in comp["grouped_gemm"]))
     attn_rates = [rate(e, "train_flops") for e in comp["attention"]]
     attention = _clamp(statistics.median(attn_rates) / peak)
     notes.append("attention (SDPA causal fwd+bwd, batch x heads x seq x head_dim: GFLOP/s): " + ", ".join(
@@ -166,7 +182,8 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
     source = (f"{CALIBRATED_SOURCE}{' --quick' if meas.get('quick') else ''} at {meas['started_utc']} "
               f"(torch {m['torch']}, {m.get('device_name', '')}, {meas['world']} processes, "
               f"{m.get('cpu_count')} CPUs); base preset {base.name} for what was not measured")
-    eff = EfficiencyProfile(gemm=gemm, grouped_gemm=grouped, attention=round(attention, 4),
+    eff = EfficiencyProfile(gemm=gemm, grouped_gemm=grouped, gemm_surface=gemm_surface,
+                            grouped_gemm_surface=grouped_surface, attention=round(attention, 4),
                             memory_bound=round(memory_bound, 4), host_link=1.0, collectives=collectives,
                             comm_compute_slowdown=base.efficiency.comm_compute_slowdown, source=source,
                             host_op_s=HostOpTimes(*(float(f"{op['host_op_s'][part]:.3g}")

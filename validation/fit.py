@@ -1,7 +1,8 @@
 """Fit efficiency-profile factors to measured step and phase times (`rackcast calibrate --from-run/--from-measurement`).
 
 The factors multiply a topology's efficiency profile (so the fitted topology predicts other layouts and scales):
-    gemm            the GEMM and grouped-GEMM curves or ceilings      identified by compute time (and optimizer time)
+    gemm            the GEMM and grouped-GEMM curves, surfaces or      identified by compute time (and optimizer time)
+                    ceilings
     attention       the attention efficiency                           compute time of plans that differ in attention
                                                                        share (sequence length, micro-batch)
     memory_bound    the memory-bound efficiency                        optimizer time, compute of different mixes
@@ -90,6 +91,8 @@ def apply_factors(topo: Topology, factors: dict[str, float]) -> Topology:
             for k, c in e.collectives.items()}
     slow = min(0.95, max(0.0, e.comm_compute_slowdown + factors.get("comm_compute_slowdown", 0.0)))
     eff = replace(e, gemm=_scale(e.gemm, g), grouped_gemm=_scale(e.grouped_gemm, g),
+                  gemm_surface=[p.scaled(g, 1e-6) for p in e.gemm_surface],
+                  grouped_gemm_surface=[p.scaled(g, 1e-6) for p in e.grouped_gemm_surface],
                   gemm_ceiling=min(1.0, e.gemm_ceiling * g), grouped_gemm_ceiling=min(1.0, e.grouped_gemm_ceiling * g),
                   host_op_s=e.host_op_s.scaled(factors.get("op_overhead", 1.0)),
                   attention=min(1.0, max(1e-6, e.attention * factors.get("attention", 1.0))),

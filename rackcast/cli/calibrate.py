@@ -153,6 +153,9 @@ def _measure(args) -> int:
                                           f"latency {topo.scale_up.latency_s * 1e6:.0f} us"],
              ["gemm efficiency", ", ".join(f"{p.size:.2g}: {p.value:.2f}" for p in e.gemm)],
              ["grouped gemm efficiency", ", ".join(f"{p.size:.2g}: {p.value:.2f}" for p in e.grouped_gemm)],
+             *([[f"{name} surface", f"{len(surf)} shapes m x n x k, efficiency {min(p.efficiency for p in surf):.3f}"
+                 f" to {max(p.efficiency for p in surf):.3f}"]
+                for name, surf in (("gemm", e.gemm_surface), ("grouped gemm", e.grouped_gemm_surface)) if surf]),
              ["attention / memory-bound", f"{e.attention:.3f} / {e.memory_bound:.3f}"],
              ["host time per framework op", f"forward {e.host_op_s.forward * 1e6:.2f} us, backward "
                                             f"{e.host_op_s.backward * 1e6:.2f} us, optimizer "
