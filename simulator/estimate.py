@@ -37,6 +37,7 @@ from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
+from rackcast.simulator.gemms import GEMM_NAMES, SHARED_GEMMS, rank_shape, shapes_by_name
 from rackcast.simulator.host_overhead import host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
@@ -71,38 +72,67 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
     return expected_max_load_factor(transport, experts, top_k, ep, tokens_group, seed=seed)
 
 
-def _stage_compute_s(gemm, head, attn, experts, rec_gemm, rec_attn, rec_experts, elem, dense: costs.GemmShape,
-                     grouped: costs.GemmShape, topo: Topology, precision):
-    """(forward, recomputation, elementwise) seconds of one stage's micro-batch from its FLOPs and bytes (costs), in
-    the plan's `precision` (costs.compute_peak; the head and the attention core costs.unquantised): dense GEMMs and
-    the head at the GEMM efficiency of the `dense` shape, the attention core at the attention efficiency, routed
-    experts at the grouped-GEMM efficiency of the `grouped` shape, elementwise traffic memory-bound."""
-    head_s = costs.gemm_time(head, dense, topo, costs.unquantised(precision))
-    fwd = costs.gemm_time(gemm, dense, topo, precision) + head_s + costs.attention_time(attn, topo, precision) + \
-        costs.grouped_gemm_time(experts, grouped, topo, precision)
-    rec = costs.gemm_time(rec_gemm, dense, topo, precision) + costs.attention_time(rec_attn, topo, precision) + \
-        costs.grouped_gemm_time(rec_experts, grouped, topo, precision)
-    return fwd, rec, costs.memory_bound_time(elem, topo)
+def _gemm_seconds(g, shapes: dict, topo: Topology, precision) -> tuple:
+    """(layer GEMMs, end GEMMs, shared experts) seconds of one stage's micro-batch: every GEMM name's FLOPs
+    (g("gemm:" + name), g("gemm_end:" + name)) at the GEMM efficiency of its own shape (shapes[name],
+    simulator.gemms.rank_shape), the layers' in the plan's `precision`, the ends' (output head, final and
+    embedding norms, multi-token prediction) in costs.unquantised of it."""
+    layers = ends = shared = 0.0
+    for name, shape in shapes.items():
+        lf, ef = g("gemm:" + name), g("gemm_end:" + name)
+        if np.any(lf):
+            seconds = lf * costs.gemm_time(1.0, shape, topo, precision)
+            layers = layers + seconds
+            shared = shared + seconds if name in SHARED_GEMMS else shared
+        if np.any(ef):
+            ends = ends + ef * costs.gemm_time(1.0, shape, topo, costs.unquantised(precision))
+    return layers, ends, shared
 
 
-def _shapes(f: dict) -> tuple[costs.GemmShape, costs.GemmShape]:
-    """The dense and the grouped expert GEMM shapes of a features dict (plan_features)."""
-    return (costs.GemmShape(f["gemm_m"], f["gemm_n"], f["gemm_k"]),
-            costs.GemmShape(f["expert_m"], f["expert_n"], f["expert_k"], f["expert_groups"]))
+def _stage_compute_s(g, shapes: dict, grouped: costs.GemmShape, tail_grouped: costs.GemmShape, full,
+                     topo: Topology, precision) -> tuple:
+    """(forward, recomputation, elementwise, shared-expert) seconds of one stage's micro-batch from its FLOPs and
+    bytes (g: feature name -> value; costs), in the plan's `precision` (costs.compute_peak; the ends and the
+    attention core costs.unquantised): dense GEMMs each at its own shape (_gemm_seconds), the attention core at the
+    attention efficiency, routed experts at the grouped-GEMM efficiency of the `grouped` shape (the multi-token
+    prediction blocks' at the balanced `tail_grouped`), elementwise traffic memory-bound; full recomputation
+    (`full` 1) redoes the layers' GEMMs."""
+    layers, ends, shared = _gemm_seconds(g, shapes, topo, precision)
+    tail = costs.attention_time(g("tail_attn_flops"), topo, precision) + \
+        costs.grouped_gemm_time(g("tail_expert_flops"), tail_grouped, topo, costs.unquantised(precision))
+    fwd = layers + ends + tail + costs.attention_time(g("attn_flops"), topo, precision) + \
+        costs.grouped_gemm_time(g("expert_flops"), grouped, topo, precision)
+    rec = full * layers + costs.attention_time(g("rec_attn_flops"), topo, precision) + \
+        costs.grouped_gemm_time(g("rec_expert_flops"), grouped, topo, precision)
+    return fwd, rec, costs.memory_bound_time(g("elementwise_bytes"), topo), shared
 
 
-STAGE_KEYS = ("gemm_flops", "head_flops", "attn_flops", "expert_flops", "shared_flops", "rec_gemm_flops",
-              "rec_attn_flops", "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes",
-              "fsdp_embed_bytes", "fsdp_head_bytes", "expert_fsdp_bytes", "mtp_cp_bytes", "mtp_cp_grad_bytes")
-_STAGE_ROWS = ("gemm", "attn", "experts", "shared", "head", "embed", "elem_bytes", "layers", "moe_layers",
-               "dense_params", "expert_params", "first", "last")
+def _shapes(f: dict, col=lambda x: x) -> tuple[dict, costs.GemmShape, costs.GemmShape]:
+    """The dense GEMM shapes by name, the grouped expert GEMM shape and the multi-token-prediction blocks'
+    (balanced) one of a features dict (plan_features); `col` applied to each field."""
+    dense = {name: costs.GemmShape(col(f["gemm_m:" + name]), col(f["gemm_n:" + name]), col(f["gemm_k:" + name]))
+             for name in GEMM_NAMES}
+    grouped = (col(f["expert_m"]), col(f["expert_n"]), col(f["expert_k"]), col(f["expert_groups"]))
+    return dense, costs.GemmShape(*grouped), costs.GemmShape(col(f["tail_expert_m"]), *grouped[1:])
+
+
+STAGE_KEYS = ("attn_flops", "expert_flops", "tail_attn_flops", "tail_expert_flops", "rec_attn_flops",
+              "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes", "fsdp_embed_bytes",
+              "fsdp_head_bytes", "expert_fsdp_bytes", "mtp_cp_bytes", "mtp_cp_grad_bytes") + \
+    tuple("gemm:" + n for n in GEMM_NAMES) + tuple("gemm_end:" + n for n in GEMM_NAMES)
+_STAGE_ROWS = ("attn", "experts", "tail_attn", "tail_experts", "elem_bytes", "layers", "moe_layers", "dense_params",
+               "expert_params", "first", "last")
+_ROW_NAMES = _STAGE_ROWS + tuple("L:" + n for n in GEMM_NAMES) + tuple("E:" + n for n in GEMM_NAMES)
 
 
 def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> tuple:
-    """simulator.stage_work's per-stage rows of one plan, each padded with zeros to `width` stages, flattened."""
+    """simulator.stage_work's per-stage rows of one plan (_ROW_NAMES: the 1-D rows, then the GEMM FLOPs by name of
+    the layers and of the ends), each padded with zeros to `width` stages, flattened."""
     w = stage_work(spec, plan)
     pad = width - plan.parallel.pipeline
-    return tuple(x for k in _STAGE_ROWS for x in np.pad(np.asarray(getattr(w, k), dtype=float), (0, pad)))
+    rows = [np.asarray(getattr(w, k), dtype=float) for k in _STAGE_ROWS] + list(w.gemm_layers.T) + \
+        list(w.gemm_ends.T)
+    return tuple(x for r in rows for x in np.pad(r, (0, pad)))
 
 
 def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> dict:
@@ -130,7 +160,8 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
             p.routed_tokens_per_microbatch(spec) * p.parallel.expert_group, seed=p.seed))
     full = np.asarray(plan.recompute == "full", dtype=float)
     recomputed_attn = np.asarray(plan.recompute != "none", dtype=float)
-    dense_shape = costs.gemm_shape(tokens_mb, spec, t)
+    gemm_names = shapes_by_name(spec)
+    dense_shapes = {name: rank_shape(g, tokens_mb, t) for name, g in gemm_names.items()}
     # The most loaded rank's experts: balanced rows x the routing draw's imbalance (capacity: the padded rows).
     expert_shape = costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group) * m_imbalance, spec,
                                       par.expert, par.expert_tensor)
@@ -140,7 +171,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     flat = per_key(plan, LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor"),
                    lambda p: _stage_rows(spec, p, width))
     flat = np.stack(np.broadcast_arrays(*flat), axis=-1)
-    rows = dict(zip(_STAGE_ROWS, np.moveaxis(flat.reshape(flat.shape[:-1] + (len(_STAGE_ROWS), width)), -2, 0)))
+    rows = dict(zip(_ROW_NAMES, np.moveaxis(flat.reshape(flat.shape[:-1] + (len(_ROW_NAMES), width)), -2, 0)))
     col = lambda x: np.asarray(x, dtype=float)[..., None]  # noqa: E731  a per-plan value against the stage axis
     tok, tt, imb, routed = col(tokens_mb), col(t), col(m_imbalance), col(routed_mb)
     top = spec.top_param_breakdown()
@@ -150,12 +181,14 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     gathered = col(par.fsdp > 1) * w_bytes / tt  # FSDP all-gathers: layers one at a time, each end as its own unit
     # Per stage and micro-batch on one rank. Expert-tensor ranks split each expert's width but process every row of
     # their experts: per-rank expert FLOPs stay those of expert_tensor = 1 (costs.expert_shape: rows x width / et).
-    # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head.
+    # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head. Each GEMM
+    # name's FLOPs apart (priced at its own shape); names the model lacks are zero. The multi-token-prediction
+    # blocks' routed experts at balanced routing.
     stage = {
-        "gemm_flops": rows["gemm"] * tok / tt, "head_flops": (rows["head"] + rows["embed"]) * tok / tt,
+        **{"gemm:" + n: rows["L:" + n] * tok / tt if n in gemm_names else 0.0 for n in GEMM_NAMES},
+        **{"gemm_end:" + n: rows["E:" + n] * tok / tt if n in gemm_names else 0.0 for n in GEMM_NAMES},
         "attn_flops": rows["attn"] * tok / tt, "expert_flops": rows["experts"] * routed * imb,
-        "shared_flops": rows["shared"] * tok / tt,
-        "rec_gemm_flops": rows["gemm"] * tok / tt * col(full),
+        "tail_attn_flops": rows["tail_attn"] * tok / tt, "tail_expert_flops": rows["tail_experts"] * routed,
         "rec_attn_flops": rows["attn"] * tok / tt * col(recomputed_attn),
         "rec_expert_flops": rows["experts"] * routed * imb * col(full),
         "elementwise_bytes": rows["elem_bytes"] * tok, "layers": rows["layers"], "moe_layers": rows["moe_layers"],
@@ -166,17 +199,22 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "mtp_cp_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp)),
         "mtp_cp_grad_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp), backward=True),
     }
-    fwd, rec, elem = _stage_compute_s(stage["gemm_flops"], stage["head_flops"], stage["attn_flops"],
-                                      stage["expert_flops"], stage["rec_gemm_flops"], stage["rec_attn_flops"],
-                                      stage["rec_expert_flops"], stage["elementwise_bytes"],
-                                      costs.GemmShape(*(col(v) for v in dense_shape)),
-                                      costs.GemmShape(*(col(v) for v in expert_shape)), topo, plan.precision)
+    tail_expert_shape = costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group), spec, par.expert,
+                                           par.expert_tensor)
+    fwd, rec, elem, _ = _stage_compute_s(stage.get, {n: costs.GemmShape(*(col(v) for v in s))
+                                                     for n, s in dense_shapes.items()},
+                                         costs.GemmShape(*(col(v) for v in expert_shape)),
+                                         costs.GemmShape(*(col(v) for v in tail_expert_shape)), col(full), topo,
+                                         plan.precision)
     valid = np.arange(width) < col(par.pipeline)
     heavy = np.argmax(np.where(valid, 3 * fwd + rec + elem, -np.inf), axis=-1)[..., None]  # sets the steady state
     others = valid & (np.arange(width) != heavy)
     n_others = np.maximum(others.sum(axis=-1), 1)
     stage_features = {}
     for k, v in stage.items():
+        if np.ndim(v) == 0:  # a GEMM the model lacks
+            stage_features[k] = stage_features["o_" + k] = v
+            continue
         v = np.broadcast_to(v, others.shape)
         stage_features[k] = np.take_along_axis(v, heavy, axis=-1)[..., 0]
         stage_features["o_" + k] = np.where(others, v, 0.0).sum(axis=-1) / n_others
@@ -199,7 +237,10 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "microbatches": m, "chunks_per_rank": par.chunks_per_rank,
         "bubble_f": bub_f, "bubble_b": bub_b, "bubble_w": bub_w,
         **stage_features,
-        "tokens_mb": tokens_mb, "gemm_m": dense_shape.m, "gemm_n": dense_shape.n, "gemm_k": dense_shape.k,
+        "tokens_mb": tokens_mb,
+        **{f"gemm_{d}:{n}": getattr(dense_shapes[n], d) if n in dense_shapes else 1.0 for n in GEMM_NAMES
+           for d in "mnk"},
+        "tail_expert_m": tail_expert_shape.m,
         "expert_m": expert_shape.m, "expert_n": expert_shape.n, "expert_k": expert_shape.k,
         "expert_groups": expert_shape.groups,
         "recompute_full": full, "overlap_grad_reduce": float(plan.overlap_grad_reduce),
@@ -247,10 +288,8 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     and a combine all-to-all, each hiding behind half the shared experts' work; its backward the same at twice the
     work; full recomputation runs the forward (and its communication) once more before the backward."""
     g = lambda k: f[pre + k]  # noqa: E731
-    fwd, rec, elem = _stage_compute_s(g("gemm_flops"), g("head_flops"), g("attn_flops"), g("expert_flops"),
-                                      g("rec_gemm_flops"), g("rec_attn_flops"), g("rec_expert_flops"),
-                                      g("elementwise_bytes"), *_shapes(f), topo, f["precision"])
     full = f["recompute_full"]
+    fwd, rec, elem, shared = _stage_compute_s(g, *_shapes(f), full, topo, f["precision"])
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
     tp_t = (4 + 2 * full) * layers * tp_one
@@ -258,7 +297,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     cp_exposed = layers * f["cp_layer_s"] * (2 + full) + sum(
         collective_time(topo, "send_recv", f["cp_n"], g(k), f["cp_out"]) for k in ("mtp_cp_bytes", "mtp_cp_grad_bytes"))
     a2a_one = collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
-    shared_layer = costs.gemm_time(g("shared_flops"), _shapes(f)[0], topo, f["precision"]) / np.maximum(moe, 1)
+    shared_layer = shared / np.maximum(moe, 1)
     # Forward (and its recomputation): two exchanges under half the shared experts each; backward: under all of it.
     a2a_exposed = 2 * moe * ((1 + full) * np.maximum(0.0, a2a_one - shared_layer / 2) +
                              np.maximum(0.0, a2a_one - shared_layer))

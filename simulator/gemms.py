@@ -43,7 +43,8 @@ END_GEMMS = ("head", "final_gated_norm_down", "final_gated_norm_up", "embed_gate
              "mtp_proj")
 GEMM_NAMES = LAYER_GEMMS + END_GEMMS
 SHARED_GEMMS = ("shared_gate_up", "shared_down")
-# Layer components (ModelSpec.layer_flops_breakdown keys) that run after the attention block: the MLP side.
+# Layer components (ModelSpec.layer_flops_breakdown keys) that run after the attention block: the MLP side, the
+# shared experts last.
 MLP_PARTS = ("router", "latent", "dense_mlp", "shared_experts")
 _CACHE: dict[int, tuple] = {}  # id(spec) -> (spec, {key: value})
 
@@ -203,3 +204,20 @@ def gemms_seconds(gemms, tokens_mb, tensor, topo, precision) -> float:
     """Seconds of one rank's share (1/tensor) of `gemms` over a micro-batch, each GEMM at its own shape."""
     return sum(float(costs.gemm_time(g.flops * tokens_mb / tensor, rank_shape(g, tokens_mb, tensor), topo,
                                      precision)) for g in gemms)
+
+
+def tail_expert_shape(spec: ModelSpec, routed_mb, par) -> costs.GemmShape:
+    """The multi-token-prediction blocks' grouped expert GEMM on one rank: balanced routing of the `routed_mb`
+    tokens the rank routes (costs.expert_shape); par: the plan's ParallelSpec (fields may be arrays)."""
+    return costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group), spec, par.expert,
+                              par.expert_tensor)
+
+
+def tail_seconds(spec: ModelSpec, tokens_mb: float, routed_mb: float, par, topo, precision: str) -> float:
+    """One rank's tail per micro-batch (tail_work), all in costs.unquantised(precision): its GEMMs each at its own
+    shape, the MTP blocks' attention core at the attention efficiency and their routed experts at the grouped-GEMM
+    efficiency of tail_expert_shape."""
+    tail, unq = tail_work(spec), costs.unquantised(precision)
+    experts = costs.grouped_gemm_time(tail.experts * routed_mb, tail_expert_shape(spec, routed_mb, par), topo, unq)
+    return gemms_seconds(tail.gemms, tokens_mb, par.tensor, topo, unq) + float(experts) + \
+        float(costs.attention_time(tail.attn * tokens_mb / par.tensor, topo, precision))

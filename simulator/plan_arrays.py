@@ -17,7 +17,7 @@ both. A field `fn` reads but `fields` does not name would take the template's va
 checks every array result against the single-plan one over sampled layouts of several models and topologies.
 
     arrays = PlanArrays(template, {"tensor": [1, 2, 4], "micro_batch": [1, 1, 2], ...})
-    simulator.estimate.plan_features(spec, arrays, topo)["gemm_flops"]   # one element per plan
+    simulator.estimate.plan_features(spec, arrays, topo)["attn_flops"]   # one element per plan
 """
 
 from __future__ import annotations
