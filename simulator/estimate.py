@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,7 +38,7 @@ from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
-from rackcast.simulator.gemms import GEMM_NAMES, SHARED_GEMMS, rank_shape, shapes_by_name
+from rackcast.simulator.gemms import GEMM_NAMES, SHARED_GEMMS, names_used, rank_shape, shapes_by_name
 from rackcast.simulator.host_overhead import host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
@@ -72,32 +73,50 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
     return expected_max_load_factor(transport, experts, top_k, ep, tokens_group, seed=seed)
 
 
-def _gemm_seconds(g, shapes: dict, topo: Topology, precision) -> tuple:
-    """(layer GEMMs, end GEMMs, shared experts) seconds of one stage's micro-batch: every GEMM name's FLOPs
-    (g("gemm:" + name), g("gemm_end:" + name)) at the GEMM efficiency of its own shape (shapes[name],
-    simulator.gemms.rank_shape), the layers' in the plan's `precision`, the ends' (output head, final and
-    embedding norms, multi-token prediction) in costs.unquantised of it."""
-    layers = ends = shared = 0.0
-    for name, shape in shapes.items():
-        lf, ef = g("gemm:" + name), g("gemm_end:" + name)
-        if np.any(lf):
-            seconds = lf * costs.gemm_time(1.0, shape, topo, precision)
-            layers = layers + seconds
-            shared = shared + seconds if name in SHARED_GEMMS else shared
-        if np.any(ef):
-            ends = ends + ef * costs.gemm_time(1.0, shape, topo, costs.unquantised(precision))
-    return layers, ends, shared
+class StageGemms(NamedTuple):
+    """One stage's dense-GEMM FLOPs per micro-batch on a rank, by name: `flops` stacked on a leading axis in the
+    order of `names` (the layers', in the plan's precision), `end_flops` in that of `end_names` (output head, final
+    and embedding norms, multi-token prediction: costs.unquantised)."""
+
+    names: tuple
+    flops: object
+    end_names: tuple
+    end_flops: object
 
 
-def _stage_compute_s(g, shapes: dict, grouped: costs.GemmShape, tail_grouped: costs.GemmShape, full,
-                     topo: Topology, precision) -> tuple:
+def _stage_gemms(f: dict, pre: str) -> StageGemms:
+    """The StageGemms of a features dict (stage prefix `pre`): the names with FLOPs anywhere."""
+    names = tuple(n for n in GEMM_NAMES if np.any(f[pre + "gemm:" + n]))
+    end_names = tuple(n for n in GEMM_NAMES if np.any(f[pre + "gemm_end:" + n]))
+    stack = lambda ns, key: np.stack([f[pre + key + n] for n in ns]) if ns else np.zeros(1)  # noqa: E731
+    return StageGemms(names, stack(names, "gemm:"), end_names, stack(end_names, "gemm_end:"))
+
+
+def _gemm_seconds(sg: StageGemms, shapes: dict, topo: Topology, precision) -> tuple:
+    """(layer GEMMs, end GEMMs, shared experts) seconds of one stage's micro-batch: every name at the GEMM
+    efficiency of its own shape (shapes[name], simulator.gemms.rank_shape), the names' shapes stacked into one
+    costs.gemm_time call each for the layers and the ends."""
+    def priced(names, flops, prec):
+        if not names:
+            return np.zeros(1)
+        stacked = costs.GemmShape(*(np.stack(np.broadcast_arrays(*(shapes[n][i] for n in names))) for i in range(3)))
+        return flops * costs.gemm_time(1.0, stacked, topo, prec)
+
+    layers = priced(sg.names, sg.flops, precision)
+    ends = priced(sg.end_names, sg.end_flops, costs.unquantised(precision))
+    shared = [i for i, n in enumerate(sg.names) if n in SHARED_GEMMS]
+    return layers.sum(axis=0), ends.sum(axis=0), layers[shared].sum(axis=0) if shared else 0.0
+
+
+def _stage_compute_s(g, sg: StageGemms, shapes: dict, grouped: costs.GemmShape, tail_grouped: costs.GemmShape,
+                     full, topo: Topology, precision) -> tuple:
     """(forward, recomputation, elementwise, shared-expert) seconds of one stage's micro-batch from its FLOPs and
-    bytes (g: feature name -> value; costs), in the plan's `precision` (costs.compute_peak; the ends and the
+    bytes (g: feature name -> value; sg its GEMMs; costs), in the plan's `precision` (costs.compute_peak; the ends and the
     attention core costs.unquantised): dense GEMMs each at its own shape (_gemm_seconds), the attention core at the
     attention efficiency, routed experts at the grouped-GEMM efficiency of the `grouped` shape (the multi-token
     prediction blocks' at the balanced `tail_grouped`), elementwise traffic memory-bound; full recomputation
     (`full` 1) redoes the layers' GEMMs."""
-    layers, ends, shared = _gemm_seconds(g, shapes, topo, precision)
+    layers, ends, shared = _gemm_seconds(sg, shapes, topo, precision)
     tail = costs.attention_time(g("tail_attn_flops"), topo, precision) + \
         costs.grouped_gemm_time(g("tail_expert_flops"), tail_grouped, topo, costs.unquantised(precision))
     fwd = layers + ends + tail + costs.attention_time(g("attn_flops"), topo, precision) + \
@@ -119,20 +138,23 @@ def _shapes(f: dict, col=lambda x: x) -> tuple[dict, costs.GemmShape, costs.Gemm
 STAGE_KEYS = ("attn_flops", "expert_flops", "tail_attn_flops", "tail_expert_flops", "rec_attn_flops",
               "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes", "fsdp_embed_bytes",
               "fsdp_head_bytes", "expert_fsdp_bytes", "mtp_cp_bytes", "mtp_cp_grad_bytes") + \
-    tuple("gemm:" + n for n in GEMM_NAMES) + tuple("gemm_end:" + n for n in GEMM_NAMES)
+    tuple("gemm:" + n for n in GEMM_NAMES) + tuple("gemm_end:" + n for n in GEMM_NAMES)  # ... and each GEMM's
 _STAGE_ROWS = ("attn", "experts", "tail_attn", "tail_experts", "elem_bytes", "layers", "moe_layers", "dense_params",
                "expert_params", "first", "last")
-_ROW_NAMES = _STAGE_ROWS + tuple("L:" + n for n in GEMM_NAMES) + tuple("E:" + n for n in GEMM_NAMES)
 
 
 def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> tuple:
-    """simulator.stage_work's per-stage rows of one plan (_ROW_NAMES: the 1-D rows, then the GEMM FLOPs by name of
-    the layers and of the ends), each padded with zeros to `width` stages, flattened."""
+    """simulator.stage_work's per-stage rows of one plan (_STAGE_ROWS, then the GEMM FLOPs of each name the model's
+    layers have and of each name its ends have, simulator.gemms.names_used), each padded with zeros to `width`
+    stages, flattened."""
     w = stage_work(spec, plan)
-    pad = width - plan.parallel.pipeline
-    rows = [np.asarray(getattr(w, k), dtype=float) for k in _STAGE_ROWS] + list(w.gemm_layers.T) + \
-        list(w.gemm_ends.T)
-    return tuple(x for r in rows for x in np.pad(r, (0, pad)))
+    layer_names, end_names = names_used(spec)
+    rows = [np.asarray(getattr(w, k), dtype=float) for k in _STAGE_ROWS] + \
+        [w.gemm_layers[:, GEMM_NAMES.index(n)] for n in layer_names] + \
+        [w.gemm_ends[:, GEMM_NAMES.index(n)] for n in end_names]
+    out = np.zeros((len(rows), width))
+    out[:, :plan.parallel.pipeline] = rows
+    return tuple(out.ravel().tolist())
 
 
 def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> dict:
@@ -171,7 +193,10 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     flat = per_key(plan, LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor"),
                    lambda p: _stage_rows(spec, p, width))
     flat = np.stack(np.broadcast_arrays(*flat), axis=-1)
-    rows = dict(zip(_ROW_NAMES, np.moveaxis(flat.reshape(flat.shape[:-1] + (len(_ROW_NAMES), width)), -2, 0)))
+    layer_names, end_names = names_used(spec)
+    row_names = _STAGE_ROWS + tuple("L:" + n for n in layer_names) + tuple("E:" + n for n in end_names)
+    every = np.moveaxis(flat.reshape(flat.shape[:-1] + (len(row_names), width)), -2, 0)
+    rows = dict(zip(_STAGE_ROWS, every))
     col = lambda x: np.asarray(x, dtype=float)[..., None]  # noqa: E731  a per-plan value against the stage axis
     tok, tt, imb, routed = col(tokens_mb), col(t), col(m_imbalance), col(routed_mb)
     top = spec.top_param_breakdown()
@@ -184,9 +209,10 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head. Each GEMM
     # name's FLOPs apart (priced at its own shape); names the model lacks are zero. The multi-token-prediction
     # blocks' routed experts at balanced routing.
+    first_gemm = len(_STAGE_ROWS)
+    sg = StageGemms(layer_names, every[first_gemm:first_gemm + len(layer_names)] * tok / tt, end_names,
+                    every[first_gemm + len(layer_names):] * tok / tt)
     stage = {
-        **{"gemm:" + n: rows["L:" + n] * tok / tt if n in gemm_names else 0.0 for n in GEMM_NAMES},
-        **{"gemm_end:" + n: rows["E:" + n] * tok / tt if n in gemm_names else 0.0 for n in GEMM_NAMES},
         "attn_flops": rows["attn"] * tok / tt, "expert_flops": rows["experts"] * routed * imb,
         "tail_attn_flops": rows["tail_attn"] * tok / tt, "tail_expert_flops": rows["tail_experts"] * routed,
         "rec_attn_flops": rows["attn"] * tok / tt * col(recomputed_attn),
@@ -201,8 +227,8 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     }
     tail_expert_shape = costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group), spec, par.expert,
                                            par.expert_tensor)
-    fwd, rec, elem, _ = _stage_compute_s(stage.get, {n: costs.GemmShape(*(col(v) for v in s))
-                                                     for n, s in dense_shapes.items()},
+    fwd, rec, elem, _ = _stage_compute_s(stage.get, sg, {n: costs.GemmShape(*(col(v) for v in s))
+                                                         for n, s in dense_shapes.items()},
                                          costs.GemmShape(*(col(v) for v in expert_shape)),
                                          costs.GemmShape(*(col(v) for v in tail_expert_shape)), col(full), topo,
                                          plan.precision)
@@ -212,12 +238,17 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     n_others = np.maximum(others.sum(axis=-1), 1)
     stage_features = {}
     for k, v in stage.items():
-        if np.ndim(v) == 0:  # a GEMM the model lacks
-            stage_features[k] = stage_features["o_" + k] = v
-            continue
         v = np.broadcast_to(v, others.shape)
         stage_features[k] = np.take_along_axis(v, heavy, axis=-1)[..., 0]
         stage_features["o_" + k] = np.where(others, v, 0.0).sum(axis=-1) / n_others
+    for prefix, names, flops in (("gemm:", layer_names, sg.flops), ("gemm_end:", end_names, sg.end_flops)):
+        flops = np.broadcast_to(flops, (len(names),) + others.shape)  # all GEMM names of the stage at once
+        heavy_flops = np.take_along_axis(flops, heavy[None], axis=-1)[..., 0]
+        other_flops = np.where(others, flops, 0.0).sum(axis=-1) / n_others
+        for n in GEMM_NAMES:  # names the model lacks are zero
+            j = names.index(n) if n in names else None
+            stage_features[prefix + n] = 0.0 if j is None else heavy_flops[j]
+            stage_features["o_" + prefix + n] = 0.0 if j is None else other_flops[j]
     ns = 0.0
     if plan.optimizer.name == "muonh":
         ns = newton_schulz_split(per_key(plan, LAYER_SET, lambda p: newton_schulz_parts(spec, p.rank_layers(spec, 0))),
@@ -289,7 +320,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     work; full recomputation runs the forward (and its communication) once more before the backward."""
     g = lambda k: f[pre + k]  # noqa: E731
     full = f["recompute_full"]
-    fwd, rec, elem, shared = _stage_compute_s(g, *_shapes(f), full, topo, f["precision"])
+    fwd, rec, elem, shared = _stage_compute_s(g, _stage_gemms(f, pre), *_shapes(f), full, topo, f["precision"])
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
     tp_t = (4 + 2 * full) * layers * tp_one

@@ -221,3 +221,13 @@ def tail_seconds(spec: ModelSpec, tokens_mb: float, routed_mb: float, par, topo,
     experts = costs.grouped_gemm_time(tail.experts * routed_mb, tail_expert_shape(spec, routed_mb, par), topo, unq)
     return gemms_seconds(tail.gemms, tokens_mb, par.tensor, topo, unq) + float(experts) + \
         float(costs.attention_time(tail.attn * tokens_mb / par.tensor, topo, precision))
+
+
+def names_used(spec: ModelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the GEMM names the model's layers have, those its ends have: tail and embedding), in GEMM_NAMES order."""
+    def build():
+        layers = {g.name for i in range(spec.layers) for g in layer_gemms(spec, i)}
+        ends = {g.name for g in tail_work(spec).gemms + embed_gemms(spec)}
+        return tuple(n for n in GEMM_NAMES if n in layers), tuple(n for n in GEMM_NAMES if n in ends)
+
+    return _cached(spec, ("names",), build)
