@@ -111,8 +111,8 @@ def _gemm_seconds(sg: StageGemms, shapes: dict, topo: Topology, precision) -> tu
 def _stage_compute_s(g, sg: StageGemms, shapes: dict, grouped: costs.GemmShape, tail_grouped: costs.GemmShape,
                      full, topo: Topology, precision) -> tuple:
     """(forward, recomputation, elementwise, shared-expert) seconds of one stage's micro-batch from its FLOPs and
-    bytes (g: feature name -> value; sg its GEMMs; costs), in the plan's `precision` (costs.compute_peak; the ends and the
-    attention core costs.unquantised): dense GEMMs each at its own shape (_gemm_seconds), the attention core at the
+    bytes (g: feature name -> value; sg its GEMMs; costs), in the plan's `precision` (costs.compute_peak; the ends
+    and the attention core costs.unquantised): dense GEMMs each at its own shape (_gemm_seconds), the attention core at the
     attention efficiency, routed experts at the grouped-GEMM efficiency of the `grouped` shape (the multi-token
     prediction blocks' at the balanced `tail_grouped`), elementwise traffic memory-bound; full recomputation
     (`full` 1) redoes the layers' GEMMs."""
