@@ -48,3 +48,27 @@ def test_a_ranks_shape_holds_exactly_its_share_of_each_gemms_flops(name):
         copies = g.flops / (2.0 * g.n * g.k)
         assert 2.0 * m * n * k * copies == pytest.approx(g.flops * tokens / tensor, rel=1e-12), g.name
         assert (n < g.n) == (g.split == "n") and (k < g.k) == (g.split == "k") and (m < tokens) == (g.split == "none")
+
+
+def test_the_simulators_layer_prices_each_gemm_at_its_own_shape_and_skinny_ones_below_the_square_rate():
+    from pathlib import Path
+
+    from rackcast.plan import load_plan
+    from rackcast.simulator import costs
+    from rackcast.simulator.workload import Workload
+
+    plan = load_plan(str(Path(__file__).resolve().parent.parent / "examples" / "plans" / "marin-535b-hero.yaml"))
+    spec, topo = plan.model_spec(), plan.topology_spec()
+    tokens, tensor = plan.tokens_per_microbatch(spec), plan.parallel.tensor
+    layer = Workload(spec, plan, topo).stages[0].chunks[0][0]
+    seconds = {g.name: float(costs.gemm_time(g.flops * tokens / tensor, rank_shape(g, tokens, tensor), topo,
+                                             plan.precision)) for g in layer_gemms(spec, 0)}
+    assert layer.router_s == pytest.approx(seconds["router"] + seconds["latent_down"] + seconds["latent_up"],
+                                           rel=1e-12)
+    attention = [g.name for g in layer_gemms(spec, 0) if g.part not in ("router", "latent", "shared_experts")]
+    assert layer.attn_s - layer.core_s == pytest.approx(sum(seconds[n] for n in attention), rel=1e-12)
+    square = float(costs.gemm_efficiency(costs.GemmShape(tokens, spec.d_model / tensor, spec.d_model), topo,
+                                         plan.precision))
+    for name in ("attn_gated_norm_down", "attn_gated_norm_up", "attn_gate"):  # rank 128, 48 heads
+        g = next(g for g in layer_gemms(spec, 0) if g.name == name)
+        assert float(costs.gemm_efficiency(rank_shape(g, tokens, tensor), topo, plan.precision)) < square / 2
