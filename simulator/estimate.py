@@ -43,7 +43,7 @@ from rackcast.simulator.host_overhead import host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
                                                newton_schulz_parts, newton_schulz_split, optimizer_traffic_bytes)
-from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key
+from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key, per_key_table
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
 from rackcast.simulator.schedule_formulas import bubble_coefficients
@@ -73,50 +73,53 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
     return expected_max_load_factor(transport, experts, top_k, ep, tokens_group, seed=seed)
 
 
-class StageGemms(NamedTuple):
-    """One stage's dense-GEMM FLOPs per micro-batch on a rank, by name: `flops` stacked on a leading axis in the
-    order of `names` (the layers', in the plan's precision), `end_flops` in that of `end_names` (output head, final
-    and embedding norms, multi-token prediction: costs.unquantised)."""
+class GemmRates(NamedTuple):
+    """Seconds per FLOP of a plan's dense GEMMs, stacked on a leading axis: `layers` in the order of `names` (the
+    layers' GEMMs, in the plan's precision), `ends` in that of `end_names` (output head, final and embedding norms,
+    multi-token prediction: costs.unquantised). Every name at the GEMM efficiency of its own shape (shapes[name],
+    simulator.gemms.rank_shape), all names in one costs.gemm_time call each: every stage shares them."""
 
     names: tuple
-    flops: object
+    layers: object
     end_names: tuple
-    end_flops: object
+    ends: object
 
 
-def _stage_gemms(f: dict, pre: str) -> StageGemms:
-    """The StageGemms of a features dict (stage prefix `pre`): the names with FLOPs anywhere."""
-    names = tuple(n for n in GEMM_NAMES if np.any(f[pre + "gemm:" + n]))
-    end_names = tuple(n for n in GEMM_NAMES if np.any(f[pre + "gemm_end:" + n]))
-    stack = lambda ns, key: np.stack([f[pre + key + n] for n in ns]) if ns else np.zeros(1)  # noqa: E731
-    return StageGemms(names, stack(names, "gemm:"), end_names, stack(end_names, "gemm_end:"))
-
-
-def _gemm_seconds(sg: StageGemms, shapes: dict, topo: Topology, precision) -> tuple:
-    """(layer GEMMs, end GEMMs, shared experts) seconds of one stage's micro-batch: every name at the GEMM
-    efficiency of its own shape (shapes[name], simulator.gemms.rank_shape), the names' shapes stacked into one
-    costs.gemm_time call each for the layers and the ends."""
-    def priced(names, flops, prec):
-        if not names:
+def _gemm_rates(names: tuple, end_names: tuple, shapes: dict, topo: Topology, precision) -> GemmRates:
+    def rate(ns, prec):
+        if not ns:
             return np.zeros(1)
-        stacked = costs.GemmShape(*(np.stack(np.broadcast_arrays(*(shapes[n][i] for n in names))) for i in range(3)))
-        return flops * costs.gemm_time(1.0, stacked, topo, prec)
+        stacked = costs.GemmShape(*(np.stack(np.broadcast_arrays(*(shapes[n][i] for n in ns))) for i in range(3)))
+        return costs.gemm_time(1.0, stacked, topo, prec)
 
-    layers = priced(sg.names, sg.flops, precision)
-    ends = priced(sg.end_names, sg.end_flops, costs.unquantised(precision))
-    shared = [i for i, n in enumerate(sg.names) if n in SHARED_GEMMS]
-    return layers.sum(axis=0), ends.sum(axis=0), layers[shared].sum(axis=0) if shared else 0.0
+    return GemmRates(names, rate(names, precision), end_names, rate(end_names, costs.unquantised(precision)))
 
 
-def _stage_compute_s(g, sg: StageGemms, shapes: dict, grouped: costs.GemmShape, tail_grouped: costs.GemmShape,
-                     full, topo: Topology, precision) -> tuple:
+def _gemm_seconds(rates: GemmRates, flops, end_flops) -> tuple:
+    """(layer GEMMs, end GEMMs, shared experts) seconds of one stage's micro-batch from its GEMM FLOPs stacked in
+    the order of rates.names (`flops`) and rates.end_names (`end_flops`)."""
+    layers = flops * rates.layers
+    shared = [i for i, n in enumerate(rates.names) if n in SHARED_GEMMS]
+    return layers.sum(axis=0), (end_flops * rates.ends).sum(axis=0), layers[shared].sum(axis=0) if shared else 0.0
+
+
+def _stage_gemm_flops(f: dict, pre: str, rates: GemmRates) -> tuple:
+    """A features dict's GEMM FLOPs of the stage prefixed `pre`, stacked as _gemm_seconds takes them."""
+    def stack(ns, key):
+        return np.stack([f[pre + key + n] for n in ns]) if ns else np.zeros(1)
+
+    return stack(rates.names, "gemm:"), stack(rates.end_names, "gemm_end:")
+
+
+def _stage_compute_s(g, gemm_s: tuple, grouped: costs.GemmShape, tail_grouped: costs.GemmShape, full,
+                     topo: Topology, precision) -> tuple:
     """(forward, recomputation, elementwise, shared-expert) seconds of one stage's micro-batch from its FLOPs and
-    bytes (g: feature name -> value; sg its GEMMs; costs), in the plan's `precision` (costs.compute_peak; the ends
+    bytes (g: feature name -> value; gemm_s its GEMMs' _gemm_seconds; costs), in the plan's `precision` (costs.compute_peak; the ends
     and the attention core costs.unquantised): dense GEMMs each at its own shape (_gemm_seconds), the attention core at the
     attention efficiency, routed experts at the grouped-GEMM efficiency of the `grouped` shape (the multi-token
     prediction blocks' at the balanced `tail_grouped`), elementwise traffic memory-bound; full recomputation
     (`full` 1) redoes the layers' GEMMs."""
-    layers, ends, shared = _gemm_seconds(sg, shapes, topo, precision)
+    layers, ends, shared = gemm_s
     tail = costs.attention_time(g("tail_attn_flops"), topo, precision) + \
         costs.grouped_gemm_time(g("tail_expert_flops"), tail_grouped, topo, costs.unquantised(precision))
     fwd = layers + ends + tail + costs.attention_time(g("attn_flops"), topo, precision) + \
@@ -143,7 +146,7 @@ _STAGE_ROWS = ("attn", "experts", "tail_attn", "tail_experts", "elem_bytes", "la
                "expert_params", "first", "last")
 
 
-def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> tuple:
+def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> np.ndarray:
     """simulator.stage_work's per-stage rows of one plan (_STAGE_ROWS, then the GEMM FLOPs of each name the model's
     layers have and of each name its ends have, simulator.gemms.names_used), each padded with zeros to `width`
     stages, flattened."""
@@ -154,7 +157,7 @@ def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> tuple:
         [w.gemm_ends[:, GEMM_NAMES.index(n)] for n in end_names]
     out = np.zeros((len(rows), width))
     out[:, :plan.parallel.pipeline] = rows
-    return tuple(out.ravel().tolist())
+    return out.ravel()
 
 
 def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> dict:
@@ -190,9 +193,8 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
 
     # Every stage's work (simulator.stage_work), padded to the deepest pipeline: rows[name][..., stage].
     width = int(np.max(par.pipeline))
-    flat = per_key(plan, LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor"),
-                   lambda p: _stage_rows(spec, p, width))
-    flat = np.stack(np.broadcast_arrays(*flat), axis=-1)
+    flat = per_key_table(plan, LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor"),
+                         lambda p: _stage_rows(spec, p, width))
     layer_names, end_names = names_used(spec)
     row_names = _STAGE_ROWS + tuple("L:" + n for n in layer_names) + tuple("E:" + n for n in end_names)
     every = np.moveaxis(flat.reshape(flat.shape[:-1] + (len(row_names), width)), -2, 0)
@@ -210,8 +212,8 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     # name's FLOPs apart (priced at its own shape); names the model lacks are zero. The multi-token-prediction
     # blocks' routed experts at balanced routing.
     first_gemm = len(_STAGE_ROWS)
-    sg = StageGemms(layer_names, every[first_gemm:first_gemm + len(layer_names)] * tok / tt, end_names,
-                    every[first_gemm + len(layer_names):] * tok / tt)
+    gemm_flops = (every[first_gemm:first_gemm + len(layer_names)] * tok / tt,
+                  every[first_gemm + len(layer_names):] * tok / tt)
     stage = {
         "attn_flops": rows["attn"] * tok / tt, "expert_flops": rows["experts"] * routed * imb,
         "tail_attn_flops": rows["tail_attn"] * tok / tt, "tail_expert_flops": rows["tail_experts"] * routed,
@@ -227,8 +229,9 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     }
     tail_expert_shape = costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group), spec, par.expert,
                                            par.expert_tensor)
-    fwd, rec, elem, _ = _stage_compute_s(stage.get, sg, {n: costs.GemmShape(*(col(v) for v in s))
-                                                         for n, s in dense_shapes.items()},
+    rates = _gemm_rates(layer_names, end_names, {n: costs.GemmShape(*(col(v) for v in s))
+                                                 for n, s in dense_shapes.items()}, topo, plan.precision)
+    fwd, rec, elem, _ = _stage_compute_s(stage.get, _gemm_seconds(rates, *gemm_flops),
                                          costs.GemmShape(*(col(v) for v in expert_shape)),
                                          costs.GemmShape(*(col(v) for v in tail_expert_shape)), col(full), topo,
                                          plan.precision)
@@ -241,10 +244,10 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         v = np.broadcast_to(v, others.shape)
         stage_features[k] = np.take_along_axis(v, heavy, axis=-1)[..., 0]
         stage_features["o_" + k] = np.where(others, v, 0.0).sum(axis=-1) / n_others
-    for prefix, names, flops in (("gemm:", layer_names, sg.flops), ("gemm_end:", end_names, sg.end_flops)):
+    for prefix, names, flops in (("gemm:", layer_names, gemm_flops[0]), ("gemm_end:", end_names, gemm_flops[1])):
         flops = np.broadcast_to(flops, (len(names),) + others.shape)  # all GEMM names of the stage at once
         heavy_flops = np.take_along_axis(flops, heavy[None], axis=-1)[..., 0]
-        other_flops = np.where(others, flops, 0.0).sum(axis=-1) / n_others
+        other_flops = np.einsum("g...w,...w->g...", flops, others.astype(float)) / n_others
         for n in GEMM_NAMES:  # names the model lacks are zero
             j = names.index(n) if n in names else None
             stage_features[prefix + n] = 0.0 if j is None else heavy_flops[j]
@@ -312,15 +315,17 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     return {k: float(v) for k, v in features.items()}
 
 
-def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
+def _stage_time(f: dict, pre: str, topo: Topology, slow, rates: GemmRates) -> dict:
     """One stage's micro-batch (all its chunks), features prefixed `pre`: forward, input-gradient and
     weight-gradient seconds including the communication each exposes, and the parts of it. Mirrors the workload
     (simulator.workload): every layer's forward runs 2 tensor-parallel all-reduces and, in MoE layers, a dispatch
     and a combine all-to-all, each hiding behind half the shared experts' work; its backward the same at twice the
-    work; full recomputation runs the forward (and its communication) once more before the backward."""
+    work; full recomputation runs the forward (and its communication) once more before the backward. `rates`: the
+    plan's GEMM rates (_gemm_rates), shared by its stages."""
     g = lambda k: f[pre + k]  # noqa: E731
     full = f["recompute_full"]
-    fwd, rec, elem, shared = _stage_compute_s(g, _stage_gemms(f, pre), *_shapes(f), full, topo, f["precision"])
+    fwd, rec, elem, shared = _stage_compute_s(g, _gemm_seconds(rates, *_stage_gemm_flops(f, pre, rates)),
+                                              *_shapes(f)[1:], full, topo, f["precision"])
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
     tp_t = (4 + 2 * full) * layers * tp_one
@@ -369,8 +374,10 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     f = {k: np.asarray(v, dtype=float) for k, v in f.items()}
     eff = topo.efficiency
     slow = eff.comm_compute_slowdown
-    h = _stage_time(f, "", topo, slow)
-    o = _stage_time(f, "o_", topo, slow)
+    has = lambda key: tuple(n for n in GEMM_NAMES if np.any(f[key + n]) or np.any(f["o_" + key + n]))  # noqa: E731
+    rates = _gemm_rates(has("gemm:"), has("gemm_end:"), _shapes(f)[0], topo, f["precision"])
+    h = _stage_time(f, "", topo, slow, rates)
+    o = _stage_time(f, "o_", topo, slow, rates)
     m, v = f["microbatches"], f["chunks_per_rank"]
     # Pipeline: the slowest stage is busy m micro-batches; fill and drain run through the others, per model chunk,
     # as the schedule's closed form gives it (simulator.schedule_formulas.bubble_coefficients). Sends overlap the
