@@ -9,6 +9,9 @@ Two stages, so the planner can rank thousands of layouts at once:
 Every op's cost comes from simulator.costs (the same functions the discrete-event workload calls: GEMM, expert,
 attention, elementwise, collective, host-copy and optimizer times, the bytes each collective moves), and the result
 metrics (fits, tokens/s, MFU, days) from simulator.metrics. What this module adds is the closed-form composition.
+Dense GEMMs are priced by name (simulator.gemms: fused Q/K/V, router, gated norms, head, ...), each at its own
+shape: a stage's FLOPs of each name are features ("gemm:NAME", "gemm_end:NAME" for the head end), the rank's shape
+of each too ("gemm_m:NAME", ...), and one stacked costs.gemm_time call prices every name of a plan (GemmRates).
 Pipeline: every stage's work comes from the layers it holds (simulator.stage_work: the head on the last chunk, the
 embedding on the first, global-attention layers at their cost); the slowest stage is busy every micro-batch, the
 others fill and drain the pipeline as the schedule's closed form says (schedule_formulas.bubble_coefficients), and
@@ -114,11 +117,11 @@ def _stage_gemm_flops(f: dict, pre: str, rates: GemmRates) -> tuple:
 def _stage_compute_s(g, gemm_s: tuple, grouped: costs.GemmShape, tail_grouped: costs.GemmShape, full,
                      topo: Topology, precision) -> tuple:
     """(forward, recomputation, elementwise, shared-expert) seconds of one stage's micro-batch from its FLOPs and
-    bytes (g: feature name -> value; gemm_s its GEMMs' _gemm_seconds; costs), in the plan's `precision` (costs.compute_peak; the ends
-    and the attention core costs.unquantised): dense GEMMs each at its own shape (_gemm_seconds), the attention core at the
-    attention efficiency, routed experts at the grouped-GEMM efficiency of the `grouped` shape (the multi-token
-    prediction blocks' at the balanced `tail_grouped`), elementwise traffic memory-bound; full recomputation
-    (`full` 1) redoes the layers' GEMMs."""
+    bytes (g: feature name -> value; gemm_s its GEMMs' _gemm_seconds; costs), in the plan's `precision`
+    (costs.compute_peak; the ends and the attention core costs.unquantised): dense GEMMs each at its own shape
+    (gemm_s), the attention core at the attention efficiency, routed experts at the grouped-GEMM efficiency of the
+    `grouped` shape (the multi-token prediction blocks' at the balanced `tail_grouped`), elementwise traffic
+    memory-bound; full recomputation (`full` 1) redoes the layers' GEMMs."""
     layers, ends, shared = gemm_s
     tail = costs.attention_time(g("tail_attn_flops"), topo, precision) + \
         costs.grouped_gemm_time(g("tail_expert_flops"), tail_grouped, topo, costs.unquantised(precision))
