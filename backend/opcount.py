@@ -17,8 +17,20 @@ grouped-GEMM group), as in a training micro-batch of thousands of tokens: each M
 after it has run, by a balanced assignment (token t's k-th choice is expert (t K + k) mod E) over enough sequences
 that every expert gets a row, so the count does not depend on which experts a few random tokens happen to reach.
 
-    rackcast calibrate --op-counts path/to/model.yaml       # count_into_cache, both optimizers
+Bytes (`count_bytes`; simulator.op_bytes reads them): the bytes each framework op that is neither a matrix product
+nor an attention core reads and writes (UNPRICED_OPS: those are priced by FLOPs; views move nothing), by the same
+tags, on the model as given (bytes depend on widths and tokens, so not on the twin), at its seq_len: two and three
+sequences per micro-batch, so that bytes(b sequences) = fixed + per_sequence x b exactly for b >= 2 (every op is
+batched per sequence; tests/test_op_bytes.py checks four). Not from one: at one sequence some reshapes are views
+(a size-1 dimension's stride is free) that copy at two or more, so one sequence is slightly overcounted. A tensor's
+bytes are those its strides reach (a broadcast operand, stride 0, is read once); an embedding lookup reads the rows
+it writes, not its whole table. Only models of at most
+simulator.op_bytes.MAX_PARAMS parameters are counted (they must be instantiated, in fp32, with their optimizer state,
+on this CPU).
+
+    rackcast calibrate --op-counts path/to/model.yaml       # count_into_cache, both optimizers (and bytes)
     rackcast calibrate --op-counts-table                     # write_count_table: regenerate simulator/op_counts.json
+                                                             # and simulator/op_bytes.json
 """
 
 from __future__ import annotations
@@ -31,27 +43,69 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.moe import GroupedExperts, MoE, balanced_assignment
 from rackcast.backend.optim import build_optimizer
 from rackcast.modelspec import ModelSpec
 from rackcast.presets import load_model
+from rackcast.simulator import op_bytes as byte_data
 from rackcast.simulator import op_counts as data
 from rackcast.simulator.op_counts import COUNT_SEQ, structural_twin
 
 
+_aten = torch.ops.aten
+# Priced by FLOPs elsewhere (simulator.costs: GEMM, grouped GEMM and attention efficiencies), so not as bytes: the
+# matrix products (linear and matmul reach the dispatcher as these) and the fused attention kernels with their
+# backwards. SDPA's math fallback is not here: its pieces (softmax, masking) are memory-bound eager ops.
+UNPRICED_OPS = frozenset({
+    _aten.mm, _aten.bmm, _aten.addmm, _aten.addbmm, _aten.baddbmm, _aten.matmul, _aten.linear, _aten._grouped_mm,
+    _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_flash_attention_backward,
+    _aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_efficient_attention_backward,
+    _aten._flash_attention_forward, _aten._flash_attention_backward, _aten._efficient_attention_forward,
+    _aten._efficient_attention_backward,
+    _aten._unsafe_view,  # a view by another name (matmul's reshape of its output): moves nothing
+})
+GATHERS = frozenset({_aten.embedding})  # read only the rows they write: counted as indices + output, twice the rows
+
+
+def touched_bytes(t: torch.Tensor) -> int:
+    """Bytes of the elements a tensor's strides reach: a broadcast (stride-0) dimension is one element."""
+    n = t.element_size()
+    for size, stride in zip(t.shape, t.stride()):
+        n *= size if stride else 1
+    return n
+
+
+def op_bytes(func, args, kwargs, out) -> int:
+    """Bytes an op reads (tensor arguments) and writes (tensor results); 0 for views and UNPRICED_OPS."""
+    packet = func.overloadpacket
+    if func.is_view or packet in UNPRICED_OPS:
+        return 0
+    if packet in GATHERS:
+        rows = touched_bytes(out)
+        return rows + touched_bytes(args[1]) + rows
+    leaves = tree_leaves((args, kwargs, out))
+    return sum(touched_bytes(t) for t in leaves if isinstance(t, torch.Tensor))
+
+
 class _Counter(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, with_bytes: bool = False):
         super().__init__()
         self.tags: list[str] = []
         self.counts: dict[str, int] = {}
+        self.moved: dict[str, int] | None = {} if with_bytes else None
 
 
 def _count_op(self: _Counter, func, types, args=(), kwargs=None):
     tag = self.tags[-1] if self.tags else "untagged"
     self.counts[tag] = self.counts.get(tag, 0) + 1
-    return func(*args, **(kwargs or {}))
+    out = func(*args, **(kwargs or {}))
+    if self.moved is not None:
+        self.moved[tag] = self.moved.get(tag, 0) + op_bytes(func, args, kwargs or {}, out)
+    return out
 
 
 # Set after the class is made: a __torch_dispatch__ in the class body is wrapped to keep torch.compile out of it,
@@ -84,22 +138,14 @@ def _route_to_every_expert(moe: MoE, tokens: int) -> None:
     moe.route = balanced
 
 
-def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool = True) -> dict:
-    """Counts for a model preset name, YAML path or ModelSpec (see the module docstring); twin=False counts the
-    model as given instead of its structural twin (the same counts, at the full model's cost)."""
-    spec = model if isinstance(model, ModelSpec) else load_model(model)
-    name = spec.name
-    if twin:
-        spec = structural_twin(spec, seq)
+def _prepared(spec: ModelSpec, batch: int, seq: int, with_bytes: bool = False):
+    """The backend model of `spec` with its modules tagged for a counter, routing `batch` sequences of `seq` tokens
+    over every expert, warmed up; returns (model, counter, tokens)."""
     torch.manual_seed(0)
     net = build_model(spec, seed=0, device=torch.device("cpu"))
-    s = min(seq, spec.seq_len)
-    batch = 1
-    if spec.moe is not None:  # sequences enough for every expert to get a row: tokens x top_k >= experts
-        batch = -(-spec.moe.experts // (spec.moe.top_k * s))
-        for moe in net.moe_layers().values():
-            _route_to_every_expert(moe, batch * s)
-    counter = _Counter()
+    for moe in net.moe_layers().values():
+        _route_to_every_expert(moe, batch * seq)
+    counter = _Counter(with_bytes)
     _tag(net.embed, counter, "embed")
     for i, layer in enumerate(net.layers):
         _tag(layer, counter, f"layer{i}")
@@ -107,22 +153,43 @@ def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool 
             if isinstance(sub, GroupedExperts):
                 _tag(sub, counter, f"experts{i}")
     _tag(net.head, counter, "head")
-    tokens = torch.randint(0, spec.vocab, (batch, s))
+    tokens = torch.randint(0, spec.vocab, (batch, seq))
     with torch.no_grad():  # warm-up outside the counter: the rotary tables and window masks are made once, lazily
         net(tokens)
+    return net, counter, tokens
+
+
+def _step(net, counter: _Counter, tokens, optimizer: str, field: str) -> tuple[dict, int, int]:
+    """One counted training step: the counter's `field` ("counts" or "moved") of the forward by tag, and the
+    backward's and a (second) optimizer step's totals."""
     with counter:
         loss, _ = next_token_loss(net(tokens), tokens)
-    fwd = dict(counter.counts)
-    counter.counts = {}
+    fwd = dict(getattr(counter, field))
+    setattr(counter, field, {})
     with counter:
         loss.backward()
-    bwd = sum(counter.counts.values())
+    bwd = sum(getattr(counter, field).values())
     opt = build_optimizer(net, optimizer, lr=1e-3, adam_lr=1e-3 if optimizer == "muonh" else None)
     opt.step()  # state initialisation happens on the first step; count a later one
-    counter.counts = {}
+    setattr(counter, field, {})
     with counter:
         opt.step()
-    opt_ops = sum(counter.counts.values())
+    return fwd, bwd, sum(getattr(counter, field).values())
+
+
+def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool = True) -> dict:
+    """Counts for a model preset name, YAML path or ModelSpec (see the module docstring); twin=False counts the
+    model as given instead of its structural twin (the same counts, at the full model's cost)."""
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    name = spec.name
+    if twin:
+        spec = structural_twin(spec, seq)
+    s = min(seq, spec.seq_len)
+    batch = 1
+    if spec.moe is not None:  # sequences enough for every expert to get a row: tokens x top_k >= experts
+        batch = -(-spec.moe.experts // (spec.moe.top_k * s))
+    net, counter, tokens = _prepared(spec, batch, s)
+    fwd, bwd, opt_ops = _step(net, counter, tokens, optimizer, "counts")
     layers = [fwd.get(f"layer{i}", 0) + fwd.get(f"experts{i}", 0) for i in range(spec.layers)]
     experts = [fwd.get(f"experts{i}", 0) for i in range(spec.layers)]
     fwd_total = sum(fwd.values())
@@ -131,6 +198,34 @@ def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool 
             "fwd_embed": fwd.get("embed", 0), "fwd_layers": layers, "fwd_experts": experts,
             "fwd_head": fwd.get("head", 0) + fwd.get("untagged", 0), "fwd_total": fwd_total,
             "bwd_over_fwd": bwd / fwd_total, "optimizer_ops": opt_ops}
+
+
+def bytes_at(spec: ModelSpec, optimizer: str, sequences: int) -> dict:
+    """Bytes moved by the eager ops of one training step on `sequences` sequences of spec.seq_len tokens: forward
+    by part (embed, layers, head), backward and optimizer totals (see the module docstring)."""
+    net, counter, tokens = _prepared(spec, sequences, spec.seq_len, with_bytes=True)
+    fwd, bwd, opt = _step(net, counter, tokens, optimizer, "moved")
+    return {"fwd_embed": fwd.get("embed", 0),
+            "fwd_layers": [fwd.get(f"layer{i}", 0) + fwd.get(f"experts{i}", 0) for i in range(spec.layers)],
+            "fwd_head": fwd.get("head", 0) + fwd.get("untagged", 0), "bwd": bwd, "optimizer": opt}
+
+
+def count_bytes(model, optimizer: str = "muonh") -> dict:
+    """Eager bytes of a model (preset name, YAML path or ModelSpec) as [fixed, per_sequence] pairs (two and three
+    sequences counted), the optimizer's as one number (simulator.op_bytes reads them). Refuses a model over
+    simulator.op_bytes.MAX_PARAMS parameters."""
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    byte_data.check_countable(spec)
+    one, two = bytes_at(spec, optimizer, 2), bytes_at(spec, optimizer, 3)
+
+    def split(a: int, b: int) -> list[int]:
+        return [3 * a - 2 * b, b - a]  # bytes(n) = fixed + n x per_sequence through n = 2 and 3
+
+    return {"model": spec.name, "optimizer": optimizer, "torch": torch.__version__, "seq_len": spec.seq_len,
+            "fwd_embed": split(one["fwd_embed"], two["fwd_embed"]),
+            "fwd_layers": [split(a, b) for a, b in zip(one["fwd_layers"], two["fwd_layers"])],
+            "fwd_head": split(one["fwd_head"], two["fwd_head"]), "bwd": split(one["bwd"], two["bwd"]),
+            "opt_step": one["optimizer"]}
 
 
 def host_seconds_per_op(model: str = "tiny-moe", optimizer: str = "muonh", seq: int = 8, samples: int = 5,
@@ -185,23 +280,36 @@ OPTIMIZERS = ("muonh", "adamw")
 
 def count_into_cache(model, optimizers: tuple[str, ...] = OPTIMIZERS) -> list[Path]:
     """Count a model (preset name, YAML path or ModelSpec) with each optimizer and write the counts into the op-count
-    cache, where the simulator reads them (simulator.op_counts.store); returns the files written."""
+    cache, where the simulator reads them (simulator.op_counts.store), and its eager bytes into the op-byte cache
+    (simulator.op_bytes.store) where the model is small enough to count (simulator.op_bytes.countable); returns the
+    files written."""
     spec = model if isinstance(model, ModelSpec) else load_model(model)
-    return [data.store(spec, opt, count_ops(spec, opt)) for opt in optimizers]
+    files = [data.store(spec, opt, count_ops(spec, opt)) for opt in optimizers]
+    if byte_data.countable(spec):
+        files += [byte_data.store(spec, opt, count_bytes(spec, opt)) for opt in optimizers]
+    return files
 
 
 def write_count_table(models: list[str], optimizers: tuple[str, ...] = OPTIMIZERS, path: Path = data.TABLE_PATH,
-                      progress: Callable[[str], None] | None = None) -> int:
-    """Count every model (preset names or YAML paths) with each optimizer and write the simulator's packaged table
-    (simulator.op_counts.write_table); models of one structure are counted once. Returns the entries written."""
+                      progress: Callable[[str], None] | None = None,
+                      bytes_path: Path = byte_data.TABLE_PATH) -> int:
+    """Count every model (preset names or YAML paths) with each optimizer and write the simulator's packaged tables
+    (simulator.op_counts.write_table; the eager bytes, simulator.op_bytes.write_table); models of one structure are
+    counted once. Returns the entries written (counts and bytes)."""
     entries: dict[str, dict] = {}
+    byte_entries: dict[str, dict] = {}
     for name in models:
         spec = load_model(name)
         for opt in optimizers:
-            key = data.cache_key(spec, opt)
+            key, byte_key = data.cache_key(spec, opt), byte_data.cache_key(spec, opt)
             if key not in entries:
                 if progress:
                     progress(f"{spec.name} ({opt})")
                 entries[key] = count_ops(spec, opt)
+            if byte_key not in byte_entries and byte_data.countable(spec):
+                if progress:
+                    progress(f"{spec.name} ({opt}) bytes")
+                byte_entries[byte_key] = count_bytes(spec, opt)
     data.write_table(entries, torch.__version__, path)
-    return len(entries)
+    byte_data.write_table(byte_entries, torch.__version__, bytes_path)
+    return len(entries) + len(byte_entries)

@@ -312,6 +312,14 @@ def memory_bound_time(nbytes, topo: Topology):
     return nbytes / (topo.accelerator.hbm_bandwidth_Bps * topo.efficiency.memory_bound)
 
 
+def eager_bytes_time(nbytes, topo: Topology):
+    """Bytes counted op by op as an eager framework runs them (simulator.op_bytes), at the measured bandwidth: that
+    figure is itself the best eager copy or add over the bytes it reads and writes, counted the same way. Not
+    efficiency.memory_bound, which relates a fused stack's minimal bytes to the eager elementwise mix's time, so it
+    already holds the eager ops' extra traffic that these counted bytes make explicit."""
+    return nbytes / topo.accelerator.hbm_bandwidth_Bps
+
+
 def host_link_time(nbytes, topo: Topology):
     """Bulk copies between host and GPU memory over the host link."""
     return nbytes / (topo.host.link_bandwidth_Bps * topo.efficiency.host_link)

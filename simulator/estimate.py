@@ -26,7 +26,10 @@ test_estimate_vs_simulator.py holds the two within 5%.
 Host per-op overhead (only where the topology's efficiency.host_op_s is measured, e.g. a calibrated CPU): the op
 counts of the backend model (simulator.op_counts) per step, as simulator.host_overhead models them (rank 0's own
 forward and backward ops, the extra ones on the pipeline's critical path, the optimizer's), each x its host time per
-op, added to compute, pipeline_bubble and optimizer.
+op, added to compute, pipeline_bubble and optimizer. With them, where simulator.op_bytes has the model's counted
+eager bytes, the same parts' bytes at costs.eager_bytes_time (simulator.host_overhead.host_bytes), which then
+replace the fused elementwise_bytes and optimizer-update traffic (feature eager_bytes_counted 1; 0: the analytic
+terms stand).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from rackcast.plan import Plan
 from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
 from rackcast.simulator.gemms import GEMM_NAMES, SHARED_GEMMS, names_used, rank_shape, shapes_by_name
-from rackcast.simulator.host_overhead import host_ops
+from rackcast.simulator.host_overhead import eager_bytes, host_bytes, host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
                                                newton_schulz_parts, newton_schulz_split, optimizer_traffic_bytes)
@@ -54,7 +57,9 @@ from rackcast.simulator.stage_work import stage_work
 from rackcast.topologies.spec import Topology
 from rackcast.vocab import PHASES, PRECISIONS
 
-HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble_backward", "op_optimizer")
+HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble_backward", "op_optimizer",
+                    "eager_forward", "eager_backward", "eager_bubble_forward", "eager_bubble_backward",
+                    "eager_optimizer")
 
 
 def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
@@ -63,11 +68,27 @@ def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, f
     host_op_s."""
     if not topo.efficiency.host_op_s.measured:
         return dict.fromkeys(HOST_OP_FEATURES, 0.0)
+    from rackcast.simulator.op_bytes import lookup
     from rackcast.simulator.op_counts import op_counts
 
     o = host_ops(op_counts(spec, plan.optimizer.name), spec, plan)
+    counted = lookup(spec, plan.optimizer.name)
+    b = host_bytes(eager_bytes(counted, spec, plan), spec, plan) if counted else None
     return {"op_forward": o.forward, "op_backward": o.backward, "op_bubble_forward": o.bubble_forward,
-            "op_bubble_backward": o.bubble_backward, "op_optimizer": o.optimizer}
+            "op_bubble_backward": o.bubble_backward, "op_optimizer": o.optimizer,
+            "eager_forward": b.forward if b else 0.0, "eager_backward": b.backward if b else 0.0,
+            "eager_bubble_forward": b.bubble_forward if b else 0.0,
+            "eager_bubble_backward": b.bubble_backward if b else 0.0, "eager_optimizer": b.optimizer if b else 0.0}
+
+
+def eager_bytes_counted(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> bool:
+    """Whether the counted eager bytes (simulator.op_bytes) replace the analytic elementwise and optimizer-update
+    traffic: only with measured host_op_s, and where the model's bytes are counted."""
+    if not topo.efficiency.host_op_s.measured:
+        return False
+    from rackcast.simulator.op_bytes import lookup
+
+    return lookup(spec, plan.optimizer.name) is not None
 
 
 @lru_cache(maxsize=4096)
@@ -209,6 +230,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         top.get("embed_gated_norm", 0)
     head_end = top.get("head", 0) + top.get("final_norm", 0) + top.get("final_gated_norm", 0)
     gathered = col(par.fsdp > 1) * w_bytes / tt  # FSDP all-gathers: layers one at a time, each end as its own unit
+    counted = eager_bytes_counted(spec, plan, topo)  # the counted eager bytes replace the fused traffic terms
     # Per stage and micro-batch on one rank. Expert-tensor ranks split each expert's width but process every row of
     # their experts: per-rank expert FLOPs stay those of expert_tensor = 1 (costs.expert_shape: rows x width / et).
     # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head. Each GEMM
@@ -222,7 +244,8 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "tail_attn_flops": rows["tail_attn"] * tok / tt, "tail_expert_flops": rows["tail_experts"] * routed,
         "rec_attn_flops": rows["attn"] * tok / tt * col(recomputed_attn),
         "rec_expert_flops": rows["experts"] * routed * imb * col(full),
-        "elementwise_bytes": rows["elem_bytes"] * tok, "layers": rows["layers"], "moe_layers": rows["moe_layers"],
+        "elementwise_bytes": rows["elem_bytes"] * tok * (0.0 if counted else 1.0),
+        "layers": rows["layers"], "moe_layers": rows["moe_layers"],
         "fsdp_bytes": rows["dense_params"] * gathered, "fsdp_embed_bytes": rows["first"] * embed_end * gathered,
         "fsdp_head_bytes": rows["last"] * head_end * gathered,
         "expert_fsdp_bytes": rows["expert_params"] / col(par.expert_group) * w_bytes * col(par.expert_fsdp > 1),
@@ -260,6 +283,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         ns = newton_schulz_split(per_key(plan, LAYER_SET, lambda p: newton_schulz_parts(spec, p.rank_layers(spec, 0))),
                                  plan)
     opt_bytes, host_bytes = optimizer_traffic_bytes(rp, plan)
+    opt_bytes = 0.0 if counted else opt_bytes
     bal_count, bal_hist, bal_max = per_key(plan, LAYER_SET, lambda p: balancing_reductions(spec, p.rank_layers(spec, 0)))
     muon_bytes = muon_norms = muon_tp_bytes = muon_tp_norms = 0.0
     if plan.optimizer.name == "muonh":
@@ -311,7 +335,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "muon_tp_gather_bytes": muon_tp_bytes, "muon_tp_norm_count": muon_tp_norms,
         "host_bytes": host_bytes,
         "drop_fraction": drop,
-        **dict(zip(HOST_OP_FEATURES, host_ops_)),
+        **dict(zip(HOST_OP_FEATURES, host_ops_)), "eager_bytes_counted": float(counted),
     }
     if arrays:
         return {k: np.broadcast_to(np.asarray(v, dtype=float), (len(plan),)) for k, v in features.items()}
@@ -423,6 +447,11 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     op_c = f.get("op_forward", 0.0) * hop.forward + f.get("op_backward", 0.0) * hop.backward
     op_b = f.get("op_bubble_forward", 0.0) * hop.forward + f.get("op_bubble_backward", 0.0) * hop.backward
     op_o = f.get("op_optimizer", 0.0) * hop.optimizer
+    # Counted eager bytes (zero where not counted), memory-bound, blocking as the host ops are.
+    eager = lambda *keys: costs.eager_bytes_time(sum(f.get(k, 0.0) for k in keys), topo)  # noqa: E731
+    op_c = op_c + eager("eager_forward", "eager_backward")
+    op_b = op_b + eager("eager_bubble_forward", "eager_bubble_backward")
+    op_o = op_o + eager("eager_optimizer")
     step = pipeline_t + dp_exposed + optimizer_t + host_t + op_c + op_b + op_o
     return {
         "step_time_s": step,

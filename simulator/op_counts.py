@@ -235,26 +235,41 @@ def cache_key(spec: ModelSpec, optimizer: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def has_keys(counts, keys: tuple[str, ...]) -> bool:
+    return isinstance(counts, dict) and all(k in counts for k in keys)
+
+
 def valid(counts) -> bool:
-    return isinstance(counts, dict) and all(k in counts for k in KEYS)
+    return has_keys(counts, KEYS)
 
 
 @lru_cache(maxsize=None)
-def _table(path: Path = TABLE_PATH) -> dict[str, dict]:
-    """The packaged table's counts by key (empty when the file is missing or unreadable)."""
+def read_table(path: Path, section: str, keys: tuple[str, ...]) -> dict[str, dict]:
+    """A packaged table's entries under `section` that have `keys` (empty when the file is missing or unreadable)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
-    return {k: v for k, v in data.get("counts", {}).items() if valid(v)}
+    return {k: v for k, v in data.get(section, {}).items() if has_keys(v, keys)}
+
+
+def _table(path: Path = TABLE_PATH) -> dict[str, dict]:
+    """The packaged table's counts by key."""
+    return read_table(path, "counts", KEYS)
+
+
+def read_cached(path: Path, keys: tuple[str, ...]) -> dict | None:
+    """A cache file's entry, or None where it is absent, unreadable or lacks `keys` (the table's, or a recount,
+    stands)."""
+    try:
+        counts = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return counts if has_keys(counts, keys) else None
 
 
 def _cached(key: str) -> dict | None:
-    try:
-        counts = json.loads((cache_dir() / f"{key}.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # absent or unreadable: the table's, or a recount, stands
-    return counts if valid(counts) else None
+    return read_cached(cache_dir() / f"{key}.json", KEYS)
 
 
 def lookup(spec: ModelSpec, optimizer: str) -> dict | None:
@@ -274,23 +289,34 @@ def op_counts(spec: ModelSpec, optimizer: str) -> dict:
     return {**counts, "model": spec.name}  # a count shared by models of one structure names the one asked for
 
 
-def store(spec: ModelSpec, optimizer: str, counts: dict) -> Path:
-    """Write counts the backend made for `spec`'s structure into the op-count cache (atomically); returns the file."""
-    if not valid(counts):
-        raise RackcastError(f"op counts of model {spec.name!r} lack {', '.join(k for k in KEYS if k not in counts)}")
-    key = cache_key(spec, optimizer)
-    path = cache_dir() / f"{key}.json"
+def write_cached(path: Path, counts: dict, keys: tuple[str, ...], what: str) -> Path:
+    """Write one entry into a cache file (atomically), refusing one that lacks `keys`; returns the file."""
+    if not has_keys(counts, keys):
+        raise RackcastError(f"{what} lack {', '.join(k for k in keys if k not in counts)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, counts, indent=None, sort_keys=True)
+    return path
+
+
+def store(spec: ModelSpec, optimizer: str, counts: dict) -> Path:
+    """Write counts the backend made for `spec`'s structure into the op-count cache (atomically); returns the file."""
+    key = cache_key(spec, optimizer)
+    path = write_cached(cache_dir() / f"{key}.json", counts, KEYS, f"op counts of model {spec.name!r}")
     _MEMORY[key] = counts
     return path
 
 
+def write_section(entries: dict[str, dict], torch_version: str, path: Path, section: str, keys: tuple[str, ...],
+                  what: str) -> None:
+    """Write a packaged table: entries by key under `section`, counted with `torch_version`."""
+    bad = [k for k, v in entries.items() if not has_keys(v, keys)]
+    if bad:
+        raise RackcastError(f"{what} under {', '.join(bad)} lack fields")
+    rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(entries.items()))
+    write_text_atomic(path, f'{{"torch": {json.dumps(torch_version)}, {json.dumps(section)}: {{\n{rows}\n}}}}\n')
+    read_table.cache_clear()
+
+
 def write_table(entries: dict[str, dict], torch_version: str, path: Path = TABLE_PATH) -> None:
     """Write the packaged table: counts by key (cache_key), counted with `torch_version`."""
-    bad = [k for k, v in entries.items() if not valid(v)]
-    if bad:
-        raise RackcastError(f"op counts under {', '.join(bad)} lack fields")
-    rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(entries.items()))
-    write_text_atomic(path, f'{{"torch": {json.dumps(torch_version)}, "counts": {{\n{rows}\n}}}}\n')
-    _table.cache_clear()
+    write_section(entries, torch_version, path, "counts", KEYS, "op counts")

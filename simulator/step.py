@@ -349,6 +349,7 @@ class _StepSim:
     def _chunk_template(self, st: StageWork, a, reduce: bool, top: bool) -> list:
         """chunk_ops with PerMicrobatch records where an op depends on a.microbatch."""
         wl, plan = self.work, self.plan
+        hc = wl.host_costs  # host ops and eager bytes (simulator.host_overhead.HostCosts)
         layers = st.chunks[a.stage]
         last = a.stage == wl.n_chunks - 1
         rc = plan.recompute
@@ -363,12 +364,13 @@ class _StepSim:
             ops += [Memory(nbytes), Start("top", comm), Wait("top", "exposed_fsdp_gather")]
         if a.kind != "F" and last:
             if st.head_ops > 0.0:
-                ops.append(Host("head and loss backward host ops", wl.host_backward_s(st.head_ops, a.kind)))
+                ops.append(Host("head and loss backward host ops",
+                                hc.backward_s(st.head_ops, a.kind, st.head_bytes)))
             ops.append(Compute("head and loss backward", (2.0 if a.kind == "BW" else 1.0) * st.head_s))
             ops += wl.mtp_context(backward=True) if a.kind != "W" else []
         if a.kind == "F" and a.stage == 0:
             if st.embed_ops > 0.0:
-                ops.append(Host("embedding host ops", wl.host_forward_s(st.embed_ops)))
+                ops.append(Host("embedding host ops", hc.forward_s(st.embed_ops, st.embed_bytes)))
             ops.append(Compute("embedding", st.embed_s))
 
         def start_gather(j):
@@ -407,13 +409,14 @@ class _StepSim:
             ops += [Memory(-nbytes) for _, nbytes in gathers[j]]
         if a.kind == "F" and last:
             if st.head_ops > 0.0:
-                ops.append(Host("head and loss host ops", wl.host_forward_s(st.head_ops)))
+                ops.append(Host("head and loss host ops", hc.forward_s(st.head_ops, st.head_bytes)))
             ops += wl.mtp_context(backward=False)
             ops.append(Compute("head and loss", st.head_s))
         if a.kind != "F" and a.stage == 0:
             ops.append(Compute("embedding backward", (2.0 if a.kind == "BW" else 1.0) * st.embed_s))
             if st.embed_ops > 0.0:
-                ops.append(Host("embedding backward host ops", wl.host_backward_s(st.embed_ops, a.kind)))
+                ops.append(Host("embedding backward host ops",
+                                hc.backward_s(st.embed_ops, a.kind, st.embed_bytes)))
         ops += [Memory(-nbytes) for _, nbytes in top_gather]
         if reduce and top and st.top_params > 0:
             ops += [Reduce(comm) for comm in wl.reduction_comms(st.top_params, 0.0)]

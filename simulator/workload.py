@@ -16,6 +16,8 @@ model, op counts from simulator.op_counts): each layer's forward runs its ops x 
 (layer ops less the expert loop's ops x (1 - 1/ep)), its backward bwd_over_fwd times that (split evenly between the
 input- and weight-gradient halves of zero-bubble schedules); the embedding's ops on the stage holding the first
 chunk, head and loss on the stage holding the last; the optimizer's ops (its share of the layers) in its step.
+With counted eager bytes (simulator.op_bytes) each host op also moves its part's bytes (host_overhead.HostCosts),
+replacing the fused elementwise and optimizer-update traffic.
 
 Ops are the records of simulator.ops (Compute, Host, Start, Wait, Reduce, Memory; each documented there), run by
 simulator.step. Expert all-to-all token counts come from simulator.routing (see ExpertLoads).
@@ -34,7 +36,7 @@ from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs
 from rackcast.simulator.gemms import MLP_PARTS, embed_gemms, gemms_seconds, layer_gemms, tail_seconds
-from rackcast.simulator.host_overhead import layer_forward_ops, optimizer_ops
+from rackcast.simulator.host_overhead import host_costs, layer_forward_ops
 from rackcast.simulator.activations import mtp_activation_bytes_per_token
 from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, layer_activation_bytes_per_token,
                                        rank_params, static_bytes)
@@ -64,6 +66,7 @@ class LayerWork:
     core_bytes: float  # the part selective recomputation does not keep
     kept_bytes: float  # full recomputation keeps only the layer input
     host_ops: float = 0.0  # the layer's framework ops in forward, 0 without measured host_op_s
+    host_bytes: float = 0.0  # the layer's counted eager bytes in forward, 0 where not counted
 
 
 @dataclass
@@ -83,6 +86,8 @@ class StageWork:
     gather_comms: list = None  # ZeRO-1/2: the updated weights' all-gather after the optimizer step
     embed_ops: float = 0.0  # the embedding's framework ops (forward) on the stage holding the first chunk
     head_ops: float = 0.0  # the head and loss ops (forward) on the stage holding the last chunk
+    embed_bytes: float = 0.0  # their counted eager bytes (forward), 0 where not counted
+    head_bytes: float = 0.0
 
 
 class Workload:
@@ -91,12 +96,8 @@ class Workload:
     def __init__(self, spec: ModelSpec, plan: Plan, topo: Topology, seed: int = 0):
         self.spec, self.plan, self.topo = spec, plan, topo
         par = plan.parallel
-        self.host = topo.efficiency.host_op_s
-        self.counts = None
-        if self.host.measured:
-            from rackcast.simulator.op_counts import op_counts
-
-            self.counts = op_counts(spec, plan.optimizer.name)
+        self.host_costs = host_costs(spec, plan, topo)  # None counts and bytes without measured host_op_s
+        self.counts, self.bytes = self.host_costs.counts, self.host_costs.bytes
         self.tokens_mb = plan.tokens_per_microbatch(spec)
         self.routed_mb = plan.routed_tokens_per_microbatch(spec)  # what the rank dispatches to the experts
         self._expert_time: dict[float, float] = {}
@@ -136,12 +137,13 @@ class Workload:
             index=i, moe=spec.is_moe(i), attn_s=self._gemm_s([g for g in gemms if g.part not in MLP_PARTS]) + core,
             core_s=core, router_s=self._gemm_s([g for g in gemms if g.part in MLP_PARTS[:-1]]),
             shared_s=self._gemm_s([g for g in gemms if g.part == "shared_experts"]), expert_flops_per_row=per_row,
-            elem_s=costs.memory_bound_time(2 * act, self.topo),
+            elem_s=0.0 if self.bytes else costs.memory_bound_time(2 * act, self.topo),
             dense_params=(spec.layer_params(i) - pb.get("experts", 0)) / par.tensor,
             expert_params=pb.get("experts", 0) / par.expert_group,
             act_bytes=act, core_bytes=attention_core_bytes_per_token(spec, i, plan) * self.tokens_mb,
             kept_bytes=BYTES["bf16"] * spec.d_model / sp * self.tokens_mb,
-            host_ops=layer_forward_ops(self.counts, plan, i) if self.counts else 0.0)
+            host_ops=layer_forward_ops(self.counts, plan, i) if self.counts else 0.0,
+            host_bytes=self.bytes.layers[i] if self.bytes else 0.0)
 
     # ------------------------------------------------------------------------------------------------ stages
     def _stage(self, s: int, chunks: dict[int, list[LayerWork]]) -> StageWork:
@@ -157,23 +159,20 @@ class Workload:
         # model's one in-flight micro-batch of the last chunk under 1F1B; not allocated and freed per micro-batch).
         mtp_bytes = mtp_activation_bytes_per_token(spec, plan) * self.tokens_mb if last else 0.0
         host_bytes = static.pop("host")  # resident on the host; the step moves it in and back out
-        opt_bytes, _ = optimizer_traffic_bytes(rp, plan)
+        opt_bytes = 0.0 if self.bytes else optimizer_traffic_bytes(rp, plan)[0]
         ns = newton_schulz_flops(spec, plan, layers)
         optimizer_s = float(costs.optimizer_time(opt_bytes, ns, costs.newton_schulz_shape(spec), self.topo,
                                                  plan.precision)) + \
             self._balancing_s(layers) + self._muon_gather_s(layers)
         top = rp.dense - sum(lw.dense_params for c in chunks for lw in chunks[c])
-        embed_ops = head_ops = 0.0
-        if self.counts:
-            optimizer_s += optimizer_ops(self.counts, spec, plan, s) * self.host.optimizer
-            embed_ops = self.counts["fwd_embed"] if 0 in chunks else 0.0
-            head_ops = self.counts["fwd_head"] if last else 0.0
+        ends = self.host_costs.stage_ends(spec, plan, s, 0 in chunks, last)
+        optimizer_s += self.host_costs.optimizer_s(spec, plan, s)
         return StageWork(stage=s, chunks=chunks, head_s=head_s, embed_s=embed_s, top_params=top,
                          embed_params=rp.embed_end, head_params=rp.head_end, static_bytes=static,
                          reduction_comms=self.reduction_comms(rp.dense, rp.expert),
                          gather_comms=self.parameter_gather_comms(rp.dense, rp.expert),
                          io_bytes=2 * W_BYTES * spec.d_model * self.tokens_mb + mtp_bytes, optimizer_s=optimizer_s,
-                         host_bytes=host_bytes, embed_ops=embed_ops, head_ops=head_ops)
+                         host_bytes=host_bytes, **ends)
 
     def _balancing_s(self, layers: list[int]) -> float:
         """Quantile balancing's reductions for these layers (costs.balancing_time)."""
@@ -204,15 +203,6 @@ class Workload:
             self._placed = place(self.plan, self.topo.scale_up.usable_gpus)
         return self._placed
 
-    def host_forward_s(self, forward_ops: float) -> float:
-        """Host time of `forward_ops` framework ops in a forward pass."""
-        return forward_ops * self.host.forward
-
-    def host_backward_s(self, forward_ops: float, kind: str) -> float:
-        """Host time of a backward action's ops (kind BW: all; B or W: half) given the forward's op count."""
-        share = 1.0 if kind == "BW" else 0.5
-        return share * self.counts["bwd_over_fwd"] * forward_ops * self.host.backward if self.counts else 0.0
-
     # ------------------------------------------------------------------------------------------ op programs
     def layer_forward(self, lw: LayerWork, mb: int | None, key: str, recompute: bool = False) -> list:
         """Ops of one layer's forward (or its recomputation) for micro-batch mb (None: a template, where the ops
@@ -222,7 +212,7 @@ class Workload:
         ops: list = []
         attn_s = lw.attn_s + (0.0 if recompute else lw.elem_s / 2)
         if lw.host_ops > 0.0 and not recompute:  # the trainer does not recompute: no host ops counted for it
-            ops.append(Host("host ops", self.host_forward_s(lw.host_ops)))
+            ops.append(Host("host ops", self.host_costs.forward_s(lw.host_ops, lw.host_bytes)))
         if par.context > 1:  # the trainer's K/V exchange blocks before the attention that reads it
             ops += [Start(key + "cp", self._cp_comm(lw)), Wait(key + "cp", "exposed_tensor_comm")]
         ops.append(Compute(pre + "attention", attn_s))
@@ -238,7 +228,8 @@ class Workload:
     def layer_backward(self, lw: LayerWork, mb: int | None, key: str, kind: str) -> list:
         """Ops of one layer's backward: kind "BW" (input and weight gradients), "B" (inputs) or "W" (weights); mb as
         in layer_forward."""
-        host = [Host("backward host ops", self.host_backward_s(lw.host_ops, kind))] if lw.host_ops > 0.0 else []
+        host = [Host("backward host ops", self.host_costs.backward_s(lw.host_ops, kind, lw.host_bytes))] \
+            if lw.host_ops else []
         if kind == "W":
             return host + [_per_mb(partial(self._weight_grads, lw), mb)]
         f = 2.0 if kind == "BW" else 1.0

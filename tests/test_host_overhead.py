@@ -35,6 +35,14 @@ def _t_op(topo, t: HostOpTimes):
     return topo.with_efficiency(replace(topo.efficiency, host_op_s=t))
 
 
+@pytest.fixture(autouse=True)
+def _ops_alone(monkeypatch):
+    """These tests price the op counts alone: the counted eager bytes (tests/test_op_bytes.py) left out."""
+    from rackcast.simulator import op_bytes
+
+    monkeypatch.setattr(op_bytes, "lookup", lambda spec, optimizer: None)
+
+
 def test_host_overhead_follows_the_layout():
     one = load_plan(str(PLANS / "tiny-1proc.yaml"))
     ep = load_plan(str(PLANS / "tiny-2proc-ep.yaml"))
@@ -145,7 +153,8 @@ def test_a_miss_is_one_line_and_stored_counts_are_read_back(tmp_path, monkeypatc
 
 def test_the_cli_counts_a_missing_model_once_and_then_estimates(tmp_path, cli):
     """A model of one's own on a topology with measured host_op_s: the estimate names the flag that counts it (one
-    line, exit 2); `rackcast calibrate --op-counts` counts it into the cache; then the estimate runs."""
+    line, exit 2); `rackcast calibrate --op-counts` counts its ops and eager bytes into the caches; then the estimate
+    runs."""
     root = PLANS.parent.parent
     topo = tmp_path / "measured.yaml"
     topo.write_text((root / "topologies" / "presets" / "local-cpu.yaml").read_text().replace(
@@ -161,7 +170,8 @@ def test_the_cli_counts_a_missing_model_once_and_then_estimates(tmp_path, cli):
     assert "no op counts for model 'three'" in proc.stderr and "rackcast calibrate --op-counts" in proc.stderr
     proc = cli("calibrate", "--op-counts", str(model), "--json", timeout=1500)  # torch import + 2 counts
     assert proc.returncode == 0, proc.stderr
-    assert len(json.loads(proc.stdout)["written"]) == 2  # both optimizers
+    written = json.loads(proc.stdout)["written"]  # both optimizers, op counts and (a small model) eager bytes
+    assert sorted(w.split("/")[-2] for w in written) == ["op-bytes", "op-bytes", "op-counts", "op-counts"]
     proc = cli("estimate", str(plan), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["step_time_s"] > 0

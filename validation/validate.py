@@ -230,12 +230,14 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
     if progress:
         progress("simulate (calibrated profile)", done, total)
     predict_all(results, topology, "microbenchmarks", overhead=False)
-    counts = None
+    counts, eager = None, False
     if load_topology(topology).efficiency.host_op_s.measured:
         from rackcast.presets import load_model
+        from rackcast.simulator.op_bytes import lookup
         from rackcast.simulator.op_counts import op_counts
 
         counts = op_counts(load_model("tiny-moe"), "muonh")  # for the summary; the predictions count their own
+        eager = lookup(load_model("tiny-moe"), "muonh") is not None  # counted eager bytes replace the fused term
         predict_all(results, topology, "microbenchmarks + op overhead")
     done += 1
     fit_on = max(1, min(fit_on, len(results) - 1))
@@ -255,7 +257,7 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
     summary = {"topology": topology, "reused_runs": reuse, "steps": steps, "repeats": repeats,
                "fit_on": [r.name for r in calib], "fitted_factors": res.fitted,
                "fitted_std_error": res.std_error, "wall_s": time.perf_counter() - t0,
-               "op_counts": counts,
+               "op_counts": counts, "eager_bytes_counted": eager,
                "runs_with_teardown_crash": sum("teardown_exit" in r for recs in records.values() for r in recs),
                "spread_limit": SPREAD_LIMIT, "noisy_plans": [r.name for r in results if r.too_noisy],
                "scorable": not any(r.too_noisy for r in results),

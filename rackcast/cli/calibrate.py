@@ -5,7 +5,7 @@ measured runs.
     rackcast calibrate --from-run RUN_DIR [--from-run ...] [--topology T] --out fitted.yaml
     rackcast calibrate --from-measurement FILE [...] --out fitted.yaml
     rackcast calibrate --op-counts MODEL [MODEL ...]                # count a model's framework ops (cache)
-    rackcast calibrate --op-counts-table [PATH]                      # regenerate simulator/op_counts.json
+    rackcast calibrate --op-counts-table [PATH]                      # regenerate simulator/op_counts.json (+ op_bytes.json)
 
 A measurement file is YAML: `plan` (path, relative to the file), `step_time_s` or `tokens_per_s`, optionally
 `phases_s` (trainer phase names: compute, exposed_expert_a2a, exposed_dp_comm, pipeline_bubble, optimizer, ...);
@@ -84,6 +84,7 @@ def _count_ops(args) -> int:
     import sys
 
     from rackcast.backend.opcount import count_into_cache, write_count_table
+    from rackcast.simulator.op_bytes import TABLE_PATH as BYTES_PATH
     from rackcast.simulator.op_counts import TABLE_MODELS, TABLE_PATH
 
     written = []
@@ -91,9 +92,10 @@ def _count_ops(args) -> int:
         written += [str(p) for p in count_into_cache(model)]
     if args.op_counts_table is not None:
         path = Path(args.op_counts_table or TABLE_PATH)
-        n = write_count_table(list(TABLE_MODELS), path=path,
+        bytes_path = path.with_name(BYTES_PATH.name)  # the eager bytes' table beside it
+        n = write_count_table(list(TABLE_MODELS), path=path, bytes_path=bytes_path,
                               progress=lambda label: print(f"counting {label}", file=sys.stderr))
-        written.append(f"{path} ({n} structures)")
+        written.append(f"{path} and {bytes_path} ({n} entries)")
     if args.json:
         print_json({"written": written})
     else:

@@ -58,5 +58,14 @@ def _run(args) -> int:
         out.print(metrics.band_text(result.band))
     if result.drop_fraction:
         out.print(f"expected drop fraction (capacity transport): {100 * result.drop_fraction:.2f}%")
+    spec, topo = plan.model_spec(), plan.topology_spec()
+    if topo.efficiency.host_op_s.measured:
+        from rackcast.simulator.estimate import eager_bytes_counted
+        from rackcast.simulator.op_bytes import MAX_PARAMS
+
+        out.print("eager memory traffic: " + ("counted bytes per framework op (simulator/op_bytes)"
+                  if eager_bytes_counted(spec, plan, topo) else
+                  f"not counted for this model (rackcast calibrate --op-counts MODEL counts models up to "
+                  f"{MAX_PARAMS:.3g} parameters); the fused elementwise term stands"))
     refuse_unless_fits(args.plan, result.fits, result.memory.total, result.hbm_bytes)
     return 0
