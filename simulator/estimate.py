@@ -11,7 +11,8 @@ attention, elementwise, collective, host-copy and optimizer times, the bytes eac
 metrics (fits, tokens/s, MFU, days) from simulator.metrics. What this module adds is the closed-form composition.
 Dense GEMMs are priced by name (simulator.gemms: fused Q/K/V, router, gated norms, head, ...), each at its own
 shape: a stage's FLOPs of each name are features ("gemm:NAME", "gemm_end:NAME" for the head end), the rank's shape
-of each too ("gemm_m:NAME", ...), and one stacked costs.gemm_time call prices every name of a plan (GemmRates).
+of each too ("gemm_m:NAME", ...), and one stacked costs.gemm_time call prices every name of a plan
+(simulator.gemms.GemmRates).
 Pipeline: every stage's work comes from the layers it holds (simulator.stage_work: the head on the last chunk, the
 embedding on the first, global-attention layers at their cost); the slowest stage is busy every micro-batch, the
 others fill and drain the pipeline as the schedule's closed form says (schedule_formulas.bubble_coefficients), and
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
-from rackcast.simulator.gemms import GEMM_NAMES, SHARED_GEMMS, names_used, rank_shape, shapes_by_name
+from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, names_used, rank_shape, shapes_by_name
 from rackcast.simulator.host_overhead import eager_bytes, host_bytes, host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
@@ -97,38 +97,9 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
     return expected_max_load_factor(transport, experts, top_k, ep, tokens_group, seed=seed)
 
 
-class GemmRates(NamedTuple):
-    """Seconds per FLOP of a plan's dense GEMMs, stacked on a leading axis: `layers` in the order of `names` (the
-    layers' GEMMs, in the plan's precision), `ends` in that of `end_names` (output head, final and embedding norms,
-    multi-token prediction: costs.unquantised). Every name at the GEMM efficiency of its own shape (shapes[name],
-    simulator.gemms.rank_shape), all names in one costs.gemm_time call each: every stage shares them."""
-
-    names: tuple
-    layers: object
-    end_names: tuple
-    ends: object
-
-
-def _gemm_rates(names: tuple, end_names: tuple, shapes: dict, topo: Topology, precision) -> GemmRates:
-    def rate(ns, prec):
-        if not ns:
-            return np.zeros(1)
-        stacked = costs.GemmShape(*(np.stack(np.broadcast_arrays(*(shapes[n][i] for n in ns))) for i in range(3)))
-        return costs.gemm_time(1.0, stacked, topo, prec)
-
-    return GemmRates(names, rate(names, precision), end_names, rate(end_names, costs.unquantised(precision)))
-
-
-def _gemm_seconds(rates: GemmRates, flops, end_flops) -> tuple:
-    """(layer GEMMs, end GEMMs, shared experts) seconds of one stage's micro-batch from its GEMM FLOPs stacked in
-    the order of rates.names (`flops`) and rates.end_names (`end_flops`)."""
-    layers = flops * rates.layers
-    shared = [i for i, n in enumerate(rates.names) if n in SHARED_GEMMS]
-    return layers.sum(axis=0), (end_flops * rates.ends).sum(axis=0), layers[shared].sum(axis=0) if shared else 0.0
-
-
-def _stage_gemm_flops(f: dict, pre: str, rates: GemmRates) -> tuple:
-    """A features dict's GEMM FLOPs of the stage prefixed `pre`, stacked as _gemm_seconds takes them."""
+def _stage_gemm_flops(f: dict, pre: str, rates) -> tuple:
+    """A features dict's GEMM FLOPs of the stage prefixed `pre`, stacked as gemm_seconds takes them (rates:
+    simulator.gemms.GemmRates)."""
     def stack(ns, key):
         return np.stack([f[pre + key + n] for n in ns]) if ns else np.zeros(1)
 
@@ -138,11 +109,11 @@ def _stage_gemm_flops(f: dict, pre: str, rates: GemmRates) -> tuple:
 def _stage_compute_s(g, gemm_s: tuple, grouped: costs.GemmShape, tail_grouped: costs.GemmShape, full,
                      topo: Topology, precision) -> tuple:
     """(forward, recomputation, elementwise, shared-expert) seconds of one stage's micro-batch from its FLOPs and
-    bytes (g: feature name -> value; gemm_s its GEMMs' _gemm_seconds; costs), in the plan's `precision`
-    (costs.compute_peak; the ends and the attention core costs.unquantised): dense GEMMs each at its own shape
-    (gemm_s), the attention core at the attention efficiency, routed experts at the grouped-GEMM efficiency of the
-    `grouped` shape (the multi-token prediction blocks' at the balanced `tail_grouped`), elementwise traffic
-    memory-bound; full recomputation (`full` 1) redoes the layers' GEMMs."""
+    bytes (g: feature name -> value; gemm_s its GEMMs' simulator.gemms.gemm_seconds; costs), in the plan's
+    `precision` (costs.compute_peak; the ends and the attention core costs.unquantised): dense GEMMs each at its
+    own shape (gemm_s), the attention core at the attention efficiency, routed experts at the grouped-GEMM
+    efficiency of the `grouped` shape (the multi-token prediction blocks' at the balanced `tail_grouped`),
+    elementwise traffic memory-bound; full recomputation (`full` 1) redoes the layers' GEMMs."""
     layers, ends, shared = gemm_s
     tail = costs.attention_time(g("tail_attn_flops"), topo, precision) + \
         costs.grouped_gemm_time(g("tail_expert_flops"), tail_grouped, topo, costs.unquantised(precision))
@@ -255,9 +226,9 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     }
     tail_expert_shape = costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group), spec, par.expert,
                                            par.expert_tensor)
-    rates = _gemm_rates(layer_names, end_names, {n: costs.GemmShape(*(col(v) for v in s))
+    rates = gemm_rates(layer_names, end_names, {n: costs.GemmShape(*(col(v) for v in s))
                                                  for n, s in dense_shapes.items()}, topo, plan.precision)
-    fwd, rec, elem, _ = _stage_compute_s(stage.get, _gemm_seconds(rates, *gemm_flops),
+    fwd, rec, elem, _ = _stage_compute_s(stage.get, gemm_seconds(rates, *gemm_flops),
                                          costs.GemmShape(*(col(v) for v in expert_shape)),
                                          costs.GemmShape(*(col(v) for v in tail_expert_shape)), col(full), topo,
                                          plan.precision)
@@ -342,16 +313,16 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     return {k: float(v) for k, v in features.items()}
 
 
-def _stage_time(f: dict, pre: str, topo: Topology, slow, rates: GemmRates) -> dict:
+def _stage_time(f: dict, pre: str, topo: Topology, slow, rates) -> dict:
     """One stage's micro-batch (all its chunks), features prefixed `pre`: forward, input-gradient and
     weight-gradient seconds including the communication each exposes, and the parts of it. Mirrors the workload
     (simulator.workload): every layer's forward runs 2 tensor-parallel all-reduces and, in MoE layers, a dispatch
     and a combine all-to-all, each hiding behind half the shared experts' work; its backward the same at twice the
     work; full recomputation runs the forward (and its communication) once more before the backward. `rates`: the
-    plan's GEMM rates (_gemm_rates), shared by its stages."""
+    plan's GEMM rates (simulator.gemms.gemm_rates), shared by its stages."""
     g = lambda k: f[pre + k]  # noqa: E731
     full = f["recompute_full"]
-    fwd, rec, elem, shared = _stage_compute_s(g, _gemm_seconds(rates, *_stage_gemm_flops(f, pre, rates)),
+    fwd, rec, elem, shared = _stage_compute_s(g, gemm_seconds(rates, *_stage_gemm_flops(f, pre, rates)),
                                               *_shapes(f)[1:], full, topo, f["precision"])
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
@@ -402,7 +373,7 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     eff = topo.efficiency
     slow = eff.comm_compute_slowdown
     has = lambda key: tuple(n for n in GEMM_NAMES if np.any(f[key + n]) or np.any(f["o_" + key + n]))  # noqa: E731
-    rates = _gemm_rates(has("gemm:"), has("gemm_end:"), _shapes(f)[0], topo, f["precision"])
+    rates = gemm_rates(has("gemm:"), has("gemm_end:"), _shapes(f)[0], topo, f["precision"])
     h = _stage_time(f, "", topo, slow, rates)
     o = _stage_time(f, "o_", topo, slow, rates)
     m, v = f["microbatches"], f["chunks_per_rank"]

@@ -231,3 +231,34 @@ def names_used(spec: ModelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return tuple(n for n in GEMM_NAMES if n in layers), tuple(n for n in GEMM_NAMES if n in ends)
 
     return _cached(spec, ("names",), build)
+
+
+class GemmRates(NamedTuple):
+    """Seconds per FLOP of a plan's dense GEMMs, stacked on a leading axis: `layers` in the order of `names` (the
+    layers' GEMMs, in the plan's precision), `ends` in that of `end_names` (output head, final and embedding norms,
+    multi-token prediction: costs.unquantised). Every name at the GEMM efficiency of its own shape (shapes[name],
+    simulator.gemms.rank_shape), all names in one costs.gemm_time call each: every stage shares them."""
+
+    names: tuple
+    layers: object
+    end_names: tuple
+    ends: object
+
+
+def gemm_rates(names: tuple, end_names: tuple, shapes: dict, topo, precision) -> GemmRates:
+    """The GemmRates of these names: shapes[name] a costs.GemmShape (arrays broadcast), topo a Topology."""
+    def rate(ns, prec):
+        if not ns:
+            return np.zeros(1)
+        stacked = costs.GemmShape(*(np.stack(np.broadcast_arrays(*(shapes[n][i] for n in ns))) for i in range(3)))
+        return costs.gemm_time(1.0, stacked, topo, prec)
+
+    return GemmRates(names, rate(names, precision), end_names, rate(end_names, costs.unquantised(precision)))
+
+
+def gemm_seconds(rates: GemmRates, flops, end_flops) -> tuple:
+    """(layer GEMMs, end GEMMs, shared experts) seconds of one stage's micro-batch from its GEMM FLOPs stacked in
+    the order of rates.names (`flops`) and rates.end_names (`end_flops`)."""
+    layers = flops * rates.layers
+    shared = [i for i, n in enumerate(rates.names) if n in SHARED_GEMMS]
+    return layers.sum(axis=0), (end_flops * rates.ends).sum(axis=0), layers[shared].sum(axis=0) if shared else 0.0
