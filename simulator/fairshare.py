@@ -114,29 +114,38 @@ def maxmin_rates_into(indptr, indices, capacity, caps, rates, ints, floats):
     for f in range(nf):
         rates[f] = 0.0
         frozen[f] = 0
-    for l in range(nl):
-        cnt[l] = 0
-        mark[l] = -1
+    # Only the links some flow crosses are touched (`bottleneck` lists them while the solve starts): a few flows
+    # cross a few of the network's links, and passes over every link would cost more than the solve.
     for k in range(nnz):
-        cnt[indices[k]] += 1
-    # link -> flows (transpose of the CSR), by counting sort
-    lptr[0] = 0
-    for l in range(nl):
-        lptr[l + 1] = lptr[l] + cnt[l]
-        fill[l] = lptr[l]
+        cnt[indices[k]] = 0
+        mark[indices[k]] = -1
+    n_used = 0
+    for k in range(nnz):
+        l = indices[k]
+        if cnt[l] == 0:
+            bottleneck[n_used] = l
+            n_used += 1
+        cnt[l] += 1
+    # link -> flows (transpose of the CSR), by counting sort: link l's flows are lflows[lptr[l]:fill[l]], ascending
+    start = 0
+    for u in range(n_used):
+        l = bottleneck[u]
+        lptr[l] = start
+        fill[l] = start
+        start += cnt[l]
     for f in range(nf):
         for k in range(indptr[f], indptr[f + 1]):
             l = indices[k]
             lflows[fill[l]] = f
             fill[l] += 1
-    # min-heap of (level, link); an entry is stale when it differs from level[link] or the link has no live flow
+    # min-heap of (level, link); an entry is stale when it differs from level[link] or the link has no live flow.
+    # Pops come in (level, link) order whatever the order of pushes, so pushing only the crossed links is the same.
     hn = 0
-    for l in range(nl):
+    for u in range(n_used):
+        l = bottleneck[u]
         rem[l] = capacity[l]
-        level[l] = np.inf
-        if cnt[l] > 0:
-            level[l] = rem[l] / cnt[l]
-            hn = _heap_push(hkeys, hvals, hn, level[l], l)
+        level[l] = rem[l] / cnt[l]
+        hn = _heap_push(hkeys, hvals, hn, level[l], l)
     nfrozen = 0
     for f in range(nf):
         if indptr[f + 1] == indptr[f]:
@@ -146,7 +155,7 @@ def maxmin_rates_into(indptr, indices, capacity, caps, rates, ints, floats):
     nc = 0
     for f in range(nf):
         nc += caps[f] < np.inf
-    order = np.empty(0, np.int64)  # the capped flows, lowest cap first
+    order = lflows[:0]  # the capped flows, lowest cap first (none: an empty view, not an allocation)
     if nc:
         capped = np.flatnonzero(caps < np.inf)
         order = capped[np.argsort(caps[capped], kind="mergesort")]
@@ -179,7 +188,7 @@ def maxmin_rates_into(indptr, indices, capacity, caps, rates, ints, floats):
                 hn = _heap_pop(hkeys, hvals, hn)
             for b in range(nb):
                 l = bottleneck[b]
-                for k in range(lptr[l], lptr[l + 1]):
+                for k in range(lptr[l], fill[l]):
                     f = lflows[k]
                     if not frozen[f]:
                         nt = _freeze(f, best, indptr, indices, rem, cnt, rates, frozen, mark, stamp, touched, nt)

@@ -13,20 +13,22 @@ over a time step, retiring finished ones, gathering the active flows as a CSR in
     groups  float64 (G_ROWS, groups): per batch, flows still moving and its latest delivery so far
     ints, floats: the solve's working arrays (workspace_sizes; any content), kept by the Network
 
-Few, packed arguments (numba unboxes each array argument on every call, ~0.2 us each), results written into
+`allot` packs all eight into one float64 and one int64 buffer (sizes in the int buffer's header); `_start` and
+`_step` take the two buffers and `unpack` them into these views. Few, packed arguments (numba unboxes each array argument on every call, ~0.2 us each), results written into
 preallocated rows and no allocations in an update (working arrays are slices of kept buffers; a few flows finish
 per update, sorted by insertion) keep numba's per-call cost down (the step simulator makes tens of thousands of
 calls per step). `_step` runs a whole network update (drain, retire, activate, solve) in one dispatch. The
 arithmetic and its order are those of the per-array kernels it replaced, so the simulated step stays bit for bit
 the same (tests/test_step_digest.py).
 
-Tests: `.venv/bin/pytest -q tests/test_network.py tests/test_step_digest.py`.
+Tests: `.venv/bin/pytest -q tests/test_flowslots.py tests/test_network.py tests/test_step_digest.py`.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from rackcast.simulator.fairshare import maxmin_rates_into, maxmin_workspace
 
@@ -78,15 +80,16 @@ def _gather_active_into(active, size, nhops, hops, caps, act, indptr, indices, f
 def _apply_rates(act, indptr, indices, rates, remaining, rate, links, track):
     """Write the solved rates to their slots; returns the earliest time one of the flows finishes from now and
     the bytes/s in use per link (summed in the order np.bincount would)."""
-    load = np.empty(links)
+    load = np.zeros(links)
     return _apply_rates_into(act, indptr, indices, rates, remaining, rate, load, track), load
 
 
 @njit(cache=True)
 def _apply_rates_into(act, indptr, indices, rates, remaining, rate, load, track):
-    """_apply_rates writing the bytes/s in use per link into `load` (zeros when not tracked)."""
-    for k in range(load.shape[0]):
-        load[k] = 0.0
+    """_apply_rates writing the bytes/s in use per link into `load` when tracked (else `load` is left as it is)."""
+    if track:
+        for k in range(load.shape[0]):
+            load[k] = 0.0
     t_min = np.inf
     for j in range(act.shape[0]):
         s = act[j]
@@ -111,8 +114,8 @@ def _resolve(active, size, nhops, hops, caps, capacity, remaining, rate, track, 
     """Gather the active flows, solve their max-min fair rates (fairshare.maxmin_rates) and write them to their
     slots, in one compiled call (the same steps as `_gather_active`, the solver and `_apply_rates`, so the same rates
     bit for bit), with the working arrays carved out of `ints` and `floats` (workspace_sizes: allocations would cost
-    more than the arithmetic). Writes the bytes/s in use per link into `load` (zeros when none are active, or when
-    not tracked); returns the active flow count and the earliest time one of them finishes from now (inf when
+    more than the arithmetic). Writes the bytes/s in use per link into `load` when tracked (zeros when none are
+    active); returns the active flow count and the earliest time one of them finishes from now (inf when
     none)."""
     n_slots, width = active.shape[0], hops.shape[1]
     act, indptr, ints = ints[:n_slots], ints[n_slots: 2 * n_slots + 1], ints[2 * n_slots + 1:]
@@ -120,7 +123,7 @@ def _resolve(active, size, nhops, hops, caps, capacity, remaining, rate, track, 
     flow_caps, rates, floats = floats[:n_slots], floats[n_slots: 2 * n_slots], floats[2 * n_slots:]
     n, nnz = _gather_active_into(active, size, nhops, hops, caps, act, indptr, indices, flow_caps)
     if n == 0:
-        for k in range(load.shape[0]):
+        for k in range(load.shape[0] if track else 0):
             load[k] = 0.0
         return 0, np.inf
     maxmin_rates_into(indptr[: n + 1], indices[:nnz], capacity, flow_caps[:n], rates[:n], ints, floats)
@@ -140,21 +143,85 @@ G_LEFT, G_LATEST = range(2)
 G_ROWS = 2
 
 
+# The packed buffers (`allot`): ints = header (H_SLOTS, H_WIDTH, H_LINKS, H_GROUPS: the sizes), cnt, ii, hops, the
+# solve's ints; floats = fl, links, groups, the solve's floats. Two array arguments per compiled call instead of
+# eight: numba unboxes every array argument on every call, and the step simulator makes tens of thousands.
+H_SLOTS, H_WIDTH, H_LINKS, H_GROUPS = range(4)
+H_ROWS = 4
+
+
 @njit(cache=True)
-def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
-    """Start a batch (rows of hops, hop counts, wire bytes, rate caps, route latencies) in free slots, reused ones
-    first (the most recently freed last), then fresh ones, in row order; flows with no bytes or no link are not
-    started. Returns how many were started, when the others are delivered (now + their latency, the latest; now
-    when none) and whether a byte count is negative (nothing is started then); or, when the slot arrays lack room
-    for every row (fresh slots, or hop columns), -1 and nothing is started."""
-    if cnt[C_SIZE] + wire.shape[0] > ii.shape[1] or hops.shape[1] > s_hops.shape[1]:
+def unpack(fbuf, ibuf):
+    """The views (fl, ii, hops, cnt, links, groups, ints, floats) of packed buffers (see `allot`)."""
+    slots, width, n_links, n_groups = ibuf[H_SLOTS], ibuf[H_WIDTH], ibuf[H_LINKS], ibuf[H_GROUPS]
+    i = H_ROWS + C_ROWS
+    cnt = ibuf[H_ROWS: i]
+    ii = ibuf[i: i + I_ROWS * slots].reshape((I_ROWS, slots))
+    i += I_ROWS * slots
+    hops = ibuf[i: i + slots * width].reshape((slots, width))
+    f = F_ROWS * slots
+    fl = fbuf[:f].reshape((F_ROWS, slots))
+    links = fbuf[f: f + L_ROWS * n_links].reshape((L_ROWS, n_links))
+    f += L_ROWS * n_links
+    groups = fbuf[f: f + G_ROWS * n_groups].reshape((G_ROWS, n_groups))
+    return fl, ii, hops, cnt, links, groups, ibuf[i + slots * width:], fbuf[f + G_ROWS * n_groups:]
+
+
+def allot(slots: int, width: int, n_links: int, n_groups: int, old: tuple | None = None):
+    """Packed buffers (floats, ints) for `slots` flow slots of up to `width` hops, `n_links` links and `n_groups`
+    groups, and their views (`unpack`), holding `old`'s views' contents (each at least as large) when given, else
+    empty slots (hops -1) and links with no capacity set."""
+    ints, floats = workspace_sizes(slots, width, n_links)
+    ibuf = np.zeros(H_ROWS + C_ROWS + (I_ROWS + width) * slots + ints, dtype=np.int64)
+    fbuf = np.zeros(F_ROWS * slots + L_ROWS * n_links + G_ROWS * n_groups + floats)
+    ibuf[:H_ROWS] = slots, width, n_links, n_groups
+    views = unpack(fbuf, ibuf)
+    fl, ii, hops, cnt, links, groups = views[:6]
+    hops.fill(-1)
+    if old is not None:
+        o_fl, o_ii, o_hops, o_cnt, o_links, o_groups = old[:6]
+        fl[:, : o_fl.shape[1]] = o_fl
+        ii[:, : o_ii.shape[1]] = o_ii
+        hops[: o_hops.shape[0], : o_hops.shape[1]] = o_hops
+        cnt[:] = o_cnt
+        links[:] = o_links
+        groups[:, : o_groups.shape[1]] = o_groups
+    return fbuf, ibuf, views
+
+
+def _item(x, i):
+    """x[i], or x itself when x is one value for all (compiled only: `_item_overload` picks by x's type)."""
+    raise NotImplementedError
+
+
+@overload(_item)
+def _item_overload(x, i):
+    if isinstance(x, types.Array):
+        return lambda x, i: x[i]
+    return lambda x, i: x
+
+
+@njit(cache=True)
+def _start(hops, nhops, nbytes, efficiency, caps, lat, now, gid, fbuf, ibuf):
+    """Start a batch (rows of hops, hop counts, bytes and rate caps (each an array, or one value for all), route
+    latencies) as group `gid` in free slots, reused ones first (the most recently freed last), then fresh ones, in
+    row order; a flow puts nbytes / efficiency on the wire; flows with no bytes or no link are not started. Sets the
+    group's flows still moving and latest delivery so far (groups rows G_LEFT, G_LATEST) when it started any.
+    Returns how many were started, when the others are delivered (now + their latency, the latest; now when none)
+    and whether a byte count is negative (nothing is started then); or, when the slot arrays lack room for every
+    row (fresh slots, hop columns, or the group's column), -1 and nothing is started. fbuf, ibuf: the packed slot
+    arrays (`allot`)."""
+    fl, ii, s_hops, cnt, _, groups, _, _ = unpack(fbuf, ibuf)
+    k = nhops.shape[0]
+    if cnt[C_SIZE] + k > ii.shape[1] or hops.shape[1] > s_hops.shape[1] or gid >= groups.shape[1]:
         return -1, now, False
     m = 0
     deliver = now
     negative = False
-    for i in range(wire.shape[0]):
-        negative |= wire[i] < 0
-        if wire[i] > 0 and nhops[i] > 0:
+    for i in range(k):
+        wire = _item(nbytes, i) / efficiency
+        negative |= wire < 0
+        if wire > 0 and nhops[i] > 0:
             m += 1
         elif now + lat[i] > deliver:
             deliver = now + lat[i]
@@ -165,8 +232,9 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
     first_reused = cnt[C_FREE] - take
     fresh = cnt[C_SIZE]
     j = 0
-    for i in range(wire.shape[0]):
-        if not (wire[i] > 0 and nhops[i] > 0):
+    for i in range(k):
+        wire = _item(nbytes, i) / efficiency
+        if not (wire > 0 and nhops[i] > 0):
             continue
         if j < take:
             s = free[first_reused + j]
@@ -174,13 +242,13 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
             s = fresh
             fresh += 1
         s_hops[s, :] = -1
-        for k in range(hops.shape[1]):
-            s_hops[s, k] = hops[i, k]
+        for h in range(hops.shape[1]):
+            s_hops[s, h] = hops[i, h]
         ii[I_NHOPS, s] = nhops[i]
-        fl[F_REM, s] = wire[i]
-        fl[F_WIRE, s] = wire[i]
+        fl[F_REM, s] = wire
+        fl[F_WIRE, s] = wire
         fl[F_RATE, s] = 0.0
-        fl[F_CAP, s] = caps[i]
+        fl[F_CAP, s] = _item(caps, i)
         fl[F_LAT, s] = lat[i]
         fl[F_START, s] = now
         ii[I_GROUP, s] = gid
@@ -191,6 +259,8 @@ def _start(hops, nhops, wire, caps, lat, now, gid, fl, ii, s_hops, cnt):
     cnt[C_FREE] = first_reused
     cnt[C_SIZE] = fresh
     cnt[C_FLOW] += m
+    groups[G_LEFT, gid] = m
+    groups[G_LATEST, gid] = deliver
     return m, deliver, negative
 
 
@@ -283,13 +353,16 @@ def _activate(ii, cnt):
 
 
 @njit(cache=True)
-def _step(fl, ii, hops, cnt, links, groups, ints, floats, dt, eps, now, track):
+def _step(fbuf, ibuf, dt, eps, now, track):
     """One network update in one dispatch: `_drain`, `_activate`, then `_resolve` (gather, solve, write the rates;
-    ints and floats: its workspace_sizes). links row L_LOAD receives the bytes/s in use per link (zeros when none
-    are active or not tracked). Returns (finished flows, finished groups, active flows, the earliest time one of
-    them finishes from now: inf when none)."""
+    ints and floats: its workspace_sizes). links row L_LOAD receives the bytes/s in use per link when tracked (zeros
+    when none are active). Returns (finished flows, finished groups, active flows, the earliest time one of
+    them finishes from now: inf when none, the first finished group and its delivery time: rows I_OUT_GROUP and
+    F_OUT_GROUP's first entries, returned so the caller need not index them in the usual case of one). fbuf, ibuf:
+    the packed slot arrays (`allot`)."""
+    fl, ii, hops, cnt, links, groups, ints, floats = unpack(fbuf, ibuf)
     done, complete = _drain(fl, ii, cnt, dt, eps, now, groups)
     _activate(ii, cnt)
     n_act, t_min = _resolve(ii[I_ACTIVE], cnt[C_SIZE], ii[I_NHOPS], hops, fl[F_CAP], links[L_CAP], fl[F_REM],
                             fl[F_RATE], track, links[L_LOAD], ints, floats)
-    return done, complete, n_act, t_min
+    return done, complete, n_act, t_min, ii[I_OUT_GROUP, 0], fl[F_OUT_GROUP, 0]

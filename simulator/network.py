@@ -38,12 +38,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import simpy
 
+from rackcast.simulator.eventloop import call_later, new_event, trigger_later
 from rackcast.simulator.fairshare import maxmin_rates, maxmin_rates_numpy
-from rackcast.simulator.flowslots import (C_PEND, C_ROWS, C_SIZE, F_CAP, F_OUT, F_OUT_GROUP, F_RATE, F_REM, F_ROWS,
-                                            F_START, F_WIRE, G_LATEST, G_LEFT, G_ROWS, I_ACTIVE, I_FLOW, I_GROUP,
-                                            I_NHOPS, I_OUT, I_OUT_GROUP, I_ROWS, L_CAP, L_LOAD, L_ROWS, _activate,
-                                            _apply_rates, _changed, _drain, _gather_active, _start, _step,
-                                            workspace_sizes)
+from rackcast.simulator.flowslots import (C_PEND, C_SIZE, F_CAP, F_OUT, F_OUT_GROUP, F_RATE, F_REM, F_START, F_WIRE,
+                                            I_ACTIVE, I_FLOW, I_GROUP, I_NHOPS, I_OUT, I_OUT_GROUP, L_CAP, L_LOAD,
+                                            _activate, _apply_rates, _changed, _drain, _gather_active, _start, _step,
+                                            allot)
 
 Router = Callable[[object, str, str], Sequence[tuple[str, str]]]
 
@@ -99,21 +99,15 @@ class Network:
         self._matrix_cache: dict[tuple, tuple] = {}
 
         # Flows live in slots of these arrays (simulator.flowslots); a slot is reused after its flow finishes.
-        self._hops = np.full((0, 8), -1, dtype=np.int64)  # link indices per slot, padded with -1
-        self._fl = np.zeros((F_ROWS, 0))
-        self._ii = np.zeros((I_ROWS, 0), dtype=np.int64)
-        self._cnt = np.zeros(C_ROWS, dtype=np.int64)
-        self._no_caps: dict[int, np.ndarray] = {}
-        self._wire: dict[int, np.ndarray] = {}
-        self._groups: dict[int, tuple] = {}  # gid -> (event, tag) until its last flow is delivered
-        self._grp = np.zeros((G_ROWS, 0))  # per gid: flows still moving, latest delivery so far (flowslots._drain)
-        self._links = np.zeros((L_ROWS, len(self.links)))  # capacity, bytes/s in use after the last update
+        # (simulator.flowslots.allot packs them into one float and one int buffer, the compiled kernels' arguments)
+        self._views = None
+        self._allot(0, 8, 0)
         self._links[L_CAP] = self.capacity
-        self._work_ints, self._work_floats = self._workspace()  # flowslots._step's working arrays
+        self._groups: dict[int, tuple] = {}  # gid -> (event, tag) until its last flow is delivered
         self._next_group = 0
         self._last = env.now
         self._kick = False
-        self._wake = None  # the pending wake-up (a timeout), None when none is needed
+        self._wake = None  # the pending wake-up (eventloop.call_later's event), None when none is needed
         self._on_wake_callback = self._on_wake  # bound once
         self._compiled = self._solve is maxmin_rates
         self._wake_at = math.inf
@@ -198,78 +192,55 @@ class Network:
         lat: route_latencies(hops), when the caller keeps it."""
         if not 0.0 < efficiency <= 1.0:
             raise ValueError(f"efficiency must lie in (0, 1], got {efficiency}")
-        k = hops.shape[0]
-        if type(nbytes) is float or not _per_flow(nbytes):  # the same division, once (into a kept buffer: _start
-            wire = self._wire.get(k)                          # copies it) or elementwise
-            if wire is None:
-                wire = self._wire[k] = np.empty(k)
-            wire.fill(float(nbytes) / efficiency)
-        else:
-            wire = np.asarray(nbytes, dtype=np.float64) / efficiency
+        if type(nbytes) is not float and not (type(nbytes) is np.ndarray and nbytes.ndim == 1):  # one value for
+            nbytes = np.asarray(nbytes, dtype=np.float64) if _per_flow(nbytes) else float(nbytes)  # all, or per flow
+        if type(rate_cap_Bps) is not float:
+            rate_cap_Bps = np.asarray(rate_cap_Bps, dtype=np.float64) if _per_flow(rate_cap_Bps) \
+                else float(rate_cap_Bps)
         if type(nhops) is not np.ndarray:  # the step simulator's callers pass int64 arrays already
             nhops = np.asarray(nhops, dtype=np.int64)
         if lat is None:
             lat = self.route_latencies(hops)
-        now = self.env._now
-        per_flow_caps = type(rate_cap_Bps) is not float and _per_flow(rate_cap_Bps)
-        if per_flow_caps:
-            caps = np.asarray(rate_cap_Bps, dtype=np.float64)
-        elif rate_cap_Bps == math.inf:  # the usual case: no cap (the kernels only read the array)
-            caps = self._no_caps.get(k)
-            if caps is None:
-                caps = self._no_caps[k] = np.full(k, math.inf)
-        else:
-            caps = np.full(k, float(rate_cap_Bps))
+        now, efficiency = float(self.env._now), float(efficiency)
         gid = self._next_group
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.
-        m, deliver, negative = _start(hops, nhops, wire, caps, lat, float(now), gid, self._fl, self._ii, self._hops,
-                                      self._cnt)
+        m, deliver, negative = _start(hops, nhops, nbytes, efficiency, rate_cap_Bps, lat, now, gid, self._fbuf,
+                                      self._ibuf)
         if m < 0:  # no room in the slot arrays (checked there, where the counts are): grow them, start again
-            self._reserve(k, hops.shape[1])
-            m, deliver, negative = _start(hops, nhops, wire, caps, lat, float(now), gid, self._fl, self._ii,
-                                          self._hops, self._cnt)
+            self._reserve(hops.shape[0], hops.shape[1], gid)
+            m, deliver, negative = _start(hops, nhops, nbytes, efficiency, rate_cap_Bps, lat, now, gid, self._fbuf,
+                                          self._ibuf)
         if negative:
             raise ValueError("nbytes must be >= 0")
-        done = simpy.Event(self.env)
+        done = new_event(self.env)
         if m == 0:
             self._deliver(done, tag, deliver - now)
             return done
         self._next_group += 1
-        grp = self._grp
-        if gid >= grp.shape[1]:
-            grp = self._grp = np.concatenate([grp, np.zeros((G_ROWS, max(64, grp.shape[1])))], axis=1)
-        grp[G_LEFT, gid] = m
-        grp[G_LATEST, gid] = deliver
         self._groups[gid] = (done, tag)
         self.stats["flows"] += m
         if not self._kick:
             self._kick = True
-            self.env.timeout(0).callbacks.append(self._on_kick)
+            call_later(self.env, 0, self._on_kick)
         return done
 
-    def _reserve(self, k: int, width: int) -> None:
-        """Room for k more flows of up to `width` hops (growing the slot arrays; the slots a flow gets do not
-        depend on how much room there is)."""
-        if width > self._hops.shape[1]:
-            grown = np.full((self._hops.shape[0], width), -1, dtype=np.int64)
-            grown[:, : self._hops.shape[1]] = self._hops
-            self._hops = grown
-        n = self._ii.shape[1]
-        if self._cnt[C_SIZE] + k > n:
-            grow = max(64, int(self._cnt[C_SIZE]) + k, 2 * n) - n
-            self._hops = np.vstack([self._hops, np.full((grow, self._hops.shape[1]), -1, dtype=np.int64)])
-            self._fl = np.concatenate([self._fl, np.zeros((F_ROWS, grow))], axis=1)
-            self._ii = np.concatenate([self._ii, np.zeros((I_ROWS, grow), dtype=np.int64)], axis=1)
-        self._work_ints, self._work_floats = self._workspace()
+    def _reserve(self, k: int, width: int, gid: int) -> None:
+        """Room for k more flows of up to `width` hops, and for group `gid` (growing the slot arrays; the slots a
+        flow gets do not depend on how much room there is)."""
+        slots, groups = self._ii.shape[1], self._grp.shape[1]
+        if self._cnt[C_SIZE] + k > slots:
+            slots = max(64, int(self._cnt[C_SIZE]) + k, 2 * slots)
+        self._allot(slots, max(width, self._hops.shape[1]), groups + max(64, groups) if gid >= groups else groups)
 
-    def _workspace(self) -> tuple[np.ndarray, np.ndarray]:
-        """flowslots._step's working arrays, sized for the slot arrays as they are (any content)."""
-        ints, floats = workspace_sizes(self._hops.shape[0], self._hops.shape[1], len(self.links))
-        return np.empty(ints, dtype=np.int64), np.empty(floats)
+    def _allot(self, slots: int, width: int, groups: int) -> None:
+        """The slot arrays (flowslots.allot) for `slots` flows of up to `width` hops and `groups` groups, holding
+        the current ones' contents (none at first)."""
+        self._fbuf, self._ibuf, self._views = allot(slots, width, len(self.links), groups, self._views)
+        self._fl, self._ii, self._hops, self._cnt, self._links, self._grp = self._views[:6]
 
     def _deliver(self, event: simpy.Event, tag, delay: float) -> None:
-        if delay > 0:  # the timeout carries the tag: event.trigger(timeout) is event.succeed(tag) then
-            self.env.timeout(delay, tag).callbacks.append(event.trigger)
+        if delay > 0:  # event succeeds with the tag after the delay (as a timeout triggering it would)
+            trigger_later(self.env, delay, event, tag)
         else:
             event.succeed(tag)
 
@@ -291,16 +262,15 @@ class Network:
         self._last = now
         track = self.track_utilisation
         if self._compiled:  # drain, retire, activate, gather, solve and apply in one compiled call
-            done, groups, n_act, t_min = _step(self._fl, self._ii, self._hops, self._cnt, self._links, self._grp,
-                                               self._work_ints, self._work_floats, dt, eps, now, track)
-            if done:
-                self._finish(now, done, groups)
+            done, groups, n_act, t_min, group, delivery = _step(self._fbuf, self._ibuf, dt, eps, now, track)
+            if groups or (done and self.record_flows):
+                self._finish(now, done, groups, group, delivery)
             load = self._links[L_LOAD] if track else None
         else:
             load = np.zeros(len(self.links))
             done, groups = _drain(self._fl, self._ii, self._cnt, dt, eps, now, self._grp)
             if done:
-                self._finish(now, done, groups)
+                self._finish(now, done, groups, int(self._ii[I_OUT_GROUP, 0]), float(self._fl[F_OUT_GROUP, 0]))
             _activate(self._ii, self._cnt)
             act, indptr, indices, caps = _gather_active(self._ii[I_ACTIVE], self._cnt[C_SIZE], self._ii[I_NHOPS],
                                                         self._hops, self._fl[F_CAP])
@@ -322,30 +292,30 @@ class Network:
         t_next = now + t_min
         if t_next == self._wake_at:
             return  # the pending wake-up is still the right one
-        # SimPy cannot cancel a timeout: the superseded wake-up stays queued and is ignored when it fires (it may
+        # SimPy cannot cancel a scheduled event: the superseded wake-up stays queued and is ignored when it fires (it may
         # still advance env.now past the last delivery, so time collectives by their process, not env.now).
         self._wake_at = t_next
         delay = t_next - now
-        wake = self._wake = self.env.timeout(delay if delay > 0.0 else 0.0)
-        wake.callbacks.append(self._on_wake_callback)
+        self._wake = call_later(self.env, delay if delay > 0.0 else 0.0, self._on_wake_callback)
 
-    def _finish(self, now: float, done: int, groups: int) -> None:
+    def _finish(self, now: float, done: int, groups: int, group: int, delivery: float) -> None:
         """Deliver the groups whose last flow finished (`flowslots._drain` retired `done` flows, completing
-        `groups` groups, and wrote them to the output buffers)."""
+        `groups` groups, and wrote them to the output buffers; the first of them is `group`, delivered at
+        `delivery`)."""
         if self.record_flows:
             slots = self._ii[I_OUT, :done]
             for g, s, d, w in zip(self._ii[I_GROUP, slots].tolist(), self._fl[F_START, slots].tolist(),
                                   self._fl[F_OUT, :done].tolist(), self._fl[F_WIRE, slots].tolist()):
                 self.flow_log.append((self._groups[g][1], s, d, w))
-        pop, timeout = self._groups.pop, self.env.timeout
+        pop, env = self._groups.pop, self.env
         if groups == 1:  # the usual case: one batch ends (scalars, without the lists)
-            out_group = ((int(self._ii[I_OUT_GROUP, 0]), float(self._fl[F_OUT_GROUP, 0])),)
+            out_group = ((group, delivery),)
         else:
             out_group = zip(self._ii[I_OUT_GROUP, :groups].tolist(), self._fl[F_OUT_GROUP, :groups].tolist())
         for g, d in out_group:
             event, tag = pop(g)
             if d > now:  # as _deliver
-                timeout(d - now, tag).callbacks.append(event.trigger)
+                trigger_later(env, d - now, event, tag)
             else:
                 event.succeed(tag)
 

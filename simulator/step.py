@@ -29,13 +29,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import simpy
-from simpy.events import NORMAL, PENDING, Timeout
+from simpy.events import NORMAL, PENDING
 
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import PredictedBand, Plan, Predicted
 from rackcast.simulator import costs, metrics
-from rackcast.simulator.eventloop import Driven, StepEnvironment, run_to_end
+from rackcast.simulator.eventloop import Driven, Scheduled, StepEnvironment, new_event, run_to_end
 from rackcast.simulator.ops import Comm, Compute, Host, Memory, Reduce, Start, Wait
 from rackcast.simulator.schedules import pipeline_orders
 from rackcast.simulator.stepnet import StepNetwork
@@ -128,7 +128,7 @@ class _Rank:
         """Run a list of simulator.ops records (see that module for what each kind does)."""
         env, slow, record, phases = self.env, self.sim.slowdown, self.sim.record, self.phases
         timeout, slices = env.timeout, self.sim.timeline.slices
-        queue, eid, push, new_timeout = env._queue, env._eid, heapq.heappush, Timeout.__new__
+        queue, eid, push, new_scheduled = env._queue, env._eid, heapq.heappush, Scheduled.__new__
         for op in ops:
             kind = type(op)
             if kind is Compute:
@@ -138,8 +138,8 @@ class _Rank:
                 if self.active and slow:
                     d *= 1.0 + slow
                 t0 = env._now
-                ev = new_timeout(Timeout)  # env.timeout(d) inlined (StepEnvironment.timeout: the same event)
-                ev.env, ev.callbacks, ev._value, ev._delay, ev._ok = env, [], None, d, True
+                ev = new_scheduled(Scheduled)  # env.timeout(d)'s queue entry (eventloop.call_later, inlined)
+                ev.callbacks, ev._ok, ev._value = [], True, None
                 push(queue, (t0 + d, NORMAL, next(eid), ev))
                 yield ev
                 phases["compute"] += d
@@ -249,7 +249,8 @@ class _CommRun(Driven):
     __slots__ = ("rank", "comm", "prev", "t0")
 
     def __init__(self, rank: _Rank, comm: Comm, prev):
-        super().__init__(rank.env)
+        env = self.env = rank.env  # Driven.__init__, without the super() call (one per communication op)
+        self.generator, self.end = None, new_event(env)
         self.rank, self.comm, self.prev = rank, comm, prev
         self.t0 = 0.0
 
@@ -273,7 +274,7 @@ class _CommRun(Driven):
         sim, now = rank.sim, rank.env._now
         if sim.record:
             sim.timeline.slices.append((rank.stage, sim.thread(self.comm), self.comm.name, self.t0, now))
-        super().finish(now)
+        Driven.finish(self, now)
 
 
 class _StepSim:

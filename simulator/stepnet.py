@@ -63,6 +63,7 @@ class StepNetwork:
         self.eff = topo.efficiency.collective_efficiency
         self._members: dict[tuple[int, str], list[list[int]]] = {}
         self._plans: dict[tuple, list] = {}
+        self._ring_phases: dict[tuple, list] = {}  # ring's phases per (stage, axis, kind, bytes)
         self._eff_cache: dict[tuple, float] = {}
         self._a2a_routes: dict[int, tuple] = {}
         self._a2a_used: dict[tuple, tuple] = {}
@@ -183,10 +184,15 @@ class StepNetwork:
                      for n in names]
             yield self.env.all_of(procs)
             return
-        for phase_kind, (hops, nhops, lat), span, div, factor, tail in self._ring_plan(stage, axis, kind):
-            msg = nbytes / div
-            eff = self._eff(phase_kind, span, msg)
-            yield self.net.transfer_many(hops, nhops, factor * msg, tag=tag, efficiency=eff, lat=lat)
+        key = (stage, axis, kind, nbytes)
+        phases = self._ring_phases.get(key)
+        if phases is None:  # per phase: the representative's flow, its bytes and efficiency, the tail latency
+            phases = self._ring_phases[key] = []
+            for phase_kind, (hops, nhops, lat), span, div, factor, tail in self._ring_plan(stage, axis, kind):
+                msg = nbytes / div
+                phases.append((hops, nhops, lat, factor * msg, self._eff(phase_kind, span, msg), tail))
+        for hops, nhops, lat, phase_bytes, eff, tail in phases:
+            yield self.net.transfer_many(hops, nhops, phase_bytes, tag=tag, efficiency=eff, lat=lat)
             if tail is not None:
                 yield self.env.timeout(tail)
 
