@@ -11,19 +11,18 @@ Conventions:
   FlopsConvention instead;
 - compute time = FLOPs / (compute peak x efficiency): the peak of the dtype the plan's matrix products run in
   (compute_peak: bf16, fp32 without autocast, fp8 where the topology lists it), the efficiency a fraction of that
-  peak at the op's GEMM shape (GemmShape: m x n x k,
-  groups): dense GEMMs as tokens x d_model / tensor x d_model, routed experts as one grouped GEMM of a rank's local
-  experts, each its routed rows x expert width x input width. Where the topology has measured curves (`rackcast
-  calibrate`) the efficiency is the measured surface's at the shape (simulator.gemm_surface), else the curve's at
-  one group's FLOPs; otherwise the shape model (gemm_seconds): output
-  tiles in waves over the SMs under the kernel-level ceiling, the HBM roofline, the launch floor. Attention cores
-  at the attention fraction; backward = 2 x forward;
+  peak at the op's GEMM shape (GemmShape: m x n x k, groups): each dense GEMM at its own
+  (simulator.gemms.rank_shape), routed experts as one grouped GEMM of a rank's local experts, each its routed rows
+  x expert width x input width. Where the topology has measured curves (`rackcast calibrate`) the efficiency is
+  the measured surface's at the shape (simulator.gemm_surface), else the curve's at one group's FLOPs; otherwise
+  the shape model (gemm_seconds): output tiles in waves over the SMs under the kernel-level ceiling, the HBM
+  roofline, the launch floor. Attention cores at the attention fraction; backward = 2 x forward;
 - memory-bound work (elementwise ops, the optimizer's state update) = bytes / (HBM bandwidth x memory_bound);
 - a collective of `nbytes` per rank (the nccl-tests size) over n ranks takes steps x latency + factor x nbytes /
   (bandwidth x efficiency(nbytes)) on the slowest hop of its span (simulator.collective_formulas).
 
     from rackcast.simulator import costs
-    costs.gemm_time(flops, costs.gemm_shape(tokens_mb, spec, tensor), topo, plan.precision)
+    costs.gemm_time(flops, costs.GemmShape(m, n, k), topo, plan.precision)
 """
 
 from __future__ import annotations
@@ -99,11 +98,6 @@ class GemmShape(NamedTuple):
     n: object
     k: object
     groups: object = 1.0
-
-
-def gemm_shape(tokens_mb, spec: ModelSpec, tensor) -> GemmShape:
-    """The representative dense GEMM of a micro-batch: its tokens x (d_model / tensor) x d_model."""
-    return GemmShape(tokens_mb, spec.d_model / tensor, spec.d_model)
 
 
 def expert_rows(tokens_mb, spec: ModelSpec, expert_group):

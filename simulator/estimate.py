@@ -9,6 +9,10 @@ Two stages, so the planner can rank thousands of layouts at once:
 Every op's cost comes from simulator.costs (the same functions the discrete-event workload calls: GEMM, expert,
 attention, elementwise, collective, host-copy and optimizer times, the bytes each collective moves), and the result
 metrics (fits, tokens/s, MFU, days) from simulator.metrics. What this module adds is the closed-form composition.
+Dense GEMMs are priced by name (simulator.gemms: fused Q/K/V, router, gated norms, head, ...), each at its own
+shape: a stage's FLOPs of each name are features ("gemm:NAME", "gemm_end:NAME" for the head end), the rank's shape
+of each too ("gemm_m:NAME", ...), and one stacked costs.gemm_time call prices every name of a plan
+(simulator.gemms.GemmRates).
 Pipeline: every stage's work comes from the layers it holds (simulator.stage_work: the head on the last chunk, the
 embedding on the first, global-attention layers at their cost); the slowest stage is busy every micro-batch, the
 others fill and drain the pipeline as the schedule's closed form says (schedule_formulas.bubble_coefficients), and
@@ -40,11 +44,12 @@ from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
+from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, names_used, rank_shape, shapes_by_name
 from rackcast.simulator.host_overhead import eager_bytes, host_bytes, host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
                                                newton_schulz_parts, newton_schulz_split, optimizer_traffic_bytes)
-from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key
+from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key, per_key_table
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
 from rackcast.simulator.schedule_formulas import bubble_coefficients
@@ -92,38 +97,62 @@ def _load_factor(transport, experts: int, top_k: int, ep: int, tokens_group: flo
     return expected_max_load_factor(transport, experts, top_k, ep, tokens_group, seed=seed)
 
 
-def _stage_compute_s(gemm, head, attn, experts, rec_gemm, rec_attn, rec_experts, elem, dense: costs.GemmShape,
-                     grouped: costs.GemmShape, topo: Topology, precision):
-    """(forward, recomputation, elementwise) seconds of one stage's micro-batch from its FLOPs and bytes (costs), in
-    the plan's `precision` (costs.compute_peak; the head and the attention core costs.unquantised): dense GEMMs and
-    the head at the GEMM efficiency of the `dense` shape, the attention core at the attention efficiency, routed
-    experts at the grouped-GEMM efficiency of the `grouped` shape, elementwise traffic memory-bound."""
-    head_s = costs.gemm_time(head, dense, topo, costs.unquantised(precision))
-    fwd = costs.gemm_time(gemm, dense, topo, precision) + head_s + costs.attention_time(attn, topo, precision) + \
-        costs.grouped_gemm_time(experts, grouped, topo, precision)
-    rec = costs.gemm_time(rec_gemm, dense, topo, precision) + costs.attention_time(rec_attn, topo, precision) + \
-        costs.grouped_gemm_time(rec_experts, grouped, topo, precision)
-    return fwd, rec, costs.memory_bound_time(elem, topo)
+def _stage_gemm_flops(f: dict, pre: str, rates) -> tuple:
+    """A features dict's GEMM FLOPs of the stage prefixed `pre`, stacked as gemm_seconds takes them (rates:
+    simulator.gemms.GemmRates)."""
+    def stack(ns, key):
+        return np.stack([f[pre + key + n] for n in ns]) if ns else np.zeros(1)
+
+    return stack(rates.names, "gemm:"), stack(rates.end_names, "gemm_end:")
 
 
-def _shapes(f: dict) -> tuple[costs.GemmShape, costs.GemmShape]:
-    """The dense and the grouped expert GEMM shapes of a features dict (plan_features)."""
-    return (costs.GemmShape(f["gemm_m"], f["gemm_n"], f["gemm_k"]),
-            costs.GemmShape(f["expert_m"], f["expert_n"], f["expert_k"], f["expert_groups"]))
+def _stage_compute_s(g, gemm_s: tuple, grouped: costs.GemmShape, tail_grouped: costs.GemmShape, full,
+                     topo: Topology, precision) -> tuple:
+    """(forward, recomputation, elementwise, shared-expert) seconds of one stage's micro-batch from its FLOPs and
+    bytes (g: feature name -> value; gemm_s its GEMMs' simulator.gemms.gemm_seconds; costs), in the plan's
+    `precision` (costs.compute_peak; the ends and the attention core costs.unquantised): dense GEMMs each at its
+    own shape (gemm_s), the attention core at the attention efficiency, routed experts at the grouped-GEMM
+    efficiency of the `grouped` shape (the multi-token prediction blocks' at the balanced `tail_grouped`),
+    elementwise traffic memory-bound; full recomputation (`full` 1) redoes the layers' GEMMs."""
+    layers, ends, shared = gemm_s
+    tail = costs.attention_time(g("tail_attn_flops"), topo, precision) + \
+        costs.grouped_gemm_time(g("tail_expert_flops"), tail_grouped, topo, costs.unquantised(precision))
+    fwd = layers + ends + tail + costs.attention_time(g("attn_flops"), topo, precision) + \
+        costs.grouped_gemm_time(g("expert_flops"), grouped, topo, precision)
+    rec = full * layers + costs.attention_time(g("rec_attn_flops"), topo, precision) + \
+        costs.grouped_gemm_time(g("rec_expert_flops"), grouped, topo, precision)
+    return fwd, rec, costs.memory_bound_time(g("elementwise_bytes"), topo), shared
 
 
-STAGE_KEYS = ("gemm_flops", "head_flops", "attn_flops", "expert_flops", "shared_flops", "rec_gemm_flops",
-              "rec_attn_flops", "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes",
-              "fsdp_embed_bytes", "fsdp_head_bytes", "expert_fsdp_bytes", "mtp_cp_bytes", "mtp_cp_grad_bytes")
-_STAGE_ROWS = ("gemm", "attn", "experts", "shared", "head", "embed", "elem_bytes", "layers", "moe_layers",
-               "dense_params", "expert_params", "first", "last")
+def _shapes(f: dict, col=lambda x: x) -> tuple[dict, costs.GemmShape, costs.GemmShape]:
+    """The dense GEMM shapes by name, the grouped expert GEMM shape and the multi-token-prediction blocks'
+    (balanced) one of a features dict (plan_features); `col` applied to each field."""
+    dense = {name: costs.GemmShape(col(f["gemm_m:" + name]), col(f["gemm_n:" + name]), col(f["gemm_k:" + name]))
+             for name in GEMM_NAMES}
+    grouped = (col(f["expert_m"]), col(f["expert_n"]), col(f["expert_k"]), col(f["expert_groups"]))
+    return dense, costs.GemmShape(*grouped), costs.GemmShape(col(f["tail_expert_m"]), *grouped[1:])
 
 
-def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> tuple:
-    """simulator.stage_work's per-stage rows of one plan, each padded with zeros to `width` stages, flattened."""
+STAGE_KEYS = ("attn_flops", "expert_flops", "tail_attn_flops", "tail_expert_flops", "rec_attn_flops",
+              "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes", "fsdp_embed_bytes",
+              "fsdp_head_bytes", "expert_fsdp_bytes", "mtp_cp_bytes", "mtp_cp_grad_bytes") + \
+    tuple("gemm:" + n for n in GEMM_NAMES) + tuple("gemm_end:" + n for n in GEMM_NAMES)  # ... and each GEMM's
+_STAGE_ROWS = ("attn", "experts", "tail_attn", "tail_experts", "elem_bytes", "layers", "moe_layers", "dense_params",
+               "expert_params", "first", "last")
+
+
+def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> np.ndarray:
+    """simulator.stage_work's per-stage rows of one plan (_STAGE_ROWS, then the GEMM FLOPs of each name the model's
+    layers have and of each name its ends have, simulator.gemms.names_used), each padded with zeros to `width`
+    stages, flattened."""
     w = stage_work(spec, plan)
-    pad = width - plan.parallel.pipeline
-    return tuple(x for k in _STAGE_ROWS for x in np.pad(np.asarray(getattr(w, k), dtype=float), (0, pad)))
+    layer_names, end_names = names_used(spec)
+    rows = [np.asarray(getattr(w, k), dtype=float) for k in _STAGE_ROWS] + \
+        [w.gemm_layers[:, GEMM_NAMES.index(n)] for n in layer_names] + \
+        [w.gemm_ends[:, GEMM_NAMES.index(n)] for n in end_names]
+    out = np.zeros((len(rows), width))
+    out[:, :plan.parallel.pipeline] = rows
+    return out.ravel()
 
 
 def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> dict:
@@ -151,17 +180,20 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
             p.routed_tokens_per_microbatch(spec) * p.parallel.expert_group, seed=p.seed))
     full = np.asarray(plan.recompute == "full", dtype=float)
     recomputed_attn = np.asarray(plan.recompute != "none", dtype=float)
-    dense_shape = costs.gemm_shape(tokens_mb, spec, t)
+    gemm_names = shapes_by_name(spec)
+    dense_shapes = {name: rank_shape(g, tokens_mb, t) for name, g in gemm_names.items()}
     # The most loaded rank's experts: balanced rows x the routing draw's imbalance (capacity: the padded rows).
     expert_shape = costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group) * m_imbalance, spec,
                                       par.expert, par.expert_tensor)
 
     # Every stage's work (simulator.stage_work), padded to the deepest pipeline: rows[name][..., stage].
     width = int(np.max(par.pipeline))
-    flat = per_key(plan, LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor"),
-                   lambda p: _stage_rows(spec, p, width))
-    flat = np.stack(np.broadcast_arrays(*flat), axis=-1)
-    rows = dict(zip(_STAGE_ROWS, np.moveaxis(flat.reshape(flat.shape[:-1] + (len(_STAGE_ROWS), width)), -2, 0)))
+    flat = per_key_table(plan, LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor"),
+                         lambda p: _stage_rows(spec, p, width))
+    layer_names, end_names = names_used(spec)
+    row_names = _STAGE_ROWS + tuple("L:" + n for n in layer_names) + tuple("E:" + n for n in end_names)
+    every = np.moveaxis(flat.reshape(flat.shape[:-1] + (len(row_names), width)), -2, 0)
+    rows = dict(zip(_STAGE_ROWS, every))
     col = lambda x: np.asarray(x, dtype=float)[..., None]  # noqa: E731  a per-plan value against the stage axis
     tok, tt, imb, routed = col(tokens_mb), col(t), col(m_imbalance), col(routed_mb)
     top = spec.top_param_breakdown()
@@ -172,12 +204,15 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     counted = eager_bytes_counted(spec, plan, topo)  # the counted eager bytes replace the fused traffic terms
     # Per stage and micro-batch on one rank. Expert-tensor ranks split each expert's width but process every row of
     # their experts: per-rank expert FLOPs stay those of expert_tensor = 1 (costs.expert_shape: rows x width / et).
-    # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head.
+    # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head. Each GEMM
+    # name's FLOPs apart (priced at its own shape); names the model lacks are zero. The multi-token-prediction
+    # blocks' routed experts at balanced routing.
+    first_gemm = len(_STAGE_ROWS)
+    gemm_flops = (every[first_gemm:first_gemm + len(layer_names)] * tok / tt,
+                  every[first_gemm + len(layer_names):] * tok / tt)
     stage = {
-        "gemm_flops": rows["gemm"] * tok / tt, "head_flops": (rows["head"] + rows["embed"]) * tok / tt,
         "attn_flops": rows["attn"] * tok / tt, "expert_flops": rows["experts"] * routed * imb,
-        "shared_flops": rows["shared"] * tok / tt,
-        "rec_gemm_flops": rows["gemm"] * tok / tt * col(full),
+        "tail_attn_flops": rows["tail_attn"] * tok / tt, "tail_expert_flops": rows["tail_experts"] * routed,
         "rec_attn_flops": rows["attn"] * tok / tt * col(recomputed_attn),
         "rec_expert_flops": rows["experts"] * routed * imb * col(full),
         "elementwise_bytes": rows["elem_bytes"] * tok * (0.0 if counted else 1.0),
@@ -189,11 +224,14 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "mtp_cp_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp)),
         "mtp_cp_grad_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp), backward=True),
     }
-    fwd, rec, elem = _stage_compute_s(stage["gemm_flops"], stage["head_flops"], stage["attn_flops"],
-                                      stage["expert_flops"], stage["rec_gemm_flops"], stage["rec_attn_flops"],
-                                      stage["rec_expert_flops"], stage["elementwise_bytes"],
-                                      costs.GemmShape(*(col(v) for v in dense_shape)),
-                                      costs.GemmShape(*(col(v) for v in expert_shape)), topo, plan.precision)
+    tail_expert_shape = costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group), spec, par.expert,
+                                           par.expert_tensor)
+    rates = gemm_rates(layer_names, end_names, {n: costs.GemmShape(*(col(v) for v in s))
+                                                 for n, s in dense_shapes.items()}, topo, plan.precision)
+    fwd, rec, elem, _ = _stage_compute_s(stage.get, gemm_seconds(rates, *gemm_flops),
+                                         costs.GemmShape(*(col(v) for v in expert_shape)),
+                                         costs.GemmShape(*(col(v) for v in tail_expert_shape)), col(full), topo,
+                                         plan.precision)
     valid = np.arange(width) < col(par.pipeline)
     heavy = np.argmax(np.where(valid, 3 * fwd + rec + elem, -np.inf), axis=-1)[..., None]  # sets the steady state
     others = valid & (np.arange(width) != heavy)
@@ -203,6 +241,14 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         v = np.broadcast_to(v, others.shape)
         stage_features[k] = np.take_along_axis(v, heavy, axis=-1)[..., 0]
         stage_features["o_" + k] = np.where(others, v, 0.0).sum(axis=-1) / n_others
+    for prefix, names, flops in (("gemm:", layer_names, gemm_flops[0]), ("gemm_end:", end_names, gemm_flops[1])):
+        flops = np.broadcast_to(flops, (len(names),) + others.shape)  # all GEMM names of the stage at once
+        heavy_flops = np.take_along_axis(flops, heavy[None], axis=-1)[..., 0]
+        other_flops = np.einsum("g...w,...w->g...", flops, others.astype(float)) / n_others
+        for n in GEMM_NAMES:  # names the model lacks are zero
+            j = names.index(n) if n in names else None
+            stage_features[prefix + n] = 0.0 if j is None else heavy_flops[j]
+            stage_features["o_" + prefix + n] = 0.0 if j is None else other_flops[j]
     ns = 0.0
     if plan.optimizer.name == "muonh":
         ns = newton_schulz_split(per_key(plan, LAYER_SET, lambda p: newton_schulz_parts(spec, p.rank_layers(spec, 0))),
@@ -223,7 +269,10 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "microbatches": m, "chunks_per_rank": par.chunks_per_rank,
         "bubble_f": bub_f, "bubble_b": bub_b, "bubble_w": bub_w,
         **stage_features,
-        "tokens_mb": tokens_mb, "gemm_m": dense_shape.m, "gemm_n": dense_shape.n, "gemm_k": dense_shape.k,
+        "tokens_mb": tokens_mb,
+        **{f"gemm_{d}:{n}": getattr(dense_shapes[n], d) if n in dense_shapes else 1.0 for n in GEMM_NAMES
+           for d in "mnk"},
+        "tail_expert_m": tail_expert_shape.m,
         "expert_m": expert_shape.m, "expert_n": expert_shape.n, "expert_k": expert_shape.k,
         "expert_groups": expert_shape.groups,
         "recompute_full": full, "overlap_grad_reduce": float(plan.overlap_grad_reduce),
@@ -264,17 +313,17 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     return {k: float(v) for k, v in features.items()}
 
 
-def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
+def _stage_time(f: dict, pre: str, topo: Topology, slow, rates) -> dict:
     """One stage's micro-batch (all its chunks), features prefixed `pre`: forward, input-gradient and
     weight-gradient seconds including the communication each exposes, and the parts of it. Mirrors the workload
     (simulator.workload): every layer's forward runs 2 tensor-parallel all-reduces and, in MoE layers, a dispatch
     and a combine all-to-all, each hiding behind half the shared experts' work; its backward the same at twice the
-    work; full recomputation runs the forward (and its communication) once more before the backward."""
+    work; full recomputation runs the forward (and its communication) once more before the backward. `rates`: the
+    plan's GEMM rates (simulator.gemms.gemm_rates), shared by its stages."""
     g = lambda k: f[pre + k]  # noqa: E731
-    fwd, rec, elem = _stage_compute_s(g("gemm_flops"), g("head_flops"), g("attn_flops"), g("expert_flops"),
-                                      g("rec_gemm_flops"), g("rec_attn_flops"), g("rec_expert_flops"),
-                                      g("elementwise_bytes"), *_shapes(f), topo, f["precision"])
     full = f["recompute_full"]
+    fwd, rec, elem, shared = _stage_compute_s(g, gemm_seconds(rates, *_stage_gemm_flops(f, pre, rates)),
+                                              *_shapes(f)[1:], full, topo, f["precision"])
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
     tp_t = (4 + 2 * full) * layers * tp_one
@@ -282,7 +331,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow) -> dict:
     cp_exposed = layers * f["cp_layer_s"] * (2 + full) + sum(
         collective_time(topo, "send_recv", f["cp_n"], g(k), f["cp_out"]) for k in ("mtp_cp_bytes", "mtp_cp_grad_bytes"))
     a2a_one = collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
-    shared_layer = costs.gemm_time(g("shared_flops"), _shapes(f)[0], topo, f["precision"]) / np.maximum(moe, 1)
+    shared_layer = shared / np.maximum(moe, 1)
     # Forward (and its recomputation): two exchanges under half the shared experts each; backward: under all of it.
     a2a_exposed = 2 * moe * ((1 + full) * np.maximum(0.0, a2a_one - shared_layer / 2) +
                              np.maximum(0.0, a2a_one - shared_layer))
@@ -323,8 +372,10 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     f = {k: np.asarray(v, dtype=float) for k, v in f.items()}
     eff = topo.efficiency
     slow = eff.comm_compute_slowdown
-    h = _stage_time(f, "", topo, slow)
-    o = _stage_time(f, "o_", topo, slow)
+    has = lambda key: tuple(n for n in GEMM_NAMES if np.any(f[key + n]) or np.any(f["o_" + key + n]))  # noqa: E731
+    rates = gemm_rates(has("gemm:"), has("gemm_end:"), _shapes(f)[0], topo, f["precision"])
+    h = _stage_time(f, "", topo, slow, rates)
+    o = _stage_time(f, "o_", topo, slow, rates)
     m, v = f["microbatches"], f["chunks_per_rank"]
     # Pipeline: the slowest stage is busy m micro-batches; fill and drain run through the others, per model chunk,
     # as the schedule's closed form gives it (simulator.schedule_formulas.bubble_coefficients). Sends overlap the

@@ -17,7 +17,7 @@ both. A field `fn` reads but `fields` does not name would take the template's va
 checks every array result against the single-plan one over sampled layouts of several models and topologies.
 
     arrays = PlanArrays(template, {"tensor": [1, 2, 4], "micro_batch": [1, 1, 2], ...})
-    simulator.estimate.plan_features(spec, arrays, topo)["gemm_flops"]   # one element per plan
+    simulator.estimate.plan_features(spec, arrays, topo)["attn_flops"]   # one element per plan
 """
 
 from __future__ import annotations
@@ -155,9 +155,13 @@ class PlanArrays:
     def per_key(self, fields: Sequence, fn: Callable[[Plan], object]) -> tuple[np.ndarray, ...]:
         """fn(plan) -> float or tuple of floats, evaluated once per distinct combination of `fields` (on the first
         plan that has it) and gathered to every plan: one array per element of fn's answer."""
+        table = self.per_key_table(fields, fn)
+        return tuple(table[:, j] for j in range(table.shape[1]))
+
+    def per_key_table(self, fields: Sequence, fn: Callable[[Plan], object]) -> np.ndarray:
+        """per_key's answers as one (plans, elements) array."""
         first, inverse = self.key_index(fields)
-        table = np.array([fn(self.plan(i)) for i in first], dtype=float).reshape(len(first), -1)
-        return tuple(table[inverse, j] for j in range(table.shape[1]))
+        return np.array([fn(self.plan(i)) for i in first], dtype=float).reshape(len(first), -1)[inverse]
 
 
 def per_key(plan: Plan | PlanArrays, fields: Sequence[str], fn: Callable[[Plan], object]) -> tuple:
@@ -166,6 +170,13 @@ def per_key(plan: Plan | PlanArrays, fields: Sequence[str], fn: Callable[[Plan],
         return plan.per_key(fields, fn)
     answer = fn(plan)
     return tuple(answer) if isinstance(answer, (tuple, list)) else (answer,)
+
+
+def per_key_table(plan: Plan | PlanArrays, fields: Sequence[str], fn: Callable[[Plan], object]) -> np.ndarray:
+    """fn(plan)'s floats as an array: (elements,) for a single Plan; for PlanArrays, PlanArrays.per_key_table."""
+    if isinstance(plan, PlanArrays):
+        return plan.per_key_table(fields, fn)
+    return np.asarray(fn(plan), dtype=float).reshape(-1)
 
 
 def state_location(plan: Plan | PlanArrays):

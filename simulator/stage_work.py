@@ -24,6 +24,7 @@ from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator.activations import layer_activation_bytes_per_token
 from rackcast.simulator.costs import HW
+from rackcast.simulator.gemms import embed_gemms, flops_by_name, layer_gemms, tail_work
 
 # Per-layer FLOPs components that are not dense GEMMs: the attention core and the routed experts.
 NON_GEMM = ("attn_scores_values", "experts")
@@ -40,7 +41,10 @@ class StageWork:
     holding the last chunk), `embed` the embedding's norm (on the stage holding the
     first), `elem_bytes` the elementwise traffic (activations written in forward and read in backward), `layers` and
     `moe_layers` counts, `dense_params` and `expert_params` the layers' parameters before any split; `first` and
-    `last` mark the stages holding the first and the last chunk."""
+    `last` mark the stages holding the first and the last chunk. By GEMM (simulator.gemms, columns in GEMM_NAMES
+    order, each priced at its own shape): `gemm_layers[s]` splits `gemm` (its sum), `gemm_ends[s]` the GEMMs of
+    `head` and `embed`; `tail_attn` and `tail_experts` the rest of `head` (the multi-token-prediction blocks'
+    attention core and routed experts)."""
 
     gemm: np.ndarray
     attn: np.ndarray
@@ -55,11 +59,15 @@ class StageWork:
     expert_params: np.ndarray
     first: np.ndarray
     last: np.ndarray
+    gemm_layers: np.ndarray
+    gemm_ends: np.ndarray
+    tail_attn: np.ndarray
+    tail_experts: np.ndarray
 
 
 def layer_kinds(spec: ModelSpec) -> tuple[np.ndarray, list[int], np.ndarray]:
     """(kind of each layer, a representative layer of each kind, per-kind rows gemm, attn, experts, shared, moe,
-    dense parameters, routed-expert parameters):
+    dense parameters, routed-expert parameters, then the GEMM FLOPs by name (simulator.gemms.flops_by_name)):
     layers with the same FLOPs by component are one kind. Cached per model object."""
     hit = _KINDS.get(id(spec))
     if hit is not None and hit[0] is spec:
@@ -75,7 +83,8 @@ def layer_kinds(spec: ModelSpec) -> tuple[np.ndarray, list[int], np.ndarray]:
             expert_params = spec.layer_param_breakdown(i).get("experts", 0)
             rows.append((sum(v for k, v in parts.items() if k not in NON_GEMM), parts.get("attn_scores_values", 0.0),
                          parts.get("experts", 0.0), parts.get("shared_experts", 0.0), float(spec.is_moe(i)),
-                         float(spec.layer_params(i) - expert_params), float(expert_params)))
+                         float(spec.layer_params(i) - expert_params), float(expert_params),
+                         *flops_by_name(layer_gemms(spec, i))))
         kind.append(keys[key])
     out = (np.array(kind), reps, np.array(rows))
     _KINDS[id(spec)] = (spec,) + out
@@ -94,8 +103,11 @@ def stage_work(spec: ModelSpec, plan: Plan) -> StageWork:
     owner = par.chunk_ranks(plan.schedule)
     first = np.arange(p) == owner[0]
     last = np.arange(p) == owner[-1]
+    tail = tail_work(spec)
+    ends = last[:, None] * flops_by_name(tail.gemms) + first[:, None] * flops_by_name(embed_gemms(spec))
     return StageWork(gemm=sums[:, 0], attn=sums[:, 1], experts=sums[:, 2], shared=sums[:, 3],
                      head=np.where(last, spec.tail_flops_fwd(HW), 0.0),
                      embed=np.where(first, spec.embed_flops_fwd(), 0.0), elem_bytes=counts @ elem,
                      layers=counts.sum(axis=1), moe_layers=sums[:, 4], dense_params=sums[:, 5],
-                     expert_params=sums[:, 6], first=first, last=last)
+                     expert_params=sums[:, 6], first=first, last=last, gemm_layers=sums[:, 7:], gemm_ends=ends,
+                     tail_attn=np.where(last, tail.attn, 0.0), tail_experts=np.where(last, tail.experts, 0.0))

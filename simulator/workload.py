@@ -7,7 +7,7 @@ context-parallel key/value shifts, expert dispatch and combine all-to-alls, FSDP
 reduce-scatter / all-reduce, pipeline sends), then the optimizer step with its host <-> GPU state movement.
 
 Every duration and every byte count comes from simulator.costs, the cost model the closed-form estimate uses too:
-GEMMs at the efficiency of the tokens x d_model / tensor x d_model GEMM shape, the attention core at the attention
+each dense GEMM (simulator.gemms) at the efficiency of its own shape, the attention core at the attention
 efficiency (hardware work: causal, over the window), experts at the grouped-GEMM efficiency of the most loaded rank's
 grouped GEMM in the routing draw (its rows per local expert set the shape, costs.expert_shape), elementwise
 work as the activation bytes written in forward and read in backward, memory-bound; backward = 2 x forward.
@@ -35,6 +35,7 @@ import numpy as np
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs
+from rackcast.simulator.gemms import MLP_PARTS, embed_gemms, gemms_seconds, layer_gemms, tail_seconds
 from rackcast.simulator.host_overhead import host_costs, layer_forward_ops
 from rackcast.simulator.activations import mtp_activation_bytes_per_token
 from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, layer_activation_bytes_per_token,
@@ -99,7 +100,6 @@ class Workload:
         self.counts, self.bytes = self.host_costs.counts, self.host_costs.bytes
         self.tokens_mb = plan.tokens_per_microbatch(spec)
         self.routed_mb = plan.routed_tokens_per_microbatch(spec)  # what the rank dispatches to the experts
-        self.gemm_shape = costs.gemm_shape(self.tokens_mb, spec, par.tensor)
         self._expert_time: dict[float, float] = {}
         self._placed = None
         self._comms: dict[tuple, object] = {}  # op programs' Comm records (immutable), built once per layer
@@ -116,19 +116,17 @@ class Workload:
         self.loads = ExpertLoads(spec, plan, self, seed) if moe else None
 
     # ------------------------------------------------------------------------------------------------ layers
-    def _gemm_s(self, flops_per_token: float, precision: str | None = None) -> float:
-        """Dense GEMM seconds of a micro-batch, in the plan's precision unless `precision` says otherwise."""
-        return float(costs.gemm_time(flops_per_token * self.tokens_mb / self.plan.parallel.tensor, self.gemm_shape,
-                                     self.topo, precision or self.plan.precision))
+    def _gemm_s(self, gemms, precision: str | None = None) -> float:
+        """Seconds of a micro-batch's `gemms` (simulator.gemms), in the plan's precision unless `precision` says."""
+        return gemms_seconds(gemms, self.tokens_mb, self.plan.parallel.tensor, self.topo,
+                             precision or self.plan.precision)
 
     def _layer(self, i: int) -> LayerWork:
         spec, plan, par = self.spec, self.plan, self.plan.parallel
         parts = spec.layer_flops_breakdown(i, HW)
         core = costs.attention_time(parts.get("attn_scores_values", 0.0) * self.tokens_mb / par.tensor, self.topo,
                                     plan.precision)
-        mlp_keys = ("router", "latent", "dense_mlp")
-        attn_gemm = sum(v for k, v in parts.items()
-                        if k not in mlp_keys + ("attn_scores_values", "experts", "shared_experts"))
+        gemms = layer_gemms(spec, i)
         per_row = 0.0
         if spec.is_moe(i):  # a rank computes its 1/expert_tensor slice of every row routed to its block
             per_row = parts["experts"] / spec.moe.top_k / par.expert_tensor
@@ -136,9 +134,9 @@ class Workload:
         pb = spec.layer_param_breakdown(i)
         sp = par.tensor if par.sequence_parallel else 1
         return LayerWork(
-            index=i, moe=spec.is_moe(i), attn_s=self._gemm_s(attn_gemm) + core, core_s=core,
-            router_s=self._gemm_s(sum(parts.get(k, 0.0) for k in mlp_keys)),
-            shared_s=self._gemm_s(parts.get("shared_experts", 0.0)), expert_flops_per_row=per_row,
+            index=i, moe=spec.is_moe(i), attn_s=self._gemm_s([g for g in gemms if g.part not in MLP_PARTS]) + core,
+            core_s=core, router_s=self._gemm_s([g for g in gemms if g.part in MLP_PARTS[:-1]]),
+            shared_s=self._gemm_s([g for g in gemms if g.part == "shared_experts"]), expert_flops_per_row=per_row,
             elem_s=0.0 if self.bytes else costs.memory_bound_time(2 * act, self.topo),
             dense_params=(spec.layer_params(i) - pb.get("experts", 0)) / par.tensor,
             expert_params=pb.get("experts", 0) / par.expert_group,
@@ -153,8 +151,9 @@ class Workload:
         rp = rank_params(spec, plan, s)
         layers = [lw.index for c in chunks for lw in chunks[c]]
         last = (self.n_chunks - 1) in chunks
-        head_s = self._gemm_s(spec.tail_flops_fwd(HW), costs.unquantised(plan.precision)) if last else 0.0
-        embed_s = self._gemm_s(spec.embed_flops_fwd(), costs.unquantised(plan.precision)) if 0 in chunks else 0.0
+        head_s = tail_seconds(spec, self.tokens_mb, self.routed_mb, plan.parallel, self.topo, plan.precision) \
+            if last else 0.0
+        embed_s = self._gemm_s(embed_gemms(spec), costs.unquantised(plan.precision)) if 0 in chunks else 0.0
         static = static_bytes(rp, plan)
         # The multi-token-prediction modules' saved tensors, held on the head's stage for the step (as the memory
         # model's one in-flight micro-batch of the last chunk under 1F1B; not allocated and freed per micro-batch).

@@ -35,11 +35,11 @@ CASES = {  # name -> plan builder
     "tiny-2proc-pp": lambda: load_plan(str(PLANS / "tiny-2proc-pp.yaml")),
 }
 DIGESTS = {
-    "gpt-145b-megatron": "e1334932f6a1a58e74e9e66696490207efa5ee259fdd82aa94f06f450f8569cb",
-    "hero": "8b15a1b42cfcf672de5f8cc5abb0df09d37bf8d267fdaef9e83324c79494a0c8",
-    "hero-16-stages": "b1b0293fde60c996d32ab2961c4769d2782e80bf1e5f7c0d30c8fd01ee745f89",
-    "tiny-2proc-ep": "827572df048f45c12d9a0de46d0dc9f21d4b9f5a048a1a5872d09e26c469c82c",
-    "tiny-2proc-pp": "72497184e11e437aefa41eb2a14feb941146f399594647a2ff1d988a21c5418c",
+    "gpt-145b-megatron": "07dd509b99ec5d2e8dec1fab84fbcb68f4459cbcb3779e9df44f01edefc85954",
+    "hero": "22a80128e0491b1bf0f853a4c6de4bd98d188ccb6fd37997de53417d5da7f6a3",
+    "hero-16-stages": "f9bdafe8ff7e1c580a59f886b87708ecab26cf4514bfc2377e2b55fdf811c9a5",
+    "tiny-2proc-ep": "457bc1233e39ecbf49751ebea1a07518b95e3ee111eb9ead19823b399ec73079",
+    "tiny-2proc-pp": "17f8235acd5a7a7e1ae8251e8180138d9a5f00354c09c82da81e1b69d688917c",
 }
 
 

@@ -73,7 +73,9 @@ def test_reduced_simulation_cost_does_not_grow_with_data_parallel_replicas():
         plan = replace(hero, topology=replace(hero.topology, domains=racks),
                        parallel=replace(hero.parallel, data=racks), batch=BatchSpec(racks * 1024, 16))
         counts.append(simulate(plan, record=False).events)
-    assert len(set(counts)) == 1
+    # 22x the replicas, the same events but for a few flow-rate changes where the shorter 2-rack reduction ends
+    # inside a compute op rather than after it (4,750 against 4,761 events)
+    assert max(counts) <= 1.01 * min(counts)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
