@@ -27,7 +27,8 @@ def _plans():
     p0 = base[0]
     return base + [replace(p0, name="adamw", optimizer=replace(p0.optimizer, name="adamw")),
                    replace(p0, name="dense", model="tiny-dense"),
-                   replace(base[1], name="mb4", batch=replace(base[1].batch, micro_batch=4))]
+                   replace(base[1], name="mb4", batch=replace(base[1].batch, micro_batch=4)),
+                   replace(base[1], name="mb1", batch=replace(base[1].batch, micro_batch=1))]
 
 
 def test_fit_recovers_known_factors():
