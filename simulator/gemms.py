@@ -6,8 +6,9 @@ backend.attention, backend.latent_attention, backend.moe), each as a Gemm: its o
 forward FLOPs per token (2 n k per copy, the same terms the spec sums: tests/test_gemms.py holds the two equal for
 every preset) and which dimension tensor parallelism splits (backend.tensor_parallel, Megatron-LM's convention):
 "n" column-parallel (fused Q/K/V, attention output gate, MLA's up-projections, dense and shared MLP gate/up, the
-K/V short convolutions' channels), "k" row-parallel (attention output, MLP down), "none" replicated (gated norms,
-router, latent MoE projections, MLA's down-projections, block-output convolutions, output head, MTP projection).
+K/V short convolutions' channels, the output head over the vocabulary), "k" row-parallel (attention output, MLP
+down), "none" replicated (gated norms, router, latent MoE projections, MLA's down-projections, block-output
+convolutions, MTP projection).
 A micro-batch's m is its tokens. The embedding lookup is a gather, not a GEMM. Short depthwise convolutions are
 listed as GEMMs of kernel x channels (what the FLOP accounting counts them as): their small k puts them on the
 HBM roofline. The multi-token-prediction modules' attention core and routed experts are no GEMMs: tail_work
@@ -18,6 +19,15 @@ always used) and its shape is the product those FLOPs are (rank_shape): tokens x
 tokens x n x k/tensor for row-parallel, tokens/tensor x n x k for replicated ones, which is what a rank runs under
 sequence parallelism (without it the trainer runs replicated products whole on every rank; the accounting leaves
 that redundant work out).
+
+The ends follow Megatron-LM's layout, which that 1/tensor accounting describes: the output head is its
+vocabulary-parallel output layer (tokens x vocab/tensor x d_model on each rank), and the final and embedding gated
+norms run on the rank's 1/tensor of the sequence (tokens/tensor x n x k). The trainer differs there: it runs the
+head whole on every tensor-parallel rank, and gathers the sequence before OutputHead and splits it only after the
+Embedder (backend.tensor_parallel's SequenceGather / SequenceShard), so it runs those norms whole too; pricing
+them whole would charge tensor times the FLOPs the accounting charges, so this module prices the accounting's
+share at the shape Megatron runs it at and, as for the replicated products above, leaves the trainer's
+redundant work out.
 
     from rackcast.simulator.gemms import layer_gemms, rank_shape
     for g in layer_gemms(spec, 0):
@@ -43,10 +53,14 @@ END_GEMMS = ("head", "final_gated_norm_down", "final_gated_norm_up", "embed_gate
              "mtp_proj")
 GEMM_NAMES = LAYER_GEMMS + END_GEMMS
 SHARED_GEMMS = ("shared_gate_up", "shared_down")
+# Layer components (ModelSpec.layer_flops_breakdown keys) that are no dense GEMMs: the attention core and the routed
+# experts (every other component is split into this module's GEMMs).
+NON_GEMM = ("attn_scores_values", "experts")
 # Layer components (ModelSpec.layer_flops_breakdown keys) that run after the attention block: the MLP side, the
 # shared experts last.
 MLP_PARTS = ("router", "latent", "dense_mlp", "shared_experts")
-_CACHE: dict[int, tuple] = {}  # id(spec) -> (spec, {key: value})
+_CACHE: dict[int, tuple] = {}  # id(spec) -> (spec, {key: value}); holding spec keeps its id from being reused
+_CACHE_MODELS = 64  # models cached at most (then the cache starts over, as simulator.gemm_surface's grids)
 
 
 class Gemm(NamedTuple):
@@ -69,6 +83,8 @@ def _gemm(name: str, part: str, n: int, k: int, split: str, copies: int = 1) -> 
 def _cached(spec: ModelSpec, key, build):
     hit = _CACHE.get(id(spec))
     if hit is None or hit[0] is not spec:
+        if len(_CACHE) >= _CACHE_MODELS:
+            _CACHE.clear()
         hit = _CACHE[id(spec)] = (spec, {})
     if key not in hit[1]:
         hit[1][key] = build()
@@ -154,7 +170,7 @@ def tail_work(spec: ModelSpec) -> TailWork:
 
 
 def _tail_work(spec: ModelSpec) -> TailWork:
-    head = _gemm("head", "head", spec.vocab, spec.d_model, "none")
+    head = _gemm("head", "head", spec.vocab, spec.d_model, "n")  # vocabulary-parallel (module docstring)
     gemms = [head] + _gated_norm(spec, "final", "final_gated_norm")
     if spec.mtp is None:
         return TailWork(tuple(gemms), 0.0, 0.0)
@@ -193,8 +209,8 @@ def shapes_by_name(spec: ModelSpec) -> dict[str, Gemm]:
 
 def rank_shape(g: Gemm, tokens_mb, tensor) -> costs.GemmShape:
     """The shape of one rank's 1/tensor share of GEMM `g` over a micro-batch of `tokens_mb` tokens (arrays
-    broadcast): column-parallel splits n, row-parallel k, a replicated product its rows (as under sequence
-    parallelism)."""
+    broadcast): column-parallel splits n (the output head: its vocabulary), row-parallel k, a replicated product
+    its rows (as under sequence parallelism)."""
     t = np.asarray(tensor, dtype=float)
     return costs.GemmShape(tokens_mb / t if g.split == "none" else tokens_mb + 0.0 * t,
                            g.n / t if g.split == "n" else g.n + 0.0 * t, g.k / t if g.split == "k" else g.k + 0.0 * t)

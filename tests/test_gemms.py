@@ -6,8 +6,7 @@ import pytest
 
 from rackcast.presets import list_models, load_model
 from rackcast.simulator.costs import HW
-from rackcast.simulator.gemms import GEMM_NAMES, embed_gemms, layer_gemms, rank_shape, tail_work
-from rackcast.simulator.stage_work import NON_GEMM
+from rackcast.simulator.gemms import GEMM_NAMES, NON_GEMM, embed_gemms, layer_gemms, rank_shape, tail_work
 
 
 @pytest.mark.parametrize("name", list_models())
@@ -48,6 +47,41 @@ def test_a_ranks_shape_holds_exactly_its_share_of_each_gemms_flops(name):
         copies = g.flops / (2.0 * g.n * g.k)
         assert 2.0 * m * n * k * copies == pytest.approx(g.flops * tokens / tensor, rel=1e-12), g.name
         assert (n < g.n) == (g.split == "n") and (k < g.k) == (g.split == "k") and (m < tokens) == (g.split == "none")
+
+
+def test_the_output_head_is_vocabulary_parallel_and_the_end_gated_norms_run_on_a_ranks_share_of_the_sequence():
+    spec, tokens, tensor = load_model("marin-535b-a23b"), 8192.0, 8
+    ends = {g.name: g for g in list(tail_work(spec).gemms) + list(embed_gemms(spec))}
+    assert tuple(rank_shape(ends["head"], tokens, tensor)[:3]) == (tokens, spec.vocab / tensor, spec.d_model)
+    for name in ("final_gated_norm_down", "final_gated_norm_up", "embed_gated_norm_down", "embed_gated_norm_up"):
+        g = ends[name]
+        assert tuple(rank_shape(g, tokens, tensor)[:3]) == (tokens / tensor, g.n, g.k), name
+
+
+def test_the_estimate_prices_a_tensor_parallel_plans_head_at_the_vocabulary_parallel_shape():
+    from pathlib import Path
+
+    from rackcast.plan import load_plan
+    from rackcast.simulator.estimate import plan_features
+
+    plan = load_plan(str(Path(__file__).resolve().parent.parent / "examples" / "plans" / "gpt-145b-megatron.yaml"))
+    spec, tensor = plan.model_spec(), plan.parallel.tensor
+    assert tensor > 1
+    f = plan_features(spec, plan, plan.topology_spec())
+    assert (f["gemm_m:head"], f["gemm_n:head"], f["gemm_k:head"]) == (
+        plan.tokens_per_microbatch(spec), spec.vocab / tensor, spec.d_model)
+
+
+def test_the_gemm_cache_holds_a_bounded_number_of_models():
+    import copy
+
+    from rackcast.simulator import gemms
+
+    spec = load_model("tiny-moe")
+    copies = [copy.copy(spec) for _ in range(2 * gemms._CACHE_MODELS)]  # kept alive: each a distinct id
+    for c in copies:
+        assert layer_gemms(c, 0) == layer_gemms(spec, 0)
+    assert len(gemms._CACHE) <= gemms._CACHE_MODELS
 
 
 def test_the_simulators_layer_prices_each_gemm_at_its_own_shape_and_skinny_ones_below_the_square_rate():
