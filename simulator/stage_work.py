@@ -11,7 +11,7 @@ attention, MoE and dense MLP), so a stage's work is counts[stage, kind] @ per-ki
 layers, and the arrays stack over many layouts.
 
     from rackcast.simulator.stage_work import stage_work
-    w = stage_work(spec, plan)      # w.gemm[s]: dense-GEMM FLOPs per token on stage s (forward), ...
+    w = stage_work(spec, plan)      # w.attn[s]: attention-core FLOPs per token on stage s (forward), ...
 """
 
 from __future__ import annotations
@@ -26,32 +26,24 @@ from rackcast.simulator.activations import layer_activation_bytes_per_token
 from rackcast.simulator.costs import HW
 from rackcast.simulator.gemms import embed_gemms, flops_by_name, layer_gemms, tail_work
 
-# Per-layer FLOPs components that are not dense GEMMs: the attention core and the routed experts.
-NON_GEMM = ("attn_scores_values", "experts")
 _KINDS: dict[int, tuple] = {}  # id(spec) -> (spec, kind of each layer, representative layer of each kind, table)
 
 
 @dataclass(frozen=True)
 class StageWork:
     """Forward work per token of one micro-batch on each pipeline stage (arrays of length pipeline), before the
-    tensor split and expert imbalance: `gemm` dense-GEMM FLOPs of the layers (attention projections, norms,
-    convolutions, router, latent projections, shared experts, dense MLP), `attn` attention-core FLOPs, `experts`
-    routed-expert FLOPs (balanced routing), `shared` the shared-expert part of `gemm`, `head` the output head, loss,
-    final norm and multi-token-prediction modules (ModelSpec.tail_flops_fwd, priced as GEMM work, on the stage
-    holding the last chunk), `embed` the embedding's norm (on the stage holding the
-    first), `elem_bytes` the elementwise traffic (activations written in forward and read in backward), `layers` and
-    `moe_layers` counts, `dense_params` and `expert_params` the layers' parameters before any split; `first` and
-    `last` mark the stages holding the first and the last chunk. By GEMM (simulator.gemms, columns in GEMM_NAMES
-    order, each priced at its own shape): `gemm_layers[s]` splits `gemm` (its sum), `gemm_ends[s]` the GEMMs of
-    `head` and `embed`; `tail_attn` and `tail_experts` the rest of `head` (the multi-token-prediction blocks'
-    attention core and routed experts)."""
+    tensor split and expert imbalance: `attn` attention-core FLOPs, `experts` routed-expert FLOPs (balanced
+    routing), `elem_bytes` the elementwise traffic (activations written in forward and read in backward), `layers`
+    and `moe_layers` counts, `dense_params` and `expert_params` the layers' parameters before any split; `first` and
+    `last` mark the stages holding the first and the last chunk. Dense GEMMs by name (simulator.gemms, columns in
+    GEMM_NAMES order, each priced at its own shape): `gemm_layers[s]` the layers' (attention projections, norms,
+    convolutions, router, latent projections, shared experts, dense MLP), `gemm_ends[s]` those of the ends (the
+    output head, final gated norm and multi-token-prediction modules on the stage holding the last chunk, the
+    embedding's gated norm on the one holding the first); `tail_attn` and `tail_experts` the rest of the tail
+    (ModelSpec.tail_flops_fwd: the multi-token-prediction blocks' attention core and routed experts)."""
 
-    gemm: np.ndarray
     attn: np.ndarray
     experts: np.ndarray
-    shared: np.ndarray
-    head: np.ndarray
-    embed: np.ndarray
     elem_bytes: np.ndarray
     layers: np.ndarray
     moe_layers: np.ndarray
@@ -66,8 +58,8 @@ class StageWork:
 
 
 def layer_kinds(spec: ModelSpec) -> tuple[np.ndarray, list[int], np.ndarray]:
-    """(kind of each layer, a representative layer of each kind, per-kind rows gemm, attn, experts, shared, moe,
-    dense parameters, routed-expert parameters, then the GEMM FLOPs by name (simulator.gemms.flops_by_name)):
+    """(kind of each layer, a representative layer of each kind, per-kind rows attn, experts, moe, dense
+    parameters, routed-expert parameters, then the GEMM FLOPs by name (simulator.gemms.flops_by_name)):
     layers with the same FLOPs by component are one kind. Cached per model object."""
     hit = _KINDS.get(id(spec))
     if hit is not None and hit[0] is spec:
@@ -81,8 +73,7 @@ def layer_kinds(spec: ModelSpec) -> tuple[np.ndarray, list[int], np.ndarray]:
             keys[key] = len(reps)
             reps.append(i)
             expert_params = spec.layer_param_breakdown(i).get("experts", 0)
-            rows.append((sum(v for k, v in parts.items() if k not in NON_GEMM), parts.get("attn_scores_values", 0.0),
-                         parts.get("experts", 0.0), parts.get("shared_experts", 0.0), float(spec.is_moe(i)),
+            rows.append((parts.get("attn_scores_values", 0.0), parts.get("experts", 0.0), float(spec.is_moe(i)),
                          float(spec.layer_params(i) - expert_params), float(expert_params),
                          *flops_by_name(layer_gemms(spec, i))))
         kind.append(keys[key])
@@ -105,9 +96,7 @@ def stage_work(spec: ModelSpec, plan: Plan) -> StageWork:
     last = np.arange(p) == owner[-1]
     tail = tail_work(spec)
     ends = last[:, None] * flops_by_name(tail.gemms) + first[:, None] * flops_by_name(embed_gemms(spec))
-    return StageWork(gemm=sums[:, 0], attn=sums[:, 1], experts=sums[:, 2], shared=sums[:, 3],
-                     head=np.where(last, spec.tail_flops_fwd(HW), 0.0),
-                     embed=np.where(first, spec.embed_flops_fwd(), 0.0), elem_bytes=counts @ elem,
-                     layers=counts.sum(axis=1), moe_layers=sums[:, 4], dense_params=sums[:, 5],
-                     expert_params=sums[:, 6], first=first, last=last, gemm_layers=sums[:, 7:], gemm_ends=ends,
+    return StageWork(attn=sums[:, 0], experts=sums[:, 1], elem_bytes=counts @ elem, layers=counts.sum(axis=1),
+                     moe_layers=sums[:, 2], dense_params=sums[:, 3], expert_params=sums[:, 4], first=first,
+                     last=last, gemm_layers=sums[:, 5:], gemm_ends=ends,
                      tail_attn=np.where(last, tail.attn, 0.0), tail_experts=np.where(last, tail.experts, 0.0))
