@@ -44,7 +44,8 @@ from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
-from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, names_used, rank_shape, shapes_by_name
+from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, names_used, rank_shape, shapes_by_name, \
+    tail_expert_shape
 from rackcast.simulator.host_overhead import eager_bytes, host_bytes, host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
@@ -224,13 +225,12 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "mtp_cp_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp)),
         "mtp_cp_grad_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp), backward=True),
     }
-    tail_expert_shape = costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group), spec, par.expert,
-                                           par.expert_tensor)
+    tail_grouped = tail_expert_shape(spec, routed_mb, par)
     rates = gemm_rates(layer_names, end_names, {n: costs.GemmShape(*(col(v) for v in s))
                                                  for n, s in dense_shapes.items()}, topo, plan.precision)
     fwd, rec, elem, _ = _stage_compute_s(stage.get, gemm_seconds(rates, *gemm_flops),
                                          costs.GemmShape(*(col(v) for v in expert_shape)),
-                                         costs.GemmShape(*(col(v) for v in tail_expert_shape)), col(full), topo,
+                                         costs.GemmShape(*(col(v) for v in tail_grouped)), col(full), topo,
                                          plan.precision)
     valid = np.arange(width) < col(par.pipeline)
     heavy = np.argmax(np.where(valid, 3 * fwd + rec + elem, -np.inf), axis=-1)[..., None]  # sets the steady state
@@ -272,7 +272,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "tokens_mb": tokens_mb,
         **{f"gemm_{d}:{n}": getattr(dense_shapes[n], d) if n in dense_shapes else 1.0 for n in GEMM_NAMES
            for d in "mnk"},
-        "tail_expert_m": tail_expert_shape.m,
+        "tail_expert_m": tail_grouped.m,
         "expert_m": expert_shape.m, "expert_n": expert_shape.n, "expert_k": expert_shape.k,
         "expert_groups": expert_shape.groups,
         "recompute_full": full, "overlap_grad_reduce": float(plan.overlap_grad_reduce),
