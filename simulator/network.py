@@ -53,6 +53,13 @@ def _per_flow(x) -> bool:
     return isinstance(x, (list, tuple)) or (isinstance(x, np.ndarray) and x.ndim > 0)
 
 
+def _length_mismatch(k: int, **per_flow) -> str:
+    """The message for per-flow arguments whose length is not the k rows of hops."""
+    wrong = ", ".join(f"{name} has {len(v)}" for name, v in per_flow.items()
+                      if isinstance(v, np.ndarray) and len(v) != k)
+    return f"transfer_many: hops has {k} rows but {wrong}"
+
+
 # Flows due to finish within this many seconds (absolute plus relative to the clock) of now finish now: float
 # rounding of `now + remaining / rate` must not leave a flow with a few bytes for a separate, spurious event.
 _TIME_EPS_ABS = 1e-12
@@ -201,6 +208,10 @@ class Network:
             nhops = np.asarray(nhops, dtype=np.int64)
         if lat is None:
             lat = self.route_latencies(hops)
+        k = hops.shape[0]  # the compiled _start reads every per-flow array at rows 0..k-1 unchecked
+        if nhops.shape[0] != k or lat.shape[0] != k or (type(nbytes) is np.ndarray and nbytes.shape[0] != k) or \
+                (type(rate_cap_Bps) is np.ndarray and rate_cap_Bps.shape[0] != k):
+            raise ValueError(_length_mismatch(k, nhops=nhops, nbytes=nbytes, rate_cap_Bps=rate_cap_Bps, lat=lat))
         now, efficiency = float(self.env._now), float(efficiency)
         gid = self._next_group
         # Flows with nothing to move (or no link to cross) are delivered after their latency alone.

@@ -196,6 +196,19 @@ def test_rate_cap_limits_a_flow_and_frees_capacity_for_others():
     assert seen == pytest.approx({0: 3.0, 1: 7.0})
 
 
+@pytest.mark.parametrize("argument", ["nhops", "nbytes", "rate_cap_Bps", "lat"])
+def test_transfer_many_rejects_a_per_flow_array_whose_length_is_not_the_number_of_routes(argument):
+    net = Network(simpy.Environment(), _line({("a", "b"): 10.0, ("b", "c"): 4.0}))
+    hops = np.array([[net.link_index["a", "b"], -1], [net.link_index["b", "c"], -1]])
+    given = {"nhops": np.array([1, 1]), "nbytes": np.array([5.0, 5.0]), "rate_cap_Bps": np.array([3.0, 3.0]),
+             "lat": np.zeros(2)}
+    given[argument] = given[argument][:1]  # one value short: the compiled kernel would read past its end
+    nhops = given.pop("nhops")
+    with pytest.raises(ValueError, match=f"hops has 2 rows but {argument} has 1"):
+        net.transfer_many(hops, nhops, given.pop("nbytes"), **given)
+    assert net.stats["flows"] == 0  # nothing started
+
+
 def test_all_to_all_across_two_domains_is_bound_by_the_nics_not_nvlink():
     group = gpus(2, 4)
     nbytes = 400e6  # per rank; 4 of its 8 chunks leave the domain through its one NIC
