@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from rackcast.backend.moe import grouped_matmul
+from rackcast.presets import load_model
+from rackcast.simulator.op_counts import TABLE_MODELS
 from rackcast.units import MIB
 
 
@@ -79,8 +81,9 @@ def _shapes(device: torch.device, quick: bool) -> dict:
         mem = (1 << 24,) if quick else (1 << 20, 1 << 24, 1 << 28)
         stream = 1 << 28
     else:
-        # Tiny presets: widths 8 (router) to 256 (vocabulary), 128-1024 tokens and 32-256 rows per expert a micro-batch,
-        # MuonH's Newton-Schulz products d_model (64) square
+        # Sized for the tiny presets the CPU runs train (simulator.op_counts.TABLE_MODELS): gemm_nk spans their router,
+        # gated-norm, d_model and vocabulary widths (tests/test_calibrate.py checks); narrower ones (the 4-wide
+        # convolution kernels, per-head gates) read the surface's edge
         gemm_m, gemm_nk = ((32, 128, 512, 2048), (8, 64, 256)) if quick else ((32, 128, 512, 2048, 8192),
                                                                              (8, 32, 64, 256, 1024))
         peak_n = (512,) if quick else (256, 512, 1024)
@@ -90,6 +93,14 @@ def _shapes(device: torch.device, quick: bool) -> dict:
         stream = 1 << 22 if quick else 1 << 24  # out of cache: the memory figure, not a cache figure
     return {"gemm_m": gemm_m, "gemm_nk": gemm_nk, "peak_n": peak_n, "grouped": grouped, "attn": attn, "mem": mem,
             "stream": stream}
+
+
+def surface_experts() -> int:
+    """The experts per kernel the grouped-GEMM surface is measured at: the most of any MoE model the simulator
+    packages op counts for (simulator.op_counts.TABLE_MODELS, the tiny presets the validation runs train), so a
+    one-process run of those models runs its grouped kernel at the measured count (simulator.gemm_surface states
+    the approximation elsewhere)."""
+    return max(spec.moe.experts for spec in map(load_model, TABLE_MODELS) if spec.moe is not None)
 
 
 def task_count(device: torch.device, quick: bool) -> int:
@@ -139,7 +150,7 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
             out["peak"].append({"dtype": str(pdt).replace("torch.", ""), "n": n, "flops": 2.0 * n ** 3,
                                 "seconds": t})
             tick(f"peak {pdt} {n}^3")
-    experts = 8
+    experts = surface_experts()
     rows_list, dims = s["grouped"]
     pool = rand(experts * (max(rows_list) + max(dims)) * max(dims))
     for rows in rows_list:

@@ -6,7 +6,11 @@ overhead amortised over more work, then tiles filling), so log axes make the pie
 near-linear; multilinear interpolation reproduces every measured point exactly, moves monotonically between two
 neighbouring points along each axis, and needs no fitted parameters. Outside the grid the edge value holds (no
 extrapolation: a shape beyond the largest measured is priced at the largest measured one's efficiency).
-The group count of a grouped GEMM is not an axis: the surface is measured at the trainer's expert count per kernel.
+The group count of a grouped GEMM is not an axis: the surface is measured at one expert count per kernel (the
+packaged tiny presets' experts, backend.calibrate_compute; each point records it as `groups`) and read at any other
+as if it were that one. That is exact for a rank holding all those experts (expert = 1 with that expert count) and
+an approximation elsewhere: under expert parallelism a rank's kernel runs experts / expert groups (4 at expert 2),
+whose per-group efficiency the surface does not resolve.
 
     from rackcast.simulator.gemm_surface import surface_efficiency
     eff = surface_efficiency(topo.efficiency.gemm_surface, m, n, k)     # arrays broadcast

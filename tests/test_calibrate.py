@@ -187,3 +187,18 @@ def load_model_spec(name):
     from rackcast.presets import load_model
 
     return load_model(name)
+
+
+def test_the_cpu_gemm_grids_span_the_tiny_presets_widths_and_the_grouped_grid_runs_tiny_moes_experts():
+    import torch
+
+    from rackcast.backend.calibrate_compute import _shapes, surface_experts
+    from rackcast.presets import load_model
+    from rackcast.simulator.op_counts import TABLE_MODELS
+
+    assert surface_experts() == load_model("tiny-moe").moe.experts
+    for quick in (True, False):
+        widths = _shapes(torch.device("cpu"), quick)["gemm_nk"]
+        for spec in map(load_model, TABLE_MODELS):
+            used = [spec.d_model, spec.vocab] + [w for w in (spec.gated_norm_rank, spec.moe and spec.moe.experts) if w]
+            assert min(widths) <= min(used) and max(used) <= max(widths), (spec.name, quick)
