@@ -62,8 +62,7 @@ def test_surface_interpolation_is_trilinear_in_log_shape_and_clamped_at_the_grid
 
 def test_a_skinny_and_a_square_gemm_of_equal_flops_differ_on_the_surface_not_on_the_flops_curve():
     _, topo, _ = _calibrated()
-    skinny, square = costs.GemmShape(2048, 8, 1024), costs.GemmShape(2048, 128, 64)
-    assert 2048 * 8 * 1024 == 2048 * 128 * 64
+    skinny, square = costs.GemmShape(2048, 8, 1024), costs.GemmShape(2048, 128, 64)  # n k = 8 x 1024 = 128 x 64
     by_surface = [float(costs.gemm_efficiency(s, topo, "fp32")) for s in (skinny, square)]
     assert by_surface[0] < by_surface[1] and by_surface[0] != pytest.approx(by_surface[1], rel=0.1)
     by_curve = [float(costs.gemm_efficiency(s, _without_surfaces(topo), "fp32")) for s in (skinny, square)]
