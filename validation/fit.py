@@ -48,6 +48,7 @@ PHASE_GROUPS = {"compute": ("compute",), "exposed_expert_a2a": ("exposed_expert_
 PRIOR = 1e-6  # weight of the pull towards factor 1 (log 0): only matters where the data say nothing
 NOISE = 0.03  # assumed scatter of one measured quantity (fraction of its step time), for the standard errors
 SE_IDENTIFIED = 0.1  # a factor counts as identified when its standard error (log factor) is below this
+EFFICIENCY_FLOOR = 1e-6  # a scaled efficiency stays in [this, 1]: positive, so every time it divides stays finite
 
 
 @dataclass
@@ -79,8 +80,12 @@ class FitResult:
                 "iterations": self.iterations}
 
 
+def _bounded(efficiency: float) -> float:
+    return min(1.0, max(EFFICIENCY_FLOOR, efficiency))
+
+
 def _scale(curve: list[CurvePoint], f: float) -> list[CurvePoint]:
-    return [CurvePoint(p.size, min(1.0, max(1e-6, p.value * f))) for p in curve]
+    return [CurvePoint(p.size, _bounded(p.value * f)) for p in curve]
 
 
 def apply_factors(topo: Topology, factors: dict[str, float]) -> Topology:
@@ -91,12 +96,12 @@ def apply_factors(topo: Topology, factors: dict[str, float]) -> Topology:
             for k, c in e.collectives.items()}
     slow = min(0.95, max(0.0, e.comm_compute_slowdown + factors.get("comm_compute_slowdown", 0.0)))
     eff = replace(e, gemm=_scale(e.gemm, g), grouped_gemm=_scale(e.grouped_gemm, g),
-                  gemm_surface=[p.scaled(g, 1e-6) for p in e.gemm_surface],
-                  grouped_gemm_surface=[p.scaled(g, 1e-6) for p in e.grouped_gemm_surface],
+                  gemm_surface=[p.scaled(g, EFFICIENCY_FLOOR) for p in e.gemm_surface],
+                  grouped_gemm_surface=[p.scaled(g, EFFICIENCY_FLOOR) for p in e.grouped_gemm_surface],
                   gemm_ceiling=min(1.0, e.gemm_ceiling * g), grouped_gemm_ceiling=min(1.0, e.grouped_gemm_ceiling * g),
                   host_op_s=e.host_op_s.scaled(factors.get("op_overhead", 1.0)),
-                  attention=min(1.0, max(1e-6, e.attention * factors.get("attention", 1.0))),
-                  memory_bound=min(1.0, max(1e-6, e.memory_bound * factors.get("memory_bound", 1.0))),
+                  attention=_bounded(e.attention * factors.get("attention", 1.0)),
+                  memory_bound=_bounded(e.memory_bound * factors.get("memory_bound", 1.0)),
                   collectives=coll, comm_compute_slowdown=slow)
     return topo.with_efficiency(eff)
 
