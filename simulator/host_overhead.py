@@ -31,7 +31,9 @@ bandwidth; see there why not efficiency.memory_bound). The counts are one proces
   and routed experts along the sequence; without it those run whole on every tensor rank, so dividing the whole
   layer undercounts them: the counts have no per-module split). Not divided by expert parallelism: a rank runs its
   E/ep local experts on the rows every rank of its expert group sends them, about tokens x top_k rows in balance,
-  as many as one process's experts get from its own micro-batch, so its expert activations stay one process's.
+  as many as one process's experts get from its own micro-batch, so its expert activations stay one process's
+  (any parameter-sized ops among them, in the counts' fixed part, do shrink with ep; the counts do not split the
+  experts out, so they are left whole: an overcount of those).
   Embedding and head run whole on every tensor rank (replicated). Per rank s:
     bytes_mb(s) = [embed] + sum over L(s) of layer bytes / tensor + [head and loss],  x (1 + bwd_bytes / fwd_bytes)
     for the backward (the backward's total spread over the parts as their forward bytes), plus the recomputed
