@@ -216,16 +216,16 @@ def count_bytes(model, optimizer: str = "muonh") -> dict:
     simulator.op_bytes.MAX_PARAMS parameters."""
     spec = model if isinstance(model, ModelSpec) else load_model(model)
     byte_data.check_countable(spec)
-    one, two = bytes_at(spec, optimizer, 2), bytes_at(spec, optimizer, 3)
+    at2, at3 = bytes_at(spec, optimizer, 2), bytes_at(spec, optimizer, 3)
 
     def split(a: int, b: int) -> list[int]:
         return [3 * a - 2 * b, b - a]  # bytes(n) = fixed + n x per_sequence through n = 2 and 3
 
     return {"model": spec.name, "optimizer": optimizer, "torch": torch.__version__, "seq_len": spec.seq_len,
-            "fwd_embed": split(one["fwd_embed"], two["fwd_embed"]),
-            "fwd_layers": [split(a, b) for a, b in zip(one["fwd_layers"], two["fwd_layers"])],
-            "fwd_head": split(one["fwd_head"], two["fwd_head"]), "bwd": split(one["bwd"], two["bwd"]),
-            "opt_step": one["optimizer"]}
+            "fwd_embed": split(at2["fwd_embed"], at3["fwd_embed"]),
+            "fwd_layers": [split(a, b) for a, b in zip(at2["fwd_layers"], at3["fwd_layers"])],
+            "fwd_head": split(at2["fwd_head"], at3["fwd_head"]), "bwd": split(at2["bwd"], at3["bwd"]),
+            "opt_step": at2["optimizer"]}
 
 
 def host_seconds_per_op(model: str = "tiny-moe", optimizer: str = "muonh", seq: int = 8, samples: int = 5,

@@ -283,6 +283,11 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layer: int, plan: Plan, dt
     return total + _mlp_block_fused(spec, layer, plan, e)
 
 
+def attention_module_bytes_per_token(spec: ModelSpec, layer: int, plan: Plan, dtype: str | None = None) -> float:
+    """What the attention module saves per token when run eagerly (_attention_eager; its input included)."""
+    return _attention_eager(spec, layer, plan, activation_bytes(dtype))
+
+
 def attention_core_bytes_per_token(spec: ModelSpec, layer: int, plan: Plan, dtype: str | None = None) -> float:
     """The part selective recomputation avoids storing (the materialised attention core)."""
     if plan.attention_kernel != "materialized":

@@ -28,9 +28,10 @@ Host per-op overhead (only where the topology's efficiency.host_op_s is measured
 counts of the backend model (simulator.op_counts) per step, as simulator.host_overhead models them (rank 0's own
 forward and backward ops, the extra ones on the pipeline's critical path, the optimizer's), each x its host time per
 op, added to compute, pipeline_bubble and optimizer. With them, where simulator.op_bytes has the model's counted
-eager bytes, the same parts' bytes at costs.eager_bytes_time (simulator.host_overhead.host_bytes), which then
-replace the fused elementwise_bytes and optimizer-update traffic (feature eager_bytes_counted 1; 0: the analytic
-terms stand).
+eager bytes and the plan runs the model as they were counted (simulator.host_overhead.counted_bytes), the same
+parts' bytes at costs.eager_bytes_time (simulator.host_overhead.host_bytes: each rank's share, recomputation
+included), which then replace the fused elementwise_bytes and optimizer-update traffic (feature eager_bytes_counted
+1; 0: the analytic terms stand).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
 from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, names_used, rank_shape, shapes_by_name, \
     tail_expert_shape
-from rackcast.simulator.host_overhead import eager_bytes, host_bytes, host_ops
+from rackcast.simulator.host_overhead import counted_bytes, eager_bytes, host_bytes, host_ops
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
                                                newton_schulz_parts, newton_schulz_split, optimizer_traffic_bytes)
@@ -65,15 +66,14 @@ HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble
 
 def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
     """Host ops per step (simulator.host_overhead.host_ops): rank 0's forward and backward ops, the extra ones on the
-    pipeline's critical path, the optimizer's. Zero, and no op counting, where the topology has no measured
-    host_op_s."""
+    pipeline's critical path, the optimizer's; their eager bytes where host_overhead.counted_bytes finds them. Zero,
+    and no op counting, where the topology has no measured host_op_s."""
     if not topo.efficiency.host_op_s.measured:
         return dict.fromkeys(HOST_OP_FEATURES, 0.0)
-    from rackcast.simulator.op_bytes import lookup
     from rackcast.simulator.op_counts import op_counts
 
     o = host_ops(op_counts(spec, plan.optimizer.name), spec, plan)
-    counted = lookup(spec, plan.optimizer.name)
+    counted = counted_bytes(spec, plan, topo)
     b = host_bytes(eager_bytes(counted, spec, plan), spec, plan) if counted else None
     return {"op_forward": o.forward, "op_backward": o.backward, "op_bubble_forward": o.bubble_forward,
             "op_bubble_backward": o.bubble_backward, "op_optimizer": o.optimizer,
@@ -83,13 +83,9 @@ def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, f
 
 
 def eager_bytes_counted(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> bool:
-    """Whether the counted eager bytes (simulator.op_bytes) replace the analytic elementwise and optimizer-update
-    traffic: only with measured host_op_s, and where the model's bytes are counted."""
-    if not topo.efficiency.host_op_s.measured:
-        return False
-    from rackcast.simulator.op_bytes import lookup
-
-    return lookup(spec, plan.optimizer.name) is not None
+    """Whether the counted eager bytes replace the analytic elementwise and optimizer-update traffic
+    (host_overhead.counted_bytes)."""
+    return counted_bytes(spec, plan, topo) is not None
 
 
 @lru_cache(maxsize=4096)

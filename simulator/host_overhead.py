@@ -7,42 +7,112 @@ per-step totals below; the discrete-event simulator (simulator.workload, simulat
 each compute task, so the pipeline bubble grows through the schedule itself. Both only where host_op_s is measured.
 
 Model, per pipeline rank s holding layers L(s) (rackcast.layout.ParallelSpec.rank_layers):
-    ops_mb(s) = [embed if s holds the first chunk] + sum over L(s) of (layer ops - expert-loop ops x (1 - 1/ep))
-                + [head and loss if s holds the last chunk],   times (1 + bwd_over_fwd) for the backward
+    ops_mb(s) = [embed if s holds the first chunk] + sum over L(s) of layer ops (the whole layer's, whatever ep:
+                a rank runs its local experts as one grouped GEMM, see layer_forward_ops)
+                + [head and loss if s holds the last chunk],   times (1 + bwd_over_fwd) for the backward,
+                plus the recomputed forward's ops (sum over L(s) of layer ops x recompute_share: the trainer
+                recomputes, backend.recompute)
     compute overhead = m x ops_mb(s) x t_op on each rank (m micro-batches per step; t_op = host_op_s.forward for
-        forward ops, .backward for backward ops);
-    with pipeline p > 1 the step's critical path is (m + p - 1) x max_s ops_mb(s) x t_op (the bubble grows too);
+        forward ops, recomputed ones included, .backward for backward ops);
+    with pipeline p > 1 the step's critical path is (m + p - 1) x ops_mb(s*) x t_op, s* the stage with the most
+        ops (the bubble grows too);
     optimizer overhead = optimizer ops x |L(s)| / layers x host_op_s.optimizer (its per-tensor loop).
-Communication is blocking in the CPU trainer, so the overhead is added, not overlapped. Recomputation is not counted
-(the trainer does not recompute). This module does not import torch.
+Communication is blocking in the CPU trainer, so the overhead is added, not overlapped. This module does not import
+torch.
 
-Eager memory traffic (same topologies, where simulator.op_bytes has the model's counted bytes): an eager framework
-runs every op as its own kernel, reading and writing whole tensors, so each micro-batch's forward and backward and
-the optimizer step also move the counted bytes of their non-GEMM, non-attention-core ops, at
-costs.eager_bytes_time (the measured bandwidth; see there why not efficiency.memory_bound). With b = tokens per
-micro-batch / seq_len sequences, a part's bytes are fixed + per_sequence x b; per rank s, as the op counts:
-    bytes_mb(s) = [embed] + sum over L(s) of layer bytes + [head and loss],  x (1 + bwd_bytes / fwd_bytes) for the
-    backward (the backward's total spread over the parts as their forward bytes), the critical path as above, and
-    optimizer bytes x |L(s)| / layers.
+Eager memory traffic (same topologies, where simulator.op_bytes has the model's counted bytes and the plan runs the
+model as they were counted: `counted_bytes`, the one place that decides): an eager framework runs every op as its
+own kernel, reading and writing whole tensors, so each micro-batch's forward and backward and the optimizer step
+also move the counted bytes of their non-GEMM, non-attention-core ops, at costs.eager_bytes_time (the measured
+bandwidth; see there why not efficiency.memory_bound). The counts are one process's, whole model; a rank's share:
+- forward/backward: b = tokens per rank per micro-batch / seq_len sequences (context parallelism already splits the
+  tokens: ParallelSpec.tokens_per_microbatch), a part's bytes fixed + per_sequence x b; each layer's / tensor
+  (backend.tensor_parallel splits the attention heads and MLP widths, with sequence parallelism the norms, router
+  and routed experts along the sequence; without it those run whole on every tensor rank, so dividing the whole
+  layer undercounts them: the counts have no per-module split). Not divided by expert parallelism: a rank runs its
+  E/ep local experts on the rows every rank of its expert group sends them, about tokens x top_k rows in balance,
+  as many as one process's experts get from its own micro-batch, so its expert activations stay one process's
+  (any parameter-sized ops among them, in the counts' fixed part, do shrink with ep; the counts do not split the
+  experts out, so they are left whole: an overcount of those).
+  Embedding and head run whole on every tensor rank (replicated). Per rank s:
+    bytes_mb(s) = [embed] + sum over L(s) of layer bytes / tensor + [head and loss],  x (1 + bwd_bytes / fwd_bytes)
+    for the backward (the backward's total spread over the parts as their forward bytes), plus the recomputed
+    forward's (layer bytes x recompute_share), the critical path as above;
+- optimizer: the counted step x `update_share` (this rank's optimizer_cost.optimizer_traffic_bytes over one
+  process's holding the whole model: the pipeline's layer split, tensor, FSDP / ZeRO state shards and the expert
+  split, as the analytic term it replaces divides them).
 Those bytes replace the analytic terms that model a fused stack's traffic (stage_work's elementwise_bytes and the
-optimizer update's bytes, costs.optimizer_time): counted twice otherwise. Where the bytes are not counted (a model
-over simulator.op_bytes.MAX_PARAMS, or not counted yet), the analytic terms stand.
+optimizer update's bytes, costs.optimizer_time): counted twice otherwise. Where `counted_bytes` is None (host times
+not measured; a model over simulator.op_bytes.MAX_PARAMS or not counted yet; a plan not run as counted: COUNTED_AS)
+the analytic terms stand.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from rackcast.layout import ParallelSpec
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
+from rackcast.simulator.activations import attention_module_bytes_per_token, layer_activation_bytes_per_token
 from rackcast.simulator.costs import eager_bytes_time
+from rackcast.simulator.memory import rank_params
+from rackcast.simulator.optimizer_cost import optimizer_traffic_bytes
 from rackcast.topologies.spec import HostOpTimes, Topology
+
+# How backend.opcount.bytes_at runs the model it counts: fp32 without autocast (build_model's default dtype), SDPA's
+# default (fused) kernel. A plan run otherwise moves other bytes (bf16 autocast's casts, the materialised score
+# matrix), so the fused analytic terms price it instead (`counted_bytes`).
+COUNTED_AS = {"precision": "fp32", "attention_kernel": "flash"}
+
+
+def runs_as_counted(plan) -> bool:
+    """Whether the plan runs the model as backend.opcount counted its bytes (COUNTED_AS)."""
+    return all(getattr(plan, field) == value for field, value in COUNTED_AS.items())
+
+
+def counted_bytes(spec: ModelSpec, plan, topo: Topology) -> dict | None:
+    """The counted eager bytes (simulator.op_bytes) that price this plan, or None where the analytic fused terms
+    stand: host times not measured (no op overhead at all, nothing looked up), the model's bytes not counted, or the
+    plan not run as they were counted (COUNTED_AS). The one place that decides; `plan` a Plan or PlanArrays."""
+    if not topo.efficiency.host_op_s.measured:
+        return None
+    if not runs_as_counted(plan):
+        return None
+    from rackcast.simulator import op_bytes
+
+    return op_bytes.lookup(spec, plan.optimizer.name)
 
 
 def layer_forward_ops(counts: dict, plan: Plan, layer: int) -> float:
     """Forward ops of one layer on a rank holding 1/ep of its routed experts: the same as with all of them, since
     the backend runs a rank's experts as grouped GEMMs (backend.moe.GroupedExperts), whatever their number."""
     return counts["fwd_layers"][layer]
+
+
+def recompute_share(spec: ModelSpec, plan: Plan, layer: int) -> float:
+    """Share of a layer's forward ops and eager bytes its recomputation runs again in backward (backend.recompute):
+    1 under full (the whole block), 0 without. Selective reruns the attention module (all but its projections'
+    matrix products, which are not counted as bytes). The counts have no per-module split (the tables would have to
+    be counted again), so its share is approximated by the attention module's part of the tensors the eager layer
+    saves (activations.attention_module_bytes_per_token over layer_activation_bytes_per_token, "eager"): the
+    tensors its ops write, as the memory model sees them. Approximate: the module's ops that save nothing (e.g. the
+    flash kernel's own) are not in it."""
+    if plan.recompute == "full":
+        return 1.0
+    if plan.recompute == "selective":
+        return attention_module_bytes_per_token(spec, layer, plan) / \
+            layer_activation_bytes_per_token(spec, layer, plan, activations="eager")
+    return 0.0
+
+
+def update_share(spec: ModelSpec, plan: Plan, stage: int) -> float:
+    """Pipeline rank `stage`'s share of one process's optimizer-update bytes (the whole model): the analytic update
+    bytes (optimizer_cost.optimizer_traffic_bytes) of its parameters and state shards over those of one process
+    holding every parameter."""
+    whole = replace(plan, parallel=ParallelSpec(), schedule="1f1b")
+    own = optimizer_traffic_bytes(rank_params(spec, plan, stage), plan)[0]
+    return float(own) / float(optimizer_traffic_bytes(rank_params(spec, whole), whole)[0])
 
 
 def _stage_forward(embed: float, head: float, layer, spec: ModelSpec, plan: Plan, stage: int) -> float:
@@ -55,11 +125,18 @@ def _stage_forward(embed: float, head: float, layer, spec: ModelSpec, plan: Plan
     return fwd
 
 
+def _stage_recompute(layer, spec: ModelSpec, plan: Plan, stage: int) -> float:
+    """Recomputed forward amount of one micro-batch on pipeline rank `stage` (layer(i) x recompute_share)."""
+    if plan.recompute == "none":
+        return 0.0
+    return sum(layer(i) * recompute_share(spec, plan, i) for i in plan.rank_layers(spec, stage))
+
+
 def ops_per_microbatch(counts: dict, spec: ModelSpec, plan: Plan, stage: int) -> float:
-    """ops_mb(stage): forward and backward ops of one micro-batch on pipeline rank `stage`."""
-    fwd = _stage_forward(counts["fwd_embed"], counts["fwd_head"], lambda i: layer_forward_ops(counts, plan, i),
-                         spec, plan, stage)
-    return fwd * (1.0 + counts["bwd_over_fwd"])
+    """ops_mb(stage): forward, backward and recomputed forward ops of one micro-batch on pipeline rank `stage`."""
+    layer = lambda i: layer_forward_ops(counts, plan, i)  # noqa: E731
+    fwd = _stage_forward(counts["fwd_embed"], counts["fwd_head"], layer, spec, plan, stage)
+    return fwd * (1.0 + counts["bwd_over_fwd"]) + _stage_recompute(layer, spec, plan, stage)
 
 
 def optimizer_ops(counts: dict, spec: ModelSpec, plan: Plan, stage: int) -> float:
@@ -69,8 +146,8 @@ def optimizer_ops(counts: dict, spec: ModelSpec, plan: Plan, stage: int) -> floa
 
 @dataclass
 class HostOps:
-    """Framework ops of one step on rank 0, by kind (forward ops, backward ops, optimizer ops): its own, and the
-    extra ones on the pipeline's critical path (the bubble they cause)."""
+    """Framework ops of one step on rank 0, by kind (forward ops, recomputed ones included; backward ops; optimizer
+    ops): its own, and the extra ones on the pipeline's critical path (the bubble they cause)."""
 
     forward: float
     backward: float
@@ -79,20 +156,26 @@ class HostOps:
     optimizer: float
 
 
-def _per_step(per_stage: list[float], bwd_over_fwd: float, optimizer: float, plan: Plan) -> HostOps:
+def _per_step(forward: list[float], recomputed: list[float], bwd_over_fwd: float, optimizer: float,
+              plan: Plan) -> HostOps:
     """Rank 0's own amounts of a step and the extra ones on the pipeline's critical path, from each stage's forward
-    amount per micro-batch (see the module docstring)."""
+    and recomputed amounts per micro-batch (see the module docstring)."""
     p, m = plan.parallel.pipeline, plan.microbatches
-    own = m * per_stage[0]
-    critical = (m + p - 1) * max(per_stage) if p > 1 else own
-    return HostOps(forward=own, backward=own * bwd_over_fwd, bubble_forward=critical - own,
-                   bubble_backward=(critical - own) * bwd_over_fwd, optimizer=optimizer)
+    own_f, own_b = m * (forward[0] + recomputed[0]), m * forward[0] * bwd_over_fwd
+    if p == 1:
+        return HostOps(forward=own_f, backward=own_b, bubble_forward=0.0, bubble_backward=0.0, optimizer=optimizer)
+    heavy = max(range(p), key=lambda s: forward[s] * (1.0 + bwd_over_fwd) + recomputed[s])
+    crit_f, crit_b = (m + p - 1) * (forward[heavy] + recomputed[heavy]), (m + p - 1) * forward[heavy] * bwd_over_fwd
+    return HostOps(forward=own_f, backward=own_b, bubble_forward=crit_f - own_f, bubble_backward=crit_b - own_b,
+                   optimizer=optimizer)
 
 
 def host_ops(counts: dict, spec: ModelSpec, plan: Plan) -> HostOps:
-    per_stage = [ops_per_microbatch(counts, spec, plan, s) / (1.0 + counts["bwd_over_fwd"])
-                 for s in range(plan.parallel.pipeline)]
-    return _per_step(per_stage, counts["bwd_over_fwd"], optimizer_ops(counts, spec, plan, 0), plan)
+    layer = lambda i: layer_forward_ops(counts, plan, i)  # noqa: E731
+    stages = range(plan.parallel.pipeline)
+    forward = [_stage_forward(counts["fwd_embed"], counts["fwd_head"], layer, spec, plan, s) for s in stages]
+    recomputed = [_stage_recompute(layer, spec, plan, s) for s in stages]
+    return _per_step(forward, recomputed, counts["bwd_over_fwd"], optimizer_ops(counts, spec, plan, 0), plan)
 
 
 # ------------------------------------------------------------------------------------------ eager memory traffic
@@ -103,34 +186,39 @@ def _at(part: list, sequences: float) -> float:
 
 @dataclass(frozen=True)
 class EagerBytes:
-    """A plan's counted eager bytes per micro-batch (simulator.op_bytes), by where they run."""
+    """A plan's counted eager bytes per micro-batch on one rank (simulator.op_bytes; see the module docstring for
+    its share), by where they run."""
 
     embed: float
     layers: tuple[float, ...]
     head: float
     bwd_over_fwd: float  # the backward's bytes over the forward's
-    opt_step: float  # one optimizer step, all layers
+    opt_step: float  # one optimizer step of one process holding the whole model
 
 
 def eager_bytes(nbytes: dict, spec: ModelSpec, plan: Plan) -> EagerBytes:
-    """The counted bytes at the plan's sequences per micro-batch (tokens per micro-batch / seq_len)."""
+    """The counted bytes at the plan's sequences per micro-batch (tokens per rank per micro-batch / seq_len), each
+    layer's divided over the tensor ranks."""
     b = plan.tokens_per_microbatch(spec) / nbytes["seq_len"]
-    layers = tuple(_at(part, b) for part in nbytes["fwd_layers"])
+    whole_layers = [_at(part, b) for part in nbytes["fwd_layers"]]
     embed, head = _at(nbytes["fwd_embed"], b), _at(nbytes["fwd_head"], b)
-    return EagerBytes(embed=embed, layers=layers, head=head,
-                      bwd_over_fwd=_at(nbytes["bwd"], b) / (embed + head + sum(layers)), opt_step=nbytes["opt_step"])
+    return EagerBytes(embed=embed, layers=tuple(x / plan.parallel.tensor for x in whole_layers), head=head,
+                      bwd_over_fwd=_at(nbytes["bwd"], b) / (embed + head + sum(whole_layers)),
+                      opt_step=nbytes["opt_step"])
 
 
 def optimizer_bytes(e: EagerBytes, spec: ModelSpec, plan: Plan, stage: int) -> float:
-    """Optimizer bytes of one step on pipeline rank `stage` (its share of the layers, as optimizer_ops)."""
-    return e.opt_step * len(plan.rank_layers(spec, stage)) / spec.layers
+    """Optimizer bytes of one step on pipeline rank `stage` (its update_share of the counted step)."""
+    return e.opt_step * update_share(spec, plan, stage)
 
 
 def host_bytes(e: EagerBytes, spec: ModelSpec, plan: Plan) -> HostOps:
     """Eager bytes of one step on rank 0 by kind, as host_ops counts ops."""
-    per_stage = [_stage_forward(e.embed, e.head, lambda i: e.layers[i], spec, plan, s)
-                 for s in range(plan.parallel.pipeline)]
-    return _per_step(per_stage, e.bwd_over_fwd, optimizer_bytes(e, spec, plan, 0), plan)
+    layer = lambda i: e.layers[i]  # noqa: E731
+    stages = range(plan.parallel.pipeline)
+    forward = [_stage_forward(e.embed, e.head, layer, spec, plan, s) for s in stages]
+    recomputed = [_stage_recompute(layer, spec, plan, s) for s in stages]
+    return _per_step(forward, recomputed, e.bwd_over_fwd, optimizer_bytes(e, spec, plan, 0), plan)
 
 
 class HostCosts:
@@ -155,8 +243,9 @@ class HostCosts:
             s += eager_bytes_time(optimizer_bytes(self.bytes, spec, plan, stage), self.topo)
         return s
 
-    def forward_s(self, forward_ops: float, forward_bytes: float = 0.0) -> float:
-        return forward_ops * self.times.forward + eager_bytes_time(forward_bytes, self.topo)
+    def forward_s(self, forward_ops: float, forward_bytes: float = 0.0, share: float = 1.0) -> float:
+        """A forward's host ops and eager bytes; `share` of them for a recomputation (recompute_share)."""
+        return share * (forward_ops * self.times.forward + eager_bytes_time(forward_bytes, self.topo))
 
     def backward_s(self, forward_ops: float, kind: str, forward_bytes: float = 0.0) -> float:
         if not self.counts:
@@ -188,13 +277,13 @@ def host_overhead(counts: dict, spec: ModelSpec, plan: Plan, times: HostOpTimes)
 
 
 def host_costs(spec: ModelSpec, plan: Plan, topo: Topology) -> HostCosts:
-    """HostCosts of a plan: op counts (simulator.op_counts) and eager bytes (simulator.op_bytes, where counted) only
-    where the topology's host_op_s is measured."""
+    """HostCosts of a plan: op counts (simulator.op_counts) only where the topology's host_op_s is measured, eager
+    bytes where `counted_bytes` finds them."""
     times = topo.efficiency.host_op_s
     if not times.measured:
         return HostCosts(None, None, times, topo)
-    from rackcast.simulator import op_bytes, op_counts
+    from rackcast.simulator import op_counts
 
-    counted = op_bytes.lookup(spec, plan.optimizer.name)
+    counted = counted_bytes(spec, plan, topo)
     counts = op_counts.op_counts(spec, plan.optimizer.name)
     return HostCosts(counts, eager_bytes(counted, spec, plan) if counted else None, times, topo)

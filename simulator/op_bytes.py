@@ -15,7 +15,9 @@ under $RACKCAST_CACHE/op-bytes/ (else ~/.cache/rackcast/op-bytes/), filled by `r
 simulator.op_counts.TABLE_MODELS (`rackcast calibrate --op-counts-table`; tests/test_op_bytes.py checks it against a
 fresh count). Only models of at most MAX_PARAMS parameters are counted (`countable`); for any other, or one not
 counted yet, `lookup` returns None and the cost model keeps its analytic (fused) elementwise term: the estimate's
-`eager_bytes_counted` feature and `rackcast estimate`/`validate` say which term was used.
+`eager_bytes_counted` feature and `rackcast estimate`/`validate` say which term was used. The bytes are counted one
+way (fp32 without autocast, SDPA's default kernel), so the key holds no plan field: simulator.host_overhead
+.counted_bytes uses them only for plans that run that way (COUNTED_AS), the fused term for any other.
 """
 
 from __future__ import annotations

@@ -398,7 +398,7 @@ class _StepSim:
                     ops.append(Memory(lw.act_bytes))
                     ops += wl.layer_forward(lw, mb, key + "r", recompute=True)
                 elif a.kind != "W" and rc == "selective":
-                    ops.append(Compute("recompute attention core", lw.core_s))
+                    ops += wl.selective_recompute(lw)
                 ops += wl.layer_backward(lw, mb, key, a.kind)
                 if a.kind != "W":
                     saved = lw.act_bytes + lw.kept_bytes if rc == "full" else \

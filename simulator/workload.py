@@ -13,11 +13,12 @@ grouped GEMM in the routing draw (its rows per local expert set the shape, costs
 work as the activation bytes written in forward and read in backward, memory-bound; backward = 2 x forward.
 Host per-op overhead (only where the topology's efficiency.host_op_s is measured; simulator.host_overhead's
 model, op counts from simulator.op_counts): each layer's forward runs its ops x host_op_s.forward before its kernels
-(layer ops less the expert loop's ops x (1 - 1/ep)), its backward bwd_over_fwd times that (split evenly between the
-input- and weight-gradient halves of zero-bubble schedules); the embedding's ops on the stage holding the first
-chunk, head and loss on the stage holding the last; the optimizer's ops (its share of the layers) in its step.
-With counted eager bytes (simulator.op_bytes) each host op also moves its part's bytes (host_overhead.HostCosts),
-replacing the fused elementwise and optimizer-update traffic.
+(the whole layer's ops whatever ep: host_overhead.layer_forward_ops), its backward bwd_over_fwd times that (split
+evenly between the input- and weight-gradient halves of zero-bubble schedules), its recomputation
+host_overhead.recompute_share of the forward's; the embedding's ops on the stage holding the first chunk, head and
+loss on the stage holding the last; the optimizer's ops (its share of the layers) in its step. With counted eager
+bytes (host_overhead.counted_bytes) each host op also moves its part's bytes (host_overhead.HostCosts), replacing the
+fused elementwise and optimizer-update traffic.
 
 Ops are the records of simulator.ops (Compute, Host, Start, Wait, Reduce, Memory; each documented there), run by
 simulator.step. Expert all-to-all token counts come from simulator.routing (see ExpertLoads).
@@ -36,7 +37,7 @@ from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs
 from rackcast.simulator.gemms import MLP_PARTS, embed_gemms, gemms_seconds, layer_gemms, tail_seconds
-from rackcast.simulator.host_overhead import host_costs, layer_forward_ops
+from rackcast.simulator.host_overhead import host_costs, layer_forward_ops, recompute_share
 from rackcast.simulator.activations import mtp_activation_bytes_per_token
 from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, layer_activation_bytes_per_token,
                                        rank_params, static_bytes)
@@ -211,8 +212,8 @@ class Workload:
         pre = "recompute " if recompute else ""
         ops: list = []
         attn_s = lw.attn_s + (0.0 if recompute else lw.elem_s / 2)
-        if lw.host_ops > 0.0 and not recompute:  # the trainer does not recompute: no host ops counted for it
-            ops.append(Host("host ops", self.host_costs.forward_s(lw.host_ops, lw.host_bytes)))
+        if lw.host_ops > 0.0:  # the trainer's recomputation (backend.recompute) reruns the whole block's ops
+            ops.append(Host(pre + "host ops", self.host_costs.forward_s(lw.host_ops, lw.host_bytes)))
         if par.context > 1:  # the trainer's K/V exchange blocks before the attention that reads it
             ops += [Start(key + "cp", self._cp_comm(lw)), Wait(key + "cp", "exposed_tensor_comm")]
         ops.append(Compute(pre + "attention", attn_s))
@@ -224,6 +225,13 @@ class Workload:
             ops.append(Compute(pre + "mlp", lw.router_s))
         ops += self._tp(key + "tpm")
         return ops
+
+    def selective_recompute(self, lw: LayerWork) -> list:
+        """Ops of one layer's selective recomputation: the attention core, and its share of the layer's host ops
+        and eager bytes (host_overhead.recompute_share)."""
+        share = recompute_share(self.spec, self.plan, lw.index) if lw.host_ops > 0.0 else 0.0
+        host = [Host("recompute host ops", self.host_costs.forward_s(lw.host_ops, lw.host_bytes, share))]
+        return (host if share else []) + [Compute("recompute attention core", lw.core_s)]
 
     def layer_backward(self, lw: LayerWork, mb: int | None, key: str, kind: str) -> list:
         """Ops of one layer's backward: kind "BW" (input and weight gradients), "B" (inputs) or "W" (weights); mb as

@@ -18,7 +18,7 @@ from rackcast.plan import load_plan
 from rackcast.presets import load_model
 from rackcast.simulator import op_counts as oc
 from rackcast.simulator.estimate import estimate
-from rackcast.simulator.host_overhead import host_overhead, ops_per_microbatch, optimizer_ops
+from rackcast.simulator.host_overhead import host_overhead, ops_per_microbatch, optimizer_ops, recompute_share
 from rackcast.simulator.step import simulate
 from rackcast.topologies.spec import HostOpTimes
 
@@ -94,6 +94,21 @@ def test_pipeline_overhead_grows_the_bubble_through_the_schedule(schedule, tiny_
     # missing term (one micro-batch's ops is 1 / (m + p - 1) = 20% of it).
     assert over.step_time_s - base.step_time_s == pytest.approx(expected, rel=0.03)
     assert over.phases_s["pipeline_bubble"] > base.phases_s["pipeline_bubble"]
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+@pytest.mark.parametrize("run", [estimate, simulate], ids=["estimate", "simulate"])
+def test_recomputation_reruns_its_share_of_each_layers_forward_host_ops(run, recompute, tiny_counts):
+    plan = replace(load_plan(str(PLANS / "tiny-1proc.yaml")), recompute=recompute)
+    spec, topo, m = plan.model_spec(), plan.topology_spec(), plan.microbatches
+    share = [recompute_share(spec, plan, i) for i in range(spec.layers)]
+    assert all(0.0 < s <= 1.0 for s in share) and (max(share) < 1.0) == (recompute == "selective")
+
+    def overhead(p):
+        return run(p, topo=_t_op(topo, T)).step_time_s - run(p, topo=topo).step_time_s
+
+    rerun = m * sum(ops * s for ops, s in zip(tiny_counts["fwd_layers"], share)) * T.forward
+    assert overhead(plan) - overhead(replace(plan, recompute="none")) == pytest.approx(rerun, rel=1e-9)
 
 
 def test_zero_overhead_changes_nothing_and_counts_nothing(monkeypatch):

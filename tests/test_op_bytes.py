@@ -16,8 +16,11 @@ from rackcast.presets import load_model  # noqa: E402
 from rackcast.simulator import costs  # noqa: E402
 from rackcast.simulator import op_bytes as ob  # noqa: E402
 from rackcast.simulator import op_counts as oc  # noqa: E402
-from rackcast.simulator.estimate import estimate  # noqa: E402
-from rackcast.simulator.host_overhead import eager_bytes, host_bytes  # noqa: E402
+from rackcast.simulator.estimate import estimate, plan_features  # noqa: E402
+from rackcast.layout import ParallelSpec  # noqa: E402
+from rackcast.simulator.host_overhead import counted_bytes, eager_bytes, host_bytes, optimizer_bytes  # noqa: E402
+from rackcast.simulator.memory import rank_params  # noqa: E402
+from rackcast.simulator.optimizer_cost import optimizer_traffic_bytes  # noqa: E402
 from rackcast.simulator.step import simulate  # noqa: E402
 from rackcast.topologies.spec import HostOpTimes  # noqa: E402
 
@@ -79,8 +82,10 @@ def test_the_byte_key_includes_widths_and_seq_len():
     assert not ob.countable(load_model("marin-535b-a23b"))
 
 
-def test_estimate_and_simulator_add_the_same_eager_bytes_in_place_of_the_fused_elementwise_term(monkeypatch):
-    plan = load_plan(str(PLANS / "tiny-1proc.yaml"))
+@pytest.mark.parametrize("plan_file", ["tiny-1proc.yaml", "tiny-2proc-ep.yaml"])
+def test_estimate_and_simulator_add_the_same_eager_bytes_in_place_of_the_fused_elementwise_term(monkeypatch,
+                                                                                                plan_file):
+    plan = load_plan(str(PLANS / plan_file))
     spec = plan.model_spec()
     topo = plan.topology_spec()
     topo = topo.with_efficiency(replace(topo.efficiency, host_op_s=HostOpTimes(1e-5, 6e-6, 4e-6)))
@@ -95,7 +100,6 @@ def test_estimate_and_simulator_add_the_same_eager_bytes_in_place_of_the_fused_e
 
 
 def test_without_measured_host_times_no_bytes_are_looked_up_and_the_fused_term_stands(monkeypatch):
-    from rackcast.simulator.estimate import plan_features
 
     def no_lookup(*a, **k):
         raise AssertionError("eager bytes asked for without measured host_op_s")
@@ -105,3 +109,37 @@ def test_without_measured_host_times_no_bytes_are_looked_up_and_the_fused_term_s
     f = plan_features(plan.model_spec(), plan, plan.topology_spec())
     assert f["eager_bytes_counted"] == 0.0 and f["elementwise_bytes"] > 0.0 and f["opt_bytes"] > 0.0
     assert simulate(plan, record=False).step_time_s > 0.0
+
+
+def test_expert_parallel_2_halves_the_expert_part_of_the_optimizer_bytes():
+    plan = load_plan(str(PLANS / "tiny-2proc-ep.yaml"))  # data 2, expert 2, no ZeRO: dense updated on every rank
+    spec = plan.model_spec()
+    e = eager_bytes(ob.lookup(spec, "muonh"), spec, plan)
+    one = replace(plan, parallel=ParallelSpec())
+    whole = rank_params(spec, one)
+    update = lambda rp: optimizer_traffic_bytes(rp, one)[0]  # noqa: E731
+    expert_part = 1.0 - update(replace(whole, expert=0.0, expert_adam=0.0)) / update(whole)
+    assert 0.0 < expert_part < 1.0
+    replicas = replace(plan, parallel=replace(plan.parallel, expert=1))
+    assert optimizer_bytes(e, spec, replicas, 0) == pytest.approx(e.opt_step, rel=1e-12)
+    assert optimizer_bytes(e, spec, plan, 0) == pytest.approx(e.opt_step * (1.0 - expert_part / 2), rel=1e-12)
+
+
+def test_tensor_parallel_2_halves_each_layers_eager_bytes_not_the_ends():
+    plan = load_plan(str(PLANS / "tiny-1proc.yaml"))
+    spec = plan.model_spec()
+    tp2 = replace(plan, parallel=replace(plan.parallel, tensor=2))
+    one, two = (eager_bytes(ob.lookup(spec, "muonh"), spec, p) for p in (plan, tp2))
+    assert two.layers == pytest.approx([x / 2 for x in one.layers], rel=1e-12)
+    assert (two.embed, two.head, two.bwd_over_fwd) == (one.embed, one.head, one.bwd_over_fwd)
+
+
+def test_a_plan_not_run_as_the_bytes_were_counted_keeps_the_fused_term():
+    plan = load_plan(str(PLANS / "tiny-1proc.yaml"))
+    spec, topo = plan.model_spec(), plan.topology_spec()
+    topo = topo.with_efficiency(replace(topo.efficiency, host_op_s=HostOpTimes(1e-5, 6e-6, 4e-6)))
+    assert counted_bytes(spec, plan, topo) is not None
+    for other in (replace(plan, precision="bf16"), replace(plan, attention_kernel="materialized")):
+        assert counted_bytes(spec, other, topo) is None
+        f = plan_features(spec, other, topo)
+        assert f["eager_bytes_counted"] == 0.0 and f["eager_forward"] == 0.0 and f["elementwise_bytes"] > 0.0

@@ -231,18 +231,20 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
         progress("simulate (calibrated profile)", done, total)
     predict_all(results, topology, "microbenchmarks", overhead=False)
     counts, eager = None, False
-    if load_topology(topology).efficiency.host_op_s.measured:
+    topo = load_topology(topology)
+    if topo.efficiency.host_op_s.measured:
         from rackcast.presets import load_model
-        from rackcast.simulator.op_bytes import lookup
+        from rackcast.simulator.host_overhead import counted_bytes
         from rackcast.simulator.op_counts import op_counts
 
         counts = op_counts(load_model("tiny-moe"), "muonh")  # for the summary; the predictions count their own
-        eager = lookup(load_model("tiny-moe"), "muonh") is not None  # counted eager bytes replace the fused term
+        # whether the counted eager bytes replace the fused term on every plan (host_overhead.counted_bytes decides)
+        eager = all(counted_bytes((p := load_plan(r.plan_path)).model_spec(), p, topo) is not None for r in results)
         predict_all(results, topology, "microbenchmarks + op overhead")
     done += 1
     fit_on = max(1, min(fit_on, len(results) - 1))
     calib = results[:fit_on]
-    base = load_topology(topology)
+    base = topo
     names = FIT_FACTORS + (["op_overhead"] if counts else [])
     res = fit([Measurement(load_plan(r.plan_path), r.measured_step_s, r.measured_phases_s, label=r.name)
                for r in calib], base, names)

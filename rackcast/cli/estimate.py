@@ -61,10 +61,14 @@ def _run(args) -> int:
     spec, topo = plan.model_spec(), plan.topology_spec()
     if topo.efficiency.host_op_s.measured:
         from rackcast.simulator.estimate import eager_bytes_counted
+        from rackcast.simulator.host_overhead import COUNTED_AS, runs_as_counted
         from rackcast.simulator.op_bytes import MAX_PARAMS
 
         out.print("eager memory traffic: " + ("counted bytes per framework op (simulator/op_bytes)"
                   if eager_bytes_counted(spec, plan, topo) else
+                  "the plan does not run as the bytes are counted (" +
+                  ", ".join(f"{k} {v}" for k, v in COUNTED_AS.items()) + "); the fused elementwise term stands"
+                  if not runs_as_counted(plan) else
                   f"not counted for this model (rackcast calibrate --op-counts MODEL counts models up to "
                   f"{MAX_PARAMS:.3g} parameters); the fused elementwise term stands"))
     refuse_unless_fits(args.plan, result.fits, result.memory.total, result.hbm_bytes)

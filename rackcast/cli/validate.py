@@ -97,8 +97,9 @@ def _run(args) -> int:
                     ["profile", "plans", "step MAPE", "max |error|", "Kendall tau", "memory MAPE",
                      "memory max |error|"], rows))
     if s.get("op_counts"):
-        out.print("eager memory traffic (+ovh): " + ("counted bytes per framework op (simulator/op_bytes)"
-                  if s.get("eager_bytes_counted") else "not counted; the fused elementwise term stands"))
+        out.print("eager memory traffic (+ovh): " + ("counted bytes per framework op (simulator/op_bytes) on every plan"
+                  if s.get("eager_bytes_counted") else "not on every plan (not counted, or a plan not run as they "
+                  "were counted: host_overhead.COUNTED_AS); the fused elementwise term stands there"))
     out.print("fitted factors (" + ", ".join(s["fit_on"]) + "): "
               + ", ".join(f"{k} {v:.3g}" for k, v in s["fitted_factors"].items()))
     if s["scorable"]:
