@@ -109,6 +109,15 @@ def verify(estimates: Sequence[float], simulate_one: Callable[[int], dict], sim_
     def wanted(j: int) -> bool:  # the best simulated only gets better, so a candidate unwanted now stays unwanted
         return j < minimum or can_beat(estimates[j], best, objective, band)
 
+    def top_up() -> None:  # keep every worker busy: submit, in estimate order, what the rule may still want
+        nonlocal next_j
+        submitted = next_j
+        while len(futures) < workers and next_j < cap and wanted(next_j):
+            futures[pool.submit(_run_task, next_j)] = next_j
+            next_j += 1
+        if progress and next_j > submitted:
+            progress(len(kept), cap, f"simulating candidates {min(futures.values()) + 1}-{next_j} by estimate")
+
     _TASK["simulate_one"] = simulate_one
     if workers > 1 and cap > 1:
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
@@ -121,13 +130,8 @@ def verify(estimates: Sequence[float], simulate_one: Callable[[int], dict], sim_
             if i >= minimum and not can_beat(estimates[i], best, objective, band):
                 reason = "verified"
                 break
-            if pool is not None:  # keep every worker busy: submit, in estimate order, what the rule may still want
-                submitted = next_j
-                while len(futures) < workers and next_j < cap and wanted(next_j):
-                    futures[pool.submit(_run_task, next_j)] = next_j
-                    next_j += 1
-                if progress and next_j > submitted:
-                    progress(len(kept), cap, f"simulating candidates {min(futures.values()) + 1}-{next_j} by estimate")
+            if pool is not None:
+                top_up()
             while i not in results:
                 if pool is None:
                     if progress:
@@ -137,6 +141,7 @@ def verify(estimates: Sequence[float], simulate_one: Callable[[int], dict], sim_
                 done, _ = wait(futures, return_when=FIRST_COMPLETED)
                 for f in done:
                     results[futures.pop(f)] = f.result()
+                top_up()  # a free worker takes the next candidate while candidate i is still running
             figures = results.pop(i)
             kept.append(i)
             if on_result:
