@@ -15,6 +15,7 @@ apart).
     .venv/bin/python benchmarks/bench_planner.py [--repeats 3] [--workers N] [--scalar-sample 2000]
                                                  [--skip-size] [--skip-16k] [--skip-step] [--skip-16k-search]
                                                  [--compare-ref GITREF [--compare-runs 50] [--skip-ref-search]]
+                                                 [--only-deepseek [--compare-ref GITREF]]
 
 --compare-ref times the whole tree as of GITREF (e.g. main) beside this one, interleaved (old, new, new, old, ...:
 each run a fresh process, a warm-up search then one timed, the 1-minute load average read beside it): the closed
@@ -56,6 +57,8 @@ HERO = Path(__file__).resolve().parent.parent / "examples" / "plans" / "marin-53
 MARIN = dict(model="marin-535b-a23b", topology="gb200-nvl72", racks=11, tokens=18e12)
 LLAMA = dict(model="llama-3.1-405b", topology="h100-hgx", racks=2048, tokens=15.6e12)
 DEEPSEEK = dict(model="deepseek-v3-class", topology="h100-hgx", racks=2048, tokens=14.8e12)
+DEEPSEEK_REQUEST = Request(**DEEPSEEK, options=SpaceOptions(global_batch=16384))
+DEEPSEEK_TITLE = "16,384 GPUs: deepseek-v3-class on 2,048 x h100-hgx, global batch 16,384"
 
 
 def cpu_s() -> float:
@@ -137,18 +140,30 @@ def closed_form(repeats: int, sample: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ old vs new
 TIMED_SEARCH = """
-import json, os, sys, time, types
+import hashlib, json, os, sys, time, types
 import rackcast.planner.search as planner_search
 from rackcast.planner.search import Request, search
-request = Request(**json.loads(sys.argv[1]))
+from rackcast.planner.space import SpaceOptions
+fields = json.loads(sys.argv[1])
+request = Request(**dict(fields, options=SpaceOptions(**fields.get("options", {}))))
 if sys.argv[2] == "cpu":  # the search's stage timer reads this process's CPU clock instead of the wall clock
     planner_search.time = types.SimpleNamespace(perf_counter=time.process_time)
 search(request)  # warm-up: imports, caches, numba's kernels
 load = os.getloadavg()[0]
 wall0 = time.perf_counter()
 res = search(request)
-print(json.dumps(dict(wall_s=time.perf_counter() - wall0, load=load, enumerated=res.counts["enumerated"],
-                      winner=res.winner.layout.label, module=planner_search.__file__, **res.timings)))
+wall_s = time.perf_counter() - wall0
+def exact(x):  # floats as their exact hex, for the digest
+    if isinstance(x, float):
+        return x.hex()
+    if isinstance(x, dict):
+        return {str(k): exact(v) for k, v in sorted(x.items())}
+    return x
+rows = [(row.layout.label, row.rank, exact(row.days), exact(row.mfu), exact(row.sim)) for row in res.ranked]
+print(json.dumps(dict(wall_s=wall_s, load=load, enumerated=res.counts["enumerated"], ranked=res.counts["ranked"],
+                      simulated=res.counts["simulated"], winner=res.winner.layout.label,
+                      winner_tokens_per_s=res.winner.best_tokens_per_s, module=planner_search.__file__,
+                      digest=hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16], **res.timings)))
 """
 
 
@@ -203,6 +218,35 @@ def compare_trees(ref: str, repeats: int, workers: int, with_search: bool) -> No
     same = {case: {x["winner"] for side in r.values() for x in side} for case, r in runs.items()}
     print(f"  the same winner in every run: {all(len(w) == 1 for w in same.values())}")
     compare_search_module(ref, repeats)
+
+
+def compare_deepseek(ref: str, repeats: int, workers: int) -> None:
+    """The 16,384-GPU DeepSeek-V3-class search as of `ref` and in this tree, interleaved fresh processes (a warm-up
+    search then one timed, each): total wall s, the verified ranking's wall s, and whether every run ranked the same
+    rows with the same figures (a digest of every ranked row's label, rank, estimate and simulated figures)."""
+    from git_ref import package_at
+
+    trees = {"old": str(package_at(ref)), "new": None}
+    request = dict(DEEPSEEK, workers=workers, forecast_rows=1, options={"global_batch": 16384})
+    runs = {"old": [], "new": []}
+    for i in range(repeats):
+        for label in (("old", "new") if i % 2 == 0 else ("new", "old")):
+            runs[label].append(timed_search(trees[label], request, "wall"))
+            x = runs[label][-1]
+            print(f"  {label} run {len(runs[label])}: total {x['wall_s']:.2f} s, verified ranking {x['simulate_s']:.2f} s"
+                  f" (load average {x['load']:.2f})", flush=True)
+    print(f"DeepSeek-V3-class search on 16,384 GPUs, old ({ref}) vs new (this tree), interleaved, {repeats} fresh "
+          f"processes each, {workers} workers; min / median / max")
+    for label in ("old", "new"):
+        xs = runs[label]
+        loads = [x["load"] for x in xs]
+        print(f"  {label}: total wall s {spread(x['wall_s'] for x in xs)}, verified ranking wall s "
+              f"{spread(x['simulate_s'] for x in xs)}, enumeration {spread(x['enumerate_s'] for x in xs)}, closed form "
+              f"{spread(x['closed_form_s'] for x in xs)}   (load average {min(loads):.1f}-{max(loads):.1f})")
+        print(f"    {xs[0]['enumerated']:,} enumerated, {xs[0]['ranked']:,} ranked, {xs[0]['simulated']} simulated; "
+              f"winner {xs[0]['winner']}: {xs[0]['winner_tokens_per_s'] / 1e6:.3f} M tokens/s")
+    digests = {x["digest"] for side in runs.values() for x in side}
+    print(f"  the same ranked rows and simulated figures in every run: {len(digests) == 1} ({', '.join(digests)})")
 
 
 def compare_search_module(ref: str, repeats: int) -> None:
@@ -329,11 +373,20 @@ def main() -> int:
                     help="also time the tree as of GITREF beside this one, interleaved (the closed form, the Marin "
                          "layout search, planner/search.py alone) and the forecast kernel on the top 16,384-GPU row")
     ap.add_argument("--compare-runs", type=int, default=50, help="Monte Carlo runs per --compare-ref timing")
+    ap.add_argument("--only-deepseek", action="store_true",
+                    help="run only the 16,384-GPU DeepSeek-V3-class search (with --compare-ref: it alone, old vs new)")
     ap.add_argument("--skip-ref-search", action="store_true",
                     help="--compare-ref: compare the closed form only, not the whole Marin layout search")
     args = ap.parse_args()
     print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}, workers {args.workers}, "
           f"repeats {args.repeats}")
+    if args.only_deepseek:
+        if args.compare_ref:
+            compare_deepseek(args.compare_ref, args.repeats, args.workers)
+        else:
+            layout_search(DEEPSEEK_TITLE, replace(DEEPSEEK_REQUEST, workers=args.workers,
+                                                  forecast_rows=args.forecast_rows), args.repeats)
+        return 0
     if args.compare_ref:
         compare_trees(args.compare_ref, args.repeats, args.workers, not args.skip_ref_search)
     closed_form(args.repeats, args.scalar_sample)
@@ -343,8 +396,7 @@ def main() -> int:
         size(args.repeats, args.workers)
     if not args.skip_16k:
         for title, req in (("16,384 GPUs: llama-3.1-405b on 2,048 x h100-hgx", Request(**LLAMA)),
-                           ("16,384 GPUs: deepseek-v3-class on 2,048 x h100-hgx, global batch 16,384",
-                            Request(**DEEPSEEK, options=SpaceOptions(global_batch=16384)))):
+                           (DEEPSEEK_TITLE, DEEPSEEK_REQUEST)):
             req = replace(req, workers=args.workers, forecast_rows=args.forecast_rows)
             if not args.skip_16k_search:
                 layout_search(title, req, args.repeats)

@@ -10,11 +10,13 @@ no longer beats the best simulated figure:
 
 Candidates are sorted by estimate, so the rule stops at the first one that fails it. The simulator is deterministic
 and the rule is applied in estimate order, so which candidates end up simulated does not depend on the number of
-worker processes: the pool simulates the next `workers` candidates at once (speculatively), and results past the
-stopping point are dropped. A cap bounds the work; when it stops the search early the result says which candidate
-could still have won. Ctrl-C stops the simulations cleanly and keeps what was simulated. A candidate whose step is
-too large to simulate (simulator.step.check_work) keeps its estimate and counts as not best. `verify_ranking` applies
-the rule to a layout search's result (planner.search) with simulator.step.
+worker processes: the pool keeps `workers` simulations running, the next candidates in estimate order that the rule
+may still want (speculatively: a worker takes the next one as soon as it is free), and the results are applied in
+estimate order; simulations still running at the stopping point are stopped and dropped. A cap bounds the work;
+when it stops the search early the result says which candidate could still have won. Ctrl-C stops the simulations
+cleanly and keeps what was simulated. A candidate whose step is too large to simulate (simulator.step.check_work)
+keeps its estimate and counts as not best. `verify_ranking` applies the rule to a layout search's result
+(planner.search) with simulator.step, without recording timelines (record=False: the same figures, faster).
 
     from rackcast.planner.verify import ESTIMATE_BAND, verify, verify_ranking
 """
@@ -25,7 +27,7 @@ import math
 import multiprocessing
 import os
 import signal
-from concurrent.futures import ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -77,6 +79,14 @@ def _run_task(i: int) -> dict:
     return _TASK["simulate_one"](i)
 
 
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Shut the pool down without waiting for the simulations it is running (their results are not wanted)."""
+    workers_running = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in workers_running:
+        proc.terminate()
+
+
 def verify(estimates: Sequence[float], simulate_one: Callable[[int], dict], sim_score: Callable[[dict], float], *,
            objective: str, band: float = ESTIMATE_BAND, cap: int = MAX_SIMULATED, minimum: int = 1, workers: int = 1,
            on_result: Callable[[int, dict], None] | None = None,
@@ -93,7 +103,21 @@ def verify(estimates: Sequence[float], simulate_one: Callable[[int], dict], sim_
     i = 0
     reason = "all"
     pool = None
-    futures: dict = {}
+    futures: dict = {}  # in flight: future -> candidate index
+    next_j = 0  # the next candidate to submit; candidates 0..next_j-1 are submitted (or done)
+
+    def wanted(j: int) -> bool:  # the best simulated only gets better, so a candidate unwanted now stays unwanted
+        return j < minimum or can_beat(estimates[j], best, objective, band)
+
+    def top_up() -> None:  # keep every worker busy: submit, in estimate order, what the rule may still want
+        nonlocal next_j
+        submitted = next_j
+        while len(futures) < workers and next_j < cap and wanted(next_j):
+            futures[pool.submit(_run_task, next_j)] = next_j
+            next_j += 1
+        if progress and next_j > submitted:
+            progress(len(kept), cap, f"simulating candidates {min(futures.values()) + 1}-{next_j} by estimate")
+
     _TASK["simulate_one"] = simulate_one
     if workers > 1 and cap > 1:
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
@@ -106,17 +130,18 @@ def verify(estimates: Sequence[float], simulate_one: Callable[[int], dict], sim_
             if i >= minimum and not can_beat(estimates[i], best, objective, band):
                 reason = "verified"
                 break
-            if i not in results:  # simulate this one and, speculatively, the next ones the rule may still want
-                batch = [j for j in range(i, min(cap, i + max(1, workers)))
-                         if j < minimum or can_beat(estimates[j], best, objective, band)]
-                if progress:
-                    progress(len(kept), cap, f"simulating candidates {batch[0] + 1}-{batch[-1] + 1} by estimate")
+            if pool is not None:
+                top_up()
+            while i not in results:
                 if pool is None:
-                    results.update((j, simulate_one(j)) for j in batch)
-                else:
-                    futures = {pool.submit(_run_task, j): j for j in batch}
-                    wait(futures)
-                    results.update((j, f.result()) for f, j in futures.items())
+                    if progress:
+                        progress(len(kept), cap, f"simulating candidate {i + 1} by estimate")
+                    results[i] = simulate_one(i)
+                    continue
+                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for f in done:
+                    results[futures.pop(f)] = f.result()
+                top_up()  # a free worker takes the next candidate while candidate i is still running
             figures = results.pop(i)
             kept.append(i)
             if on_result:
@@ -137,13 +162,12 @@ def verify(estimates: Sequence[float], simulate_one: Callable[[int], dict], sim_
                 on_result(i, results.pop(i))
             i += 1
         if pool is not None:
-            workers_running = list((getattr(pool, "_processes", None) or {}).values())
-            pool.shutdown(wait=False, cancel_futures=True)
-            for proc in workers_running:
-                proc.terminate()
+            _stop(pool)
             pool = None
     finally:
-        if pool is not None:
+        if pool is not None and futures:  # the rule stopped: the speculative simulations still running are not wanted
+            _stop(pool)
+        elif pool is not None:
             pool.shutdown()
         _TASK.clear()
     if progress:
@@ -166,7 +190,7 @@ def _simulate_one(plan: Plan) -> dict:
     from rackcast.simulator.step import simulate
 
     try:
-        res = simulate(plan, seed=0)
+        res = simulate(plan, seed=0, record=False)  # the figures only: no timeline to keep
     except RackcastError as exc:
         return {"refused": str(exc)}
     return {"step_time_s": float(res.step_time_s), "tokens_per_s": float(res.tokens_per_s), "mfu": float(res.mfu),
