@@ -190,8 +190,9 @@ def allot(slots: int, width: int, n_links: int, n_groups: int, old: tuple | None
 
 
 def _item(x, i):
-    """x[i], or x itself when x is one value for all (compiled only: `_item_overload` picks by x's type)."""
-    raise NotImplementedError
+    """x[i], or x itself when x is one value for all. Compiled code takes `_item_overload`, which picks by x's type
+    when numba types the call; this body is what plain Python runs."""
+    return x[i] if isinstance(x, np.ndarray) else x
 
 
 @overload(_item)
