@@ -170,12 +170,18 @@ def _per_step(forward: list[float], recomputed: list[float], bwd_over_fwd: float
                    optimizer=optimizer)
 
 
-def host_ops(counts: dict, spec: ModelSpec, plan: Plan) -> HostOps:
-    layer = lambda i: layer_forward_ops(counts, plan, i)  # noqa: E731
+def _step_amounts(embed: float, head: float, layer, bwd_over_fwd: float, optimizer: float, spec: ModelSpec,
+                  plan: Plan) -> HostOps:
+    """Per-step amounts (ops or bytes) on rank 0 from the ends' and each layer's forward amount per micro-batch."""
     stages = range(plan.parallel.pipeline)
-    forward = [_stage_forward(counts["fwd_embed"], counts["fwd_head"], layer, spec, plan, s) for s in stages]
+    forward = [_stage_forward(embed, head, layer, spec, plan, s) for s in stages]
     recomputed = [_stage_recompute(layer, spec, plan, s) for s in stages]
-    return _per_step(forward, recomputed, counts["bwd_over_fwd"], optimizer_ops(counts, spec, plan, 0), plan)
+    return _per_step(forward, recomputed, bwd_over_fwd, optimizer, plan)
+
+
+def host_ops(counts: dict, spec: ModelSpec, plan: Plan) -> HostOps:
+    return _step_amounts(counts["fwd_embed"], counts["fwd_head"], lambda i: layer_forward_ops(counts, plan, i),
+                         counts["bwd_over_fwd"], optimizer_ops(counts, spec, plan, 0), spec, plan)
 
 
 # ------------------------------------------------------------------------------------------ eager memory traffic
@@ -214,11 +220,8 @@ def optimizer_bytes(e: EagerBytes, spec: ModelSpec, plan: Plan, stage: int) -> f
 
 def host_bytes(e: EagerBytes, spec: ModelSpec, plan: Plan) -> HostOps:
     """Eager bytes of one step on rank 0 by kind, as host_ops counts ops."""
-    layer = lambda i: e.layers[i]  # noqa: E731
-    stages = range(plan.parallel.pipeline)
-    forward = [_stage_forward(e.embed, e.head, layer, spec, plan, s) for s in stages]
-    recomputed = [_stage_recompute(layer, spec, plan, s) for s in stages]
-    return _per_step(forward, recomputed, e.bwd_over_fwd, optimizer_bytes(e, spec, plan, 0), plan)
+    return _step_amounts(e.embed, e.head, lambda i: e.layers[i], e.bwd_over_fwd, optimizer_bytes(e, spec, plan, 0),
+                         spec, plan)
 
 
 class HostCosts:
