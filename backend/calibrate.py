@@ -5,7 +5,8 @@ All ranks run the compute benchmarks at the same moment (barrier before each), a
 machine; rank 0's figures are kept. Collectives: all_reduce, all_gather (size = gathered output), reduce_scatter
 (size = input per rank), all_to_all_single with even and uneven splits (size = bytes sent per rank), send/recv (one
 way, from a ping-pong) over group sizes 2 and `world` (when larger), at several message sizes; the reported time is
-rank 0's median per call. Results are plain data (JSON-able); validation.calibration turns them into a topology.
+rank 0's fastest sample per call (rackcast.spread.undisturbed). Results are plain data (JSON-able);
+validation.calibration turns them into a topology.
 
     rackcast calibrate --quick --save-measurements meas.json      # measure, write the topology and the raw JSON
 """
@@ -17,7 +18,6 @@ import os
 import platform
 import queue as queue_mod
 import socket
-import statistics
 import time
 import traceback
 
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from rackcast.backend.calibrate_compute import run_compute, task_count
 from rackcast.units import KIB, MIB
+from rackcast.spread import undisturbed
 from rackcast.backend.cpu_runtime import DEFAULT_THREADS, configure_cpu_process
 from rackcast.backend.parallel import close_distributed
 
@@ -99,7 +100,8 @@ class _CommBench:
             torch.cuda.synchronize(self.device)
 
     def _time(self, fn, member: bool) -> float:
-        """Rank 0's median seconds per call; every rank runs the same number of calls (rank 0 decides)."""
+        """Rank 0's seconds per call in its fastest sample (rackcast.spread.undisturbed); every rank runs the same
+        number of calls (rank 0 decides)."""
         dist.barrier()
         if member:
             fn()
@@ -122,7 +124,7 @@ class _CommBench:
                     fn()
                 self._sync()
             out.append((time.perf_counter() - t0) / inner)
-        return statistics.median(out)
+        return undisturbed(out)
 
     def run(self) -> list[dict]:
         results = []

@@ -2,7 +2,8 @@
 
 Every benchmark runs in the dtype the trainer computes in (fp32 on CPU, where the trainer uses no autocast; bf16 on
 CUDA, under autocast) and reports achieved FLOP/s or bytes/s; turning them into fractions of a peak is the job of
-validation.calibration (torch-free). Timing: `Timer` takes the median of several samples, each sample an inner loop
+validation.calibration (torch-free). Timing: `Timer` takes the fastest of several samples (rackcast.spread.undisturbed:
+interference on a shared machine only adds time), each sample an inner loop
 sized to last `target_s` (so per-call dispatch overhead, a real cost of small ops, is part of what is measured);
 CUDA timings use CUDA events.
 
@@ -12,7 +13,6 @@ CUDA timings use CUDA events.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 
 import torch
@@ -21,11 +21,13 @@ import torch.nn.functional as F
 from rackcast.backend.moe import grouped_matmul
 from rackcast.presets import load_model
 from rackcast.simulator.op_counts import TABLE_MODELS
+from rackcast.spread import undisturbed
 from rackcast.units import MIB
 
 
 class Timer:
-    """Median seconds per call of fn(), each sample an inner loop of calls lasting about target_s."""
+    """Seconds per call of fn() in the fastest of `samples` samples, each an inner loop of calls lasting about
+    target_s."""
 
     def __init__(self, device: torch.device, samples: int = 5, target_s: float = 0.02):
         self.device, self.samples, self.target_s = device, samples, target_s
@@ -60,7 +62,7 @@ class Timer:
                 sync_each()
             self._sync()
             out.append(self._run(fn, inner))
-        return statistics.median(out)
+        return undisturbed(out)
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:

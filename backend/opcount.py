@@ -36,7 +36,6 @@ on this CPU).
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -53,6 +52,7 @@ from rackcast.presets import load_model
 from rackcast.simulator import op_bytes as byte_data
 from rackcast.simulator import op_counts as data
 from rackcast.simulator.op_counts import COUNT_SEQ, structural_twin
+from rackcast.spread import undisturbed
 
 
 _aten = torch.ops.aten
@@ -231,7 +231,8 @@ def count_bytes(model, optimizer: str = "muonh") -> dict:
 def host_seconds_per_op(model: str = "tiny-moe", optimizer: str = "muonh", seq: int = 8, samples: int = 5,
                         device: torch.device | None = None, clock=time.perf_counter) -> dict:
     """Host seconds per op of the backend's own op mix, forward, backward and optimizer apart: one training step of
-    `model` on `seq` tokens, where the kernels' work is negligible, each part timed (median of `samples`) and divided
+    `model` on `seq` tokens, where the kernels' work is negligible, each part timed (the fastest of `samples`,
+    rackcast.spread.undisturbed) and divided
     by the ops it makes. The three differ: a forward op also runs the module's Python code and records the autograd
     graph, a backward op is run by autograd's C++ engine, an optimizer op by the optimizer's per-tensor loop.
     `clock`: wall time by default; time.process_time on a CPU shared with other jobs counts only this process's own
@@ -270,7 +271,7 @@ def host_seconds_per_op(model: str = "tiny-moe", optimizer: str = "muonh", seq: 
     step(counter)
     ops = {p: counter.counts.get(p, 0) for p in parts}
     times = [step() for _ in range(samples)]
-    seconds = {p: statistics.median(t[i] for t in times) for i, p in enumerate(parts)}
+    seconds = {p: undisturbed(t[i] for t in times) for i, p in enumerate(parts)}
     return {"model": spec.name, "tokens": int(tokens.numel()), "ops": ops, "seconds": seconds,
             "host_op_s": {p: seconds[p] / ops[p] for p in parts}}
 

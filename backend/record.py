@@ -15,6 +15,9 @@ Files in the run folder:
   critical_path: the same medians of the slowest rank's step time and phases, and the rank slowest most often;
   step_time_spread: those steps' median, quartiles and relative spread (rackcast.spread: flagged too_wide when the
   interquartile range exceeds the scoring limit);
+  fastest: the run's figure on a shared machine (rackcast.spread.fastest): the mean step time and phases of the
+  fastest FASTEST_SHARE of those steps, how many they are, and halves_spread (the figure on even against odd steps);
+  validate and `calibrate --from-run` score and fit this figure (`measured_figure`);
   peak_memory_bytes with memory_measure (how it was measured) and param_dtype / activation_dtype (what the trainer
   kept weights and activations in), peak_rss_bytes, drop_fraction, first/last loss, flops_convention, peak_flops
   with its dtype, and mfu_vs_bf16_peak (the simulator's convention).
@@ -41,7 +44,7 @@ import statistics
 from pathlib import Path
 
 from rackcast.atomic import atomic_path
-from rackcast.spread import quartile_spread_of
+from rackcast.spread import FASTEST_SHARE, fastest, halves_spread, quartile_spread_of
 from rackcast.units import KIB
 from rackcast.vocab import MEASURED_PHASES
 
@@ -97,6 +100,29 @@ def _critical_path(steady: list[dict]) -> dict:
             "slowest_rank": statistics.mode(ranks) if ranks else None}
 
 
+def fastest_steps(steady: list[dict]) -> dict:
+    """The mean step time and phases of the fastest FASTEST_SHARE of the steady steps (rackcast.spread.fastest),
+    with their count and the figure's halves_spread."""
+    times = [r["step_time_s"] for r in steady]
+    idx = fastest(times)
+    if not idx:
+        return {"share": FASTEST_SHARE, "steps": 0, "step_time_s": math.nan, "phases_s": {}, "halves_spread": math.nan}
+    chosen = [steady[i] for i in idx]
+    return {"share": FASTEST_SHARE, "steps": len(idx),
+            "step_time_s": statistics.fmean(r["step_time_s"] for r in chosen),
+            "phases_s": {p: statistics.fmean(r.get(f"phase_{p}_s") or 0.0 for r in chosen) for p in MEASURED_PHASES},
+            "halves_spread": halves_spread(times)}
+
+
+def measured_figure(record: dict) -> tuple[float, dict[str, float]]:
+    """The step time and phases a run is scored and fitted on: its `fastest` figure, or, in a record written before
+    that existed, its medians."""
+    fast = record.get("fastest") or {}
+    if fast.get("steps"):
+        return float(fast["step_time_s"]), dict(fast["phases_s"])
+    return float(record["step_time_s"]), dict(record.get("phases_s", {}))
+
+
 def summary(rows: list[dict], **info) -> dict:
     """record.json's content from the metric rows (medians skip the first step, which includes warm-up, and the
     memory-profiled step)."""
@@ -108,6 +134,7 @@ def summary(rows: list[dict], **info) -> dict:
         "steps": len(rows),
         "step_time_s": _median(steady, "step_time_s"),
         "step_time_spread": quartile_spread_of(r["step_time_s"] for r in steady).as_dict(),
+        "fastest": fastest_steps(steady),
         "tokens_per_s": _median(steady, "tokens_per_s"),
         "mfu": _median(steady, "mfu"),
         "step_cpu_s": _median(steady, "step_cpu_s"),

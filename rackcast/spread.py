@@ -7,6 +7,16 @@ interquartile range over the median, so one slow step does not count; across rep
 of the runs' medians, since there are few of them. A measurement whose relative spread is above SPREAD_LIMIT is
 flagged as too noisy to score: its error against a prediction could be noise as easily as model error.
 
+What a run measured, on a shared machine: interference (another job taking the core, the OS, a peer rank's pause)
+only ever adds time, never removes it, so the least-disturbed samples measure the work itself. Timing loops keep
+their fastest sample (`undisturbed`); a training run's figure is the mean of its fastest FASTEST_SHARE of steady
+steps (`fastest`), a lower trimmed mean: steadier than the minimum alone, and, unlike the median, not moved by how
+busy the machine was. Whether that figure reproduces within one run is the relative difference between it on the
+even and on the odd steps (`halves_spread`), so a single run (validate --quick) can still be flagged. This is the
+convention for time benchmarks (Python's timeit documentation: "the min() of the result is probably the only number
+you should be interested in", https://docs.python.org/3/library/timeit.html); the simulator predicts an undisturbed
+machine, so it is the figure to compare with.
+
     s = spread_of([0.101, 0.098, 0.131])     # Spread(centre=0.101, low=0.098, high=0.131, n=3)
     s.relative, s.too_wide                   # 0.327, True
 """
@@ -23,6 +33,9 @@ SPREAD_LIMIT = 0.15
 # A CPU run whose steps got less than this share of a core per process (process CPU time / wall time, record.json's
 # core_share) spent the rest waiting for a core: its wall times measure the machine's other load as much as the run.
 CORE_SHARE_FLOOR = 0.8
+# The share of a run's steady steps whose mean is its measured figure (`fastest`): a fifth (four of 19 steps, one of
+# seven) keeps a few steps against one lucky one, and leaves out the steps a shared machine slowed down.
+FASTEST_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -65,3 +78,36 @@ def quartile_spread_of(values) -> Spread:
         return spread_of(v)
     q1, _, q3 = statistics.quantiles(v, n=4, method="inclusive")
     return Spread(statistics.median(v), q1, q3, len(v))
+
+
+def undisturbed(samples) -> float:
+    """The fastest of several timed samples of the same work (see the module docstring); NaN without samples."""
+    v = _finite(samples)
+    return v[0] if v else math.nan
+
+
+def fastest(values, share: float = FASTEST_SHARE) -> list[int]:
+    """Indices of the fastest `share` of the finite values (at least one; ties keep the earlier), fastest first."""
+    finite = [(v, i) for i, v in enumerate(values) if v is not None and not math.isnan(v)]
+    if not finite:
+        return []
+    keep = max(1, math.floor(share * len(finite) + 0.5))
+    return [i for _, i in sorted(finite)[:keep]]
+
+
+def fastest_mean(values, share: float = FASTEST_SHARE) -> float:
+    """The mean of the fastest `share` of the values (`fastest`); NaN without finite values."""
+    values = list(values)
+    idx = fastest(values, share)
+    return statistics.fmean(values[i] for i in idx) if idx else math.nan
+
+
+def halves_spread(values, share: float = FASTEST_SHARE) -> float:
+    """|fastest_mean(even steps) - fastest_mean(odd steps)| / fastest_mean(all): how far the run's figure moves
+    between two interleaved halves of it; NaN with fewer than two values."""
+    values = list(values)
+    if len(values) < 2:
+        return math.nan
+    even, odd = fastest_mean(values[0::2], share), fastest_mean(values[1::2], share)
+    centre = fastest_mean(values, share)
+    return abs(even - odd) / centre if centre else math.nan

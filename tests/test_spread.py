@@ -78,3 +78,62 @@ def test_a_cpu_process_takes_one_torch_thread_by_default():
         torch.set_num_threads(before)
         if affinity is not None:
             os.sched_setaffinity(0, affinity)
+
+
+def test_undisturbed_is_the_fastest_finite_sample():
+    from rackcast.spread import undisturbed
+
+    assert undisturbed([0.3, 0.1, float("nan"), 0.2]) == 0.1
+    assert math.isnan(undisturbed([]))
+
+
+def test_fastest_mean_averages_the_fastest_fifth_and_ignores_slowed_steps():
+    from rackcast.spread import FASTEST_SHARE, fastest, fastest_mean
+
+    steps = [1.0 + 0.01 * i for i in range(19)] + [9.0]  # twenty steps, one slowed by the machine
+    k = math.floor(FASTEST_SHARE * 20 + 0.5)
+    assert fastest(steps) == list(range(k))
+    assert fastest_mean(steps) == pytest.approx(sum(1.0 + 0.01 * i for i in range(k)) / k)
+    assert fastest([5.0, 4.0, float("nan")]) == [1]  # at least one, NaN left out
+    assert fastest([]) == [] and math.isnan(fastest_mean([]))
+
+
+def test_halves_spread_compares_the_figure_on_even_and_odd_steps():
+    from rackcast.spread import halves_spread
+
+    assert halves_spread([1.0, 1.0, 1.0, 1.0]) == 0.0
+    # even steps fastest 1.0, odd steps fastest 1.3: the figure (1.0) moves by 30% between the halves
+    assert halves_spread([1.0, 1.3, 1.0, 1.3, 1.1, 1.4]) == pytest.approx(0.3)
+    assert math.isnan(halves_spread([1.0]))
+
+
+def _rows(times, phase=None):
+    nan = float("nan")
+    return [{"step": i, "loss": 1.0, "eval_loss": nan, "step_time_s": t, "tokens_per_s": 1.0, "mfu": 0.1,
+             "peak_memory_bytes": nan, "peak_rss_bytes": 1.0, "drop_fraction": 0.0,
+             "phase_compute_s": (phase or {}).get(i, t / 2)} for i, t in enumerate(times)]
+
+
+def test_record_fastest_takes_the_phases_of_the_same_fastest_steps():
+    from rackcast.backend.record import measured_figure, summary
+
+    times = [9.0] + [2.0] * 5 + [1.0] + [2.0] * 3  # warm-up, then ten steady steps: one fast (index 6)
+    rec = summary(_rows(times, phase={6: 0.7}))
+    fast = rec["fastest"]
+    assert fast["steps"] == 2 and fast["step_time_s"] == pytest.approx(1.5)  # the fastest fifth of 9 steady: 2
+    assert fast["phases_s"]["compute"] == pytest.approx((0.7 + 1.0) / 2)  # step 6's phase and one 2.0 step's
+    assert measured_figure(rec) == (fast["step_time_s"], fast["phases_s"])
+    old = {k: v for k, v in rec.items() if k != "fastest"}  # a record written before `fastest` existed
+    assert measured_figure(old) == (rec["step_time_s"], rec["phases_s"])
+
+
+def test_validate_scores_a_run_by_its_metrics_and_names_a_run_without_them(tmp_path):
+    from rackcast.backend.record import fastest_steps, steady_rows, write_metrics
+    from rackcast.errors import RackcastError
+    from rackcast.validation.validate import run_figure
+
+    rows = _rows([5.0, 1.2, 1.0, 1.4, 1.1, 3.0])
+    write_metrics(tmp_path, rows)
+    assert run_figure(tmp_path) == fastest_steps(steady_rows(rows))
+    with pytest.raises(RackcastError, match="metrics.parquet"):
+        run_figure(tmp_path / "missing")

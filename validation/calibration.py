@@ -213,7 +213,7 @@ def header_for(meas: dict, notes: list[str], command: str) -> list[str]:
             f"{m.get('device_name', '')}), measured at {meas['started_utc']} in {meas['wall_s']:.0f} s",
             f"torch {m['torch']}, python {m['python']}, {m['platform']}",
             f"{meas['world']} processes measured together (one per GPU on CUDA; on CPU with "
-            f"{meas.get('threads', 1)} torch thread(s) each); each figure is the median of several timed samples",
+            f"{meas.get('threads', 1)} torch thread(s) each); each figure is the fastest of several timed samples",
             *notes]
 
 

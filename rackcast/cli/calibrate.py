@@ -51,7 +51,7 @@ def register(sub) -> None:
     p.add_argument("--name", help="topology name (default: the output file's stem)")
     p.add_argument("--save-measurements", metavar="JSON", help="also write the raw measurements")
     p.add_argument("--from-run", action="append", default=[], metavar="RUN_DIR",
-                   help="fit factors to a run folder's record.json (repeatable)")
+                   help="fit factors to a run folder's record.json: the mean of its fastest steps (repeatable)")
     p.add_argument("--from-measurement", action="append", default=[], metavar="FILE",
                    help="fit factors to a measurement YAML (repeatable)")
     p.add_argument("--topology", help="topology to adjust when fitting (default: the first plan's)")
@@ -174,7 +174,9 @@ def load_measurements(args) -> list:
 
 
 def read_measurements(runs: list[str], files: list[str]) -> list:
-    """validation.fit.Measurement for each run folder (record.json) and each measurement YAML."""
+    """validation.fit.Measurement for each run folder (record.json: its fastest-steps figure,
+    backend.record.measured_figure) and each measurement YAML."""
+    from rackcast.backend.record import measured_figure
     from rackcast.validation.fit import Measurement
     from rackcast.plan import load_plan
 
@@ -190,8 +192,8 @@ def read_measurements(runs: list[str], files: list[str]) -> list:
         if not plan_path.exists():
             raise RackcastError(f"the run's plan {rec.get('plan_path')!r} is not found (copy it to plan.yaml in the "
                                 "run folder)", where=str(rec_path))
-        out.append(Measurement(load_plan(str(plan_path)), float(rec["step_time_s"]),
-                               {k: float(v) for k, v in rec.get("phases_s", {}).items() if v == v},
+        step, phases = measured_figure(rec)
+        out.append(Measurement(load_plan(str(plan_path)), step, {k: float(v) for k, v in phases.items() if v == v},
                                label=str(run)))
     for path in files:
         data = load_yaml(path)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rackcast.cli.common import console, print_json, table
 from rackcast.errors import RackcastError
+from rackcast.spread import FASTEST_SHARE
 from rackcast.units import MIB
 
 
@@ -24,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--reuse", action="store_true", help="predict the runs an earlier `validate` left in --out "
                                                         "instead of training again (same --steps, --repeats)")
     p.add_argument("--steps", type=int, default=0, help="steps per run (default 20; --quick 8)")
-    p.add_argument("--repeats", type=int, default=0, help="runs per plan, medians taken (default 3; --quick 1)")
+    p.add_argument("--repeats", type=int, default=0, help="runs per plan, the median of their figures taken (default 3; --quick 1)")
     p.add_argument("--fit-on", type=int, default=3, help="plans whose phase times the fitted profile uses "
                                                          "(the first N of the suite; default 3)")
     p.add_argument("--data-dir", default="runs/.data", help="token cache folder (default runs/.data)")
@@ -82,10 +83,11 @@ def _run(args) -> int:
         row += [f"{r.measured_peak_memory_bytes / MIB:.0f}", f"{pred_mem / MIB:.1f}"]
         rows.append(row)
     short = {"microbenchmarks": "sim", "microbenchmarks + op overhead": "sim+ovh", "fitted": "fitted"}
-    cols = ["plan", "measured", "runs", "spread runs / steps"]
+    cols = ["plan", "measured", "runs", "spread runs / halves"]
     for label in labels:
         cols += [short.get(label, label), "err"]
-    out.print(table(f"Step time per plan (ms; {s['repeats']} runs x {s['steps']} steps, medians; sim = "
+    out.print(table(f"Step time per plan (ms; {s['repeats']} runs x {s['steps']} steps; measured = each run's fastest "
+                    f"{FASTEST_SHARE:.0%} of steps, median over runs; sim = "
                     f"{results[0].predicted[labels[0]]['source']} with the calibrated topology, +ovh = plus the "
                     "measured per-op host overhead, fitted = factors fitted to the (fit) plans)",
                     cols + ["mem MiB", "mem MiB pred"], rows))
@@ -103,11 +105,11 @@ def _run(args) -> int:
     out.print("fitted factors (" + ", ".join(s["fit_on"]) + "): "
               + ", ".join(f"{k} {v:.3g}" for k, v in s["fitted_factors"].items()))
     if s["scorable"]:
-        out.print(f"spread: every plan's runs and steps agree within {_pct(s['spread_limit'])} (rackcast.spread): "
+        out.print(f"spread: every plan's runs and run halves agree within {_pct(s['spread_limit'])} (rackcast.spread): "
                   "the suite can be scored")
     else:
         out.print(f"spread: {', '.join(s['noisy_plans'])} varied by more than {_pct(s['spread_limit'])} between "
-                  "runs or steps: too noisy to score; the errors above may be the machine's, not the model's "
+                  "runs or run halves: too noisy to score; the errors above may be the machine's, not the model's "
                   "(rerun on a quieter machine or with more --repeats)")
     out.print(f"results: {args.out}/results.parquet, {args.out}/summary.json ({s['wall_s']:.0f} s)")
     return 0
