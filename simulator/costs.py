@@ -18,6 +18,8 @@ Conventions:
   the shape model (gemm_seconds): output tiles in waves over the SMs under the kernel-level ceiling, the HBM
   roofline, the launch floor. Attention cores at the attention fraction; backward = 2 x forward;
 - memory-bound work (elementwise ops, the optimizer's state update) = bytes / (HBM bandwidth x memory_bound);
+  eager ops' counted bytes (simulator.op_bytes), where they replace that term = bytes / (HBM bandwidth x
+  eager_bandwidth);
 - a collective of `nbytes` per rank (the nccl-tests size) over n ranks takes steps x latency + factor x nbytes /
   (bandwidth x efficiency(nbytes)) on the slowest hop of its span (simulator.collective_formulas).
 
@@ -319,11 +321,12 @@ def memory_bound_time(nbytes, topo: Topology):
 
 
 def eager_bytes_time(nbytes, topo: Topology):
-    """Bytes counted op by op as an eager framework runs them (simulator.op_bytes), at the measured bandwidth: that
-    figure is itself the best eager copy or add over the bytes it reads and writes, counted the same way. Not
+    """Bytes counted op by op as an eager framework runs them (simulator.op_bytes), at the measured bandwidth times
+    efficiency.eager_bandwidth (1 as calibrated: the measured figure is itself the best eager copy or add over the
+    bytes it reads and writes, counted the same way; a fit may scale it, validation.fit). Not
     efficiency.memory_bound, which relates a fused stack's minimal bytes to the eager elementwise mix's time, so it
     already holds the eager ops' extra traffic that these counted bytes make explicit."""
-    return nbytes / topo.accelerator.hbm_bandwidth_Bps
+    return nbytes / (topo.accelerator.hbm_bandwidth_Bps * topo.efficiency.eager_bandwidth)
 
 
 def host_link_time(nbytes, topo: Topology):

@@ -24,7 +24,8 @@ Eager memory traffic (same topologies, where simulator.op_bytes has the model's 
 model as they were counted: `counted_bytes`, the one place that decides): an eager framework runs every op as its
 own kernel, reading and writing whole tensors, so each micro-batch's forward and backward and the optimizer step
 also move the counted bytes of their non-GEMM, non-attention-core ops, at costs.eager_bytes_time (the measured
-bandwidth; see there why not efficiency.memory_bound). The counts are one process's, whole model; a rank's share:
+bandwidth x efficiency.eager_bandwidth; see there why not efficiency.memory_bound). The counts are one process's,
+whole model; a rank's share:
 - forward/backward: b = tokens per rank per micro-batch / seq_len sequences (context parallelism already splits the
   tokens: ParallelSpec.tokens_per_microbatch), a part's bytes fixed + per_sequence x b; each layer's / tensor
   (backend.tensor_parallel splits the attention heads and MLP widths, with sequence parallelism the norms, router

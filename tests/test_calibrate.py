@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
 import yaml
 
 from rackcast.validation.calibration import build_topology, header_for, write_topology
-from rackcast.validation.fit import apply_factors, fit, synthetic
+from rackcast.validation.fit import NOISE, apply_factors, fit, synthetic
 from rackcast.plan import load_plan
 from rackcast.topologies import load_topology
 from rackcast.topologies.profiles import apply_profile, load_profile
@@ -37,10 +38,18 @@ def test_fit_recovers_known_factors():
     truth = {"gemm": 0.5, "attention": 0.6, "memory_bound": 0.7, "all_to_all": 0.6, "send_recv": 0.8,
              "comm_compute_slowdown": 0.1}
     res = fit(synthetic(plans, topo, truth), topo)
-    for name, value in truth.items():
-        assert res.factors[name] == pytest.approx(value, rel=0.02, abs=0.005), name
-    assert res.rms_after < 1e-4 < res.rms_before
     assert res.identified["gemm"] and res.identified["all_to_all"]
+    # Exact data: the prior barely moves what the measurements pin; the rest (these seven plans leave memory_bound,
+    # send_recv, attention and the slowdown with posterior standard errors of 0.2 to 1) it holds towards their
+    # microbenchmark values, so there the truth lies within one posterior standard error.
+    for name, value in truth.items():
+        if res.identified[name]:
+            assert res.factors[name] == pytest.approx(value, rel=0.02), name
+        elif name == "comm_compute_slowdown":
+            assert abs(res.factors[name] - value) < res.std_error[name], name
+        else:
+            assert abs(math.log(res.factors[name] / value)) < res.std_error[name], name
+    assert res.rms_after < NOISE / 10 and res.rms_after < res.rms_before / 10
 
 
 def test_step_time_alone_fits_one_overall_factor():
@@ -50,7 +59,8 @@ def test_step_time_alone_fits_one_overall_factor():
     m.phases_s = {}
     res = fit([m], topo)
     assert set(res.std_error) == {"overall"}
-    assert res.step_error_after[0] == pytest.approx(0.0, abs=1e-4)
+    # the prior pulls the fitted factor towards 1 by PRIOR_WEIGHT / (1 + PRIOR_WEIGHT) of its log: far inside the noise
+    assert abs(res.step_error_after[0]) < NOISE / 10 < abs(res.step_error_before[0])
 
 
 def test_apply_factors_clamps_to_valid_profile():

@@ -22,6 +22,9 @@ from rackcast.bounds import Items, Range, Text
 Span = Literal["scale_up", "scale_out"]
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
 COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# Largest efficiency.eager_bandwidth a file may hold: a bound on typos, far above any cache's speed-up (it is a share
+# of the out-of-cache bandwidth, so it may exceed 1)
+EAGER_BANDWIDTH_MAX = 100.0
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,10 @@ class EfficiencyProfile:
     # not measured. It dominates when kernels are tiny (small models on a CPU). Where measured, the estimate and the
     # simulator add it for the op counts of the backend model (simulator.host_overhead, simulator.op_counts).
     host_op_s: HostOpTimes = HostOpTimes()
+    # Share of accelerator.hbm_bandwidth_Bps (the best out-of-cache copy/add, as calibrate measures it) that the
+    # eager ops' counted bytes achieve (simulator.costs.eager_bytes_time); 1 is that measured figure. Not capped at
+    # 1: an eager op's tensors are often resident in cache, where they move faster than the out-of-cache copy.
+    eager_bandwidth: Annotated[float, Range(0, EAGER_BANDWIDTH_MAX, above=True)] = 1.0
     # measured efficiency by FLOPs of one GEMM (size) / of one expert's GEMM in a grouped GEMM; empty: shape model
     gemm: Annotated[list[CurvePoint], Items(256)] = field(default_factory=list)
     grouped_gemm: Annotated[list[CurvePoint], Items(256)] = field(default_factory=list)
@@ -187,6 +194,9 @@ class EfficiencyProfile:
             raise ValueError(f"efficiency.collectives.{unknown[0]}: unknown collective")
         if not 0.0 <= self.comm_compute_slowdown < 1.0:
             raise ValueError("efficiency.comm_compute_slowdown must lie in [0, 1)")
+        if not 0.0 < self.eager_bandwidth <= EAGER_BANDWIDTH_MAX:
+            raise ValueError(f"efficiency.eager_bandwidth must lie in (0, {EAGER_BANDWIDTH_MAX:g}], got "
+                             f"{self.eager_bandwidth}")
 
     def without_host_ops(self) -> "EfficiencyProfile":
         """This profile with the host per-op overhead left out (no op counting)."""
