@@ -1,6 +1,7 @@
 """Garbage collection only at step boundaries (backend.step_gc): no automatic collection inside a step, a reference
 cycle made in a step freed before the next one, the collector restored after the loop (also on an error), frozen
-tensors still counted by backend.memprof, and the trainer's loop running under the policy.
+tensors still counted by backend.memprof, and the trainer's loop running under the policy (a cycle made in one step
+freed before the next, the collector off inside each step and restored after training).
 
     .venv/bin/pytest -q tests/test_step_gc.py        (about 15 s on 2 cores)
 """
@@ -83,12 +84,17 @@ def test_memprof_counts_the_storages_of_frozen_tensors():
 
 
 SPY = """
-import gc, json, sys
+import gc, json, sys, weakref
 from rackcast.backend import train
-seen = []
+seen, cycles = [], []
 original = train.Trainer.train_step
+class Cycle:
+    def __init__(self):
+        self.me = self
 def spied(self, step):
-    seen.append({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count() > 0})
+    seen.append({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count() > 0,
+                 "last_step_cycle_freed": not cycles or cycles[-1]() is None})
+    cycles.append(weakref.ref(Cycle()))
     return original(self, step)
 train.Trainer.train_step = spied
 code = train.main(sys.argv[1:])
@@ -96,7 +102,7 @@ print(json.dumps({"code": code, "steps": seen, "enabled_after": gc.isenabled(), 
 """
 
 
-def test_trainer_steps_run_with_automatic_collection_off_and_restore_it_after(tmp_path):
+def test_trainer_steps_run_with_automatic_collection_off_collect_between_and_restore_it_after(tmp_path):
     plan = write_plan(tmp_path / "tiny.yaml", {})
     args = ["--plan", str(plan), "--steps", "3", "--out", str(tmp_path / "run"), "--quiet", "--threads", "1",
             "--data-dir", str(ROOT / "runs" / ".data")]
@@ -104,7 +110,7 @@ def test_trainer_steps_run_with_automatic_collection_off_and_restore_it_after(tm
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["code"] == 0
-    assert seen["steps"] == [{"enabled": False, "frozen": True}] * 3
+    assert seen["steps"] == [{"enabled": False, "frozen": True, "last_step_cycle_freed": True}] * 3
     assert seen["enabled_after"] and seen["frozen_after"] == 0
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     assert record["peak_memory_bytes"] > 0
