@@ -70,10 +70,19 @@ def storage_bytes(tensors: Iterable[Tensor], extra: Iterable[tuple[int, int]] = 
 
 
 def live_cpu_tensors() -> list[Tensor]:
-    """Every CPU tensor object the garbage collector tracks (tensors are GC-tracked Python objects)."""
-    with warnings.catch_warnings():  # isinstance() on some lazily deprecated torch attributes warns
-        warnings.simplefilter("ignore")
-        return [o for o in gc.get_objects() if isinstance(o, Tensor)]
+    """Every CPU tensor object the garbage collector tracks (tensors are GC-tracked Python objects), frozen ones too:
+    gc.get_objects() leaves out gc.freeze()'s permanent generation (backend.step_gc freezes the trainer's setup), so
+    they are unfrozen to be listed and frozen again after, with whatever else is alive then."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    try:
+        with warnings.catch_warnings():  # isinstance() on some lazily deprecated torch attributes warns
+            warnings.simplefilter("ignore")
+            return [o for o in gc.get_objects() if isinstance(o, Tensor)]
+    finally:
+        if frozen:
+            gc.freeze()
 
 
 def live_bytes(extra: Iterable[tuple[int, int]] = ()) -> int:

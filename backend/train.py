@@ -1,21 +1,20 @@
 """The training worker: one process of a torchrun job executing a plan (started by `rackcast train PLAN`).
 
 Per rank: build the model from the plan's ModelSpec and seed, keep this rank's pipeline chunks, expert slice and
-sequence chunk (backend.pipeline, expert_parallel, expert_tensor, context_parallel), parallelise its matrices over the tensor ranks
-(backend.tensor_parallel), wrap the dense parameters in DDP over the token ranks (data x fsdp x context,
+sequence chunk (backend.pipeline, expert_parallel, expert_tensor, context_parallel), parallelise its matrices over the
+tensor ranks (backend.tensor_parallel), wrap the dense parameters in DDP over the token ranks (data x fsdp x context,
 backend.parallel; not under ZeRO-2, whose backend.zero reduces each gradient to its owner only), build the plan's
-optimizer (backend.optim) and quantile balancer (its statistics pooled over them), then per optimizer step: this
-rank's share of the global batch (backend.data) in micro-batches -> forward/backward (or the pipeline schedule) ->
-expert gradient reduction -> optimizer -> balancer. Measures each step (backend.record), saves checkpoints
-(backend.checkpoint) and resumes from the latest complete one.
+optimizer (backend.optim) and quantile balancer (its statistics pooled over them), then per optimizer step: this rank's
+share of the global batch (backend.data) in micro-batches -> forward/backward (or the pipeline schedule) -> expert
+gradient reduction -> optimizer -> balancer. Measures each step (backend.record), saves checkpoints (backend.checkpoint)
+and resumes from the latest complete one. Garbage collection: between steps only, untimed (backend.step_gc).
 
-Peak memory: on CUDA torch.cuda.max_memory_allocated. On CPU every rank measures the peak bytes of live tensors
-during one training step with the profiler (backend.memprof): the third step this process runs (MEMORY_STEP; the
-last one when it runs fewer), because the first allocates the optimizer state and the second rebuilds DDP's gradient
-buckets, once-only allocations that a steady step does not make. The profiler slows that step down, so its row is
-marked `memory_profiled` and record.summary leaves it out of the step-time medians; rows before it carry NaN for
-peak_memory_bytes. The process's peak resident set is kept as peak_rss_bytes. With --profile, the Chrome trace
-covers the two steps after the measured one (two profilers cannot run at once).
+Peak memory: on CUDA torch.cuda.max_memory_allocated. On CPU every rank measures the peak bytes of live tensors during
+one training step with the profiler (backend.memprof): the third step this process runs (MEMORY_STEP; the last one when
+it runs fewer), because the first allocates the optimizer state and the second rebuilds DDP's gradient buckets,
+once-only allocations. The profiler slows that step, so its row (`memory_profiled`) is left out of record.summary's
+step-time medians; rows before it carry NaN for peak_memory_bytes. The process's peak resident set is kept as
+peak_rss_bytes. A --profile Chrome trace covers the two steps after it (two profilers cannot run at once).
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 -m backend.train \
         --plan examples/plans/tiny-2proc-ep.yaml --steps 20 --out runs/tiny-2proc-ep
@@ -39,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rackcast.atomic import write_json_atomic
-from rackcast.backend import checkpoint, memprof, record
+from rackcast.backend import checkpoint, memprof, record, step_gc
 from rackcast.backend.compiled import compile_blocks
 from rackcast.backend.context_parallel import ContextShard, chunk_loss, sequence_chunk, shard_context
 from rackcast.backend.attached_loss import AttachedLoss
@@ -406,35 +405,36 @@ class Trainer:
                                on_trace_ready=lambda p: p.export_chrome_trace(str(self.out / "trace.json")))
             profiler.start()
         memory_step = self.start_step + min(MEMORY_STEP, args.steps - self.start_step - 1)
-        for step in range(self.start_step, args.steps):
-            self.fail("step", step)
-            self.saver.poll()
-            self.timer.pop()
-            profiled = not self.cuda and step == memory_step
-            t0, cpu0 = self.timer.now(), time.process_time()
-            if profiled:
-                stats, peak = memprof.profile_peak(self.train_step, step, extra=self._cpp_storages())
-                self.memory_peak = max(self.memory_peak, float(peak.total_bytes))
-            else:
-                stats = self.train_step(step)
-            loss_sum, ce_sum, z_sum, count = stats
-            step_time, step_cpu = self.timer.now() - t0, time.process_time() - cpu0
-            phases = record.step_phases(self.timer.pop(), step_time)
-            self._collect_routing()
-            row = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"],
-                   **self._reduce_stats(loss_sum, ce_sum, z_sum, count, phases, step_time, step_cpu),
-                   "memory_profiled": profiled}
-            last = step + 1 == args.steps
-            do_eval = last or (args.eval_every and (step + 1) % args.eval_every == 0)
-            row["eval_loss"] = self.evaluate() if do_eval else math.nan
-            row["plan_hash"] = self.plan_hash
-            self.rows.append(row)
-            if profiler is not None:
-                profiler.step()
-            if self.rank == 0 and not args.quiet and (last or step % max(1, args.log_every) == 0):
-                print(record.progress_line(row, args.steps), flush=True)
-            if (last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
-                self.save(step + 1)
+        with step_gc.StepBoundaryGC() as boundary:  # collections between steps only, outside their timing
+            for step in boundary.steps(range(self.start_step, args.steps)):
+                self.fail("step", step)
+                self.saver.poll()
+                self.timer.pop()
+                profiled = not self.cuda and step == memory_step
+                t0, cpu0 = self.timer.now(), time.process_time()
+                if profiled:
+                    stats, peak = memprof.profile_peak(self.train_step, step, extra=self._cpp_storages())
+                    self.memory_peak = max(self.memory_peak, float(peak.total_bytes))
+                else:
+                    stats = self.train_step(step)
+                loss_sum, ce_sum, z_sum, count = stats
+                step_time, step_cpu = self.timer.now() - t0, time.process_time() - cpu0
+                phases = record.step_phases(self.timer.pop(), step_time)
+                self._collect_routing()
+                row = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"],
+                       **self._reduce_stats(loss_sum, ce_sum, z_sum, count, phases, step_time, step_cpu),
+                       "memory_profiled": profiled}
+                last = step + 1 == args.steps
+                do_eval = last or (args.eval_every and (step + 1) % args.eval_every == 0)
+                row["eval_loss"] = self.evaluate() if do_eval else math.nan
+                row["plan_hash"] = self.plan_hash
+                self.rows.append(row)
+                if profiler is not None:
+                    profiler.step()
+                if self.rank == 0 and not args.quiet and (last or step % max(1, args.log_every) == 0):
+                    print(record.progress_line(row, args.steps), flush=True)
+                if (last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+                    self.save(step + 1)
         if profiler is not None:
             profiler.stop()
         self.saver.wait()
