@@ -33,6 +33,19 @@ def test_compare_rows_on_recorded_run():
     assert 1 + mfu["error"] == pytest.approx(1 / (1 + step["error"]))
 
 
+def test_compare_scores_the_runs_fastest_steps_figure_where_the_record_has_it():
+    plan = load_plan(str(RUN / "plan.yaml"))
+    rec = load_record(RUN)
+    _, result = predict(plan)
+    fast = {"steps": 3, "step_time_s": rec["step_time_s"] * 0.8,
+            "phases_s": {k: v * 0.8 for k, v in rec["phases_s"].items()}}
+    rows = {r["metric"]: r for r in compare_rows(result, dict(rec, fastest=fast))}
+    assert rows["step_time_s"]["measured"] == pytest.approx(fast["step_time_s"])
+    assert rows["tokens_per_s"]["measured"] == pytest.approx(rec["tokens_per_step"] / fast["step_time_s"])
+    assert rows["phase compute"]["measured"] == pytest.approx(fast["phases_s"]["compute"])
+    assert 1 + rows["mfu"]["error"] == pytest.approx(1 / (1 + rows["step_time_s"]["error"]))
+
+
 def test_compare_cli_json_and_trace(tmp_path, cli):
     trace = tmp_path / "t.json"
     proc = cli("compare", str(RUN / "plan.yaml"), str(RUN), "--json", "--trace", str(trace))

@@ -3,7 +3,9 @@ Chrome trace. The prediction is the discrete-event simulator's (simulator.step.s
 estimate's when asked for (prefer="estimate"); the result says which.
 
 Metric conventions (both sides use them, so the comparison is a join on names):
-- step_time_s, tokens_per_s: medians over the run's steps after the first (backend.record);
+- step_time_s, tokens_per_s and the phases: the run's figure, the mean of its fastest fifth of steps after the
+  first (backend.record.measured_figure; rackcast.spread says why: the prediction is of an undisturbed machine),
+  or the medians in a record from before it kept that figure;
 - mfu: model FLOPs / (step time x ranks x bf16 peak of the topology predicted with); the measured MFU is recomputed
   on that same peak from the run's model FLOPs and step time (the run's own figure divides by the peak of the
   topology it ran with, and on CPU by the fp32 peak it computes in), else the run's `mfu_vs_bf16_peak`;
@@ -26,6 +28,7 @@ import json
 import math
 from pathlib import Path
 
+from rackcast.backend.record import measured_figure
 from rackcast.errors import RackcastError
 from rackcast.plan import Plan
 from rackcast.spread import CORE_SHARE_FLOOR
@@ -137,14 +140,17 @@ def compare_rows(result, rec: dict, plan: Plan | None = None) -> list[dict]:
     def add(name, unit, pred, meas):
         rows.append({"metric": name, "unit": unit, "predicted": pred, "measured": meas, "error": _err(pred, meas)})
 
-    add("step_time_s", "s", result.step_time_s, rec.get("step_time_s"))
-    add("tokens_per_s", "tokens/s", result.tokens_per_s, rec.get("tokens_per_s"))
+    step, phases = measured_figure(rec) if rec.get("step_time_s") else (None, rec.get("phases_s", {}))
+    add("step_time_s", "s", result.step_time_s, step)
+    tokens = rec.get("tokens_per_step")
+    add("tokens_per_s", "tokens/s", result.tokens_per_s, tokens / step if tokens and step else rec.get("tokens_per_s"))
     meas_mfu = rec.get("mfu_vs_bf16_peak", rec.get("mfu"))
+    if meas_mfu is not None and step:
+        meas_mfu *= rec["step_time_s"] / step  # the record's MFU is at its median step
     if rec.get("model_flops_per_step") and math.isclose(rec["model_flops_per_step"], result.model_flops_per_step,
-                                                        rel_tol=1e-6) and rec.get("step_time_s"):
-        meas_mfu = result.mfu * result.step_time_s / rec["step_time_s"]  # on the prediction's peak and GPU count
+                                                        rel_tol=1e-6) and step:
+        meas_mfu = result.mfu * result.step_time_s / step  # on the prediction's peak and GPU count
     add("mfu", "fraction of bf16 peak", result.mfu, meas_mfu)
-    phases = rec.get("phases_s", {})
     for name, keys in PHASE_ROWS:
         pred = sum(result.phases_s.get(k, 0.0) for k in keys)
         meas = sum(phases.get(k, 0.0) or 0.0 for k in keys)
@@ -159,7 +165,7 @@ def compare_rows(result, rec: dict, plan: Plan | None = None) -> list[dict]:
 
 def measured_events(run_dir: Path, rec: dict) -> tuple[list[dict], str]:
     """The run's own Chrome trace (torch.profiler, `rackcast train --profile`) moved to the measured pids, or, when
-    the run has none, one step drawn from the record's median phase times (said so in the process name)."""
+    the run has none, one step drawn from the record's measured phase times (said so in the process name)."""
     trace = run_dir / "trace.json"
     if trace.exists():
         data = json.loads(trace.read_text())
@@ -177,9 +183,9 @@ def measured_events(run_dir: Path, rec: dict) -> tuple[list[dict], str]:
                 e["ts"] = round(e["ts"] - t0, 3)
             out.append(e)
         return out, "torch.profiler trace of the run"
-    phases = rec.get("phases_s", {})
+    phases = measured_figure(rec)[1] if rec.get("step_time_s") else rec.get("phases_s", {})
     out = [{"ph": "M", "name": "process_name", "pid": MEASURED_PID, "tid": 0,
-            "args": {"name": "measured: one step from the run's median phase times (no trace.json in the run)"}},
+            "args": {"name": "measured: one step from the run's measured phase times (no trace.json in the run)"}},
            {"ph": "M", "name": "thread_name", "pid": MEASURED_PID, "tid": 0, "args": {"name": "phases"}}]
     t = 0.0
     for name, value in phases.items():
@@ -187,7 +193,7 @@ def measured_events(run_dir: Path, rec: dict) -> tuple[list[dict], str]:
             out.append({"ph": "X", "name": name, "cat": "measured", "pid": MEASURED_PID, "tid": 0,
                         "ts": round(t * 1e6, 3), "dur": round(value * 1e6, 3)})
             t += value
-    return out, "median phase times (record.json)"
+    return out, "measured phase times (record.json, backend.record.measured_figure)"
 
 
 def combined_trace(result, source: str, run_dir: Path, rec: dict) -> dict:
