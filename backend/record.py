@@ -114,13 +114,25 @@ def fastest_steps(steady: list[dict]) -> dict:
             "halves_spread": halves_spread(times)}
 
 
-def measured_figure(record: dict) -> tuple[float, dict[str, float]]:
-    """The step time and phases a run is scored and fitted on: its `fastest` figure, or, in a record written before
-    that existed, its medians."""
+def with_fastest(record: dict, run_dir: Path) -> dict:
+    """The record with its `fastest` figure: as recorded, or, for a run recorded before the record kept it, computed
+    from the run's metrics.parquet (one row per step) where the run folder has one."""
+    metrics = Path(run_dir) / "metrics.parquet"
+    if record.get("fastest") or not metrics.exists():
+        return record
+    import pyarrow.parquet as pq
+
+    return dict(record, fastest=fastest_steps(steady_rows(pq.read_table(metrics).to_pylist())))
+
+
+def measured_figure(record: dict) -> dict:
+    """What a run is scored and fitted on: its `fastest` figure (step_time_s, phases_s, halves_spread, steps;
+    `with_fastest` fills it in for older runs), or, without one, its medians (steps 0, halves_spread NaN)."""
     fast = record.get("fastest") or {}
     if fast.get("steps"):
-        return float(fast["step_time_s"]), dict(fast["phases_s"])
-    return float(record["step_time_s"]), dict(record.get("phases_s", {}))
+        return fast
+    return {"share": FASTEST_SHARE, "steps": 0, "step_time_s": float(record["step_time_s"]),
+            "phases_s": dict(record.get("phases_s", {})), "halves_spread": math.nan}
 
 
 def summary(rows: list[dict], **info) -> dict:

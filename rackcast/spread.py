@@ -2,10 +2,11 @@
 
 A shared machine makes timings noisy in bursts (another job takes a core for seconds), so rackcast reports a robust
 centre with the spread beside it rather than one run: the median (robust to one slow run or step), the lowest and
-highest values, and the relative spread (high - low) / median. Within one run the spread of its steady steps is the
-interquartile range over the median, so one slow step does not count; across repeats of a run it is the full range
-of the runs' medians, since there are few of them. A measurement whose relative spread is above SPREAD_LIMIT is
-flagged as too noisy to score: its error against a prediction could be noise as easily as model error.
+highest values, and the relative spread (high - low) / median. Within one run, record.json's step_time_spread is the
+interquartile range of its steady steps over their median, so one slow step does not count; across repeats of a run
+the spread is the full range of the runs' figures (below), since there are few of them. A measurement whose relative
+spread is above SPREAD_LIMIT is flagged as too noisy to score: its error against a prediction could be noise as
+easily as model error.
 
 What a run measured, on a shared machine: interference (another job taking the core, the OS, a peer rank's pause)
 only ever adds time, never removes it, so the least-disturbed samples measure the work itself. Timing loops keep

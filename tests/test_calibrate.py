@@ -52,6 +52,19 @@ def test_fit_recovers_known_factors():
     assert res.rms_after < NOISE / 10 and res.rms_after < res.rms_before / 10
 
 
+def test_fit_without_the_prior_recovers_every_known_factor_from_exact_data():
+    # the same design with the prior made negligible (a log-factor's prior sigma of 1000): exact data pin every
+    # factor, the weakly informed ones too, as they did before the prior existed
+    plans = _plans()
+    topo = load_topology("local-cpu")
+    truth = {"gemm": 0.5, "attention": 0.6, "memory_bound": 0.7, "all_to_all": 0.6, "send_recv": 0.8,
+             "comm_compute_slowdown": 0.1}
+    res = fit(synthetic(plans, topo, truth), topo, prior_sigma=1e3)
+    for name, value in truth.items():
+        assert res.factors[name] == pytest.approx(value, rel=0.02, abs=0.005), name
+    assert res.rms_after < 1e-4 < res.rms_before
+
+
 def test_step_time_alone_fits_one_overall_factor():
     plan = load_plan(str(PLANS / "tiny-1proc.yaml"))
     topo = load_topology("local-cpu")
@@ -59,7 +72,8 @@ def test_step_time_alone_fits_one_overall_factor():
     m.phases_s = {}
     res = fit([m], topo)
     assert set(res.std_error) == {"overall"}
-    # the prior pulls the fitted factor towards 1 by PRIOR_WEIGHT / (1 + PRIOR_WEIGHT) of its log: far inside the noise
+    # the prior pulls the fitted factor towards 1 by w / (1 + w) of its log, w = (NOISE / PRIOR_SIGMA)^2: far inside
+    # the noise
     assert abs(res.step_error_after[0]) < NOISE / 10 < abs(res.step_error_before[0])
 
 

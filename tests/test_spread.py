@@ -88,12 +88,12 @@ def test_undisturbed_is_the_fastest_finite_sample():
 
 
 def test_fastest_mean_averages_the_fastest_fifth_and_ignores_slowed_steps():
-    from rackcast.spread import FASTEST_SHARE, fastest, fastest_mean
+    from rackcast.spread import fastest, fastest_mean
 
     steps = [1.0 + 0.01 * i for i in range(19)] + [9.0]  # twenty steps, one slowed by the machine
-    k = math.floor(FASTEST_SHARE * 20 + 0.5)
-    assert fastest(steps) == list(range(k))
-    assert fastest_mean(steps) == pytest.approx(sum(1.0 + 0.01 * i for i in range(k)) / k)
+    assert fastest(steps) == [0, 1, 2, 3]  # a fifth of twenty
+    assert fastest_mean(steps) == pytest.approx(1.015)
+    assert len(fastest(steps[:19])) == 4 and len(fastest(steps[:7])) == 1  # 3.8 and 1.4 round to 4 and 1
     assert fastest([5.0, 4.0, float("nan")]) == [1]  # at least one, NaN left out
     assert fastest([]) == [] and math.isnan(fastest_mean([]))
 
@@ -122,18 +122,33 @@ def test_record_fastest_takes_the_phases_of_the_same_fastest_steps():
     fast = rec["fastest"]
     assert fast["steps"] == 2 and fast["step_time_s"] == pytest.approx(1.5)  # the fastest fifth of 9 steady: 2
     assert fast["phases_s"]["compute"] == pytest.approx((0.7 + 1.0) / 2)  # step 6's phase and one 2.0 step's
-    assert measured_figure(rec) == (fast["step_time_s"], fast["phases_s"])
+    assert measured_figure(rec) is fast
     old = {k: v for k, v in rec.items() if k != "fastest"}  # a record written before `fastest` existed
-    assert measured_figure(old) == (rec["step_time_s"], rec["phases_s"])
+    figure = measured_figure(old)
+    assert (figure["step_time_s"], figure["phases_s"], figure["steps"]) == (rec["step_time_s"], rec["phases_s"], 0)
 
 
-def test_validate_scores_a_run_by_its_metrics_and_names_a_run_without_them(tmp_path):
-    from rackcast.backend.record import fastest_steps, steady_rows, write_metrics
-    from rackcast.errors import RackcastError
-    from rackcast.validation.validate import run_figure
+def test_an_older_record_gets_its_fastest_figure_from_the_runs_metrics(tmp_path):
+    from rackcast.backend.record import summary, with_fastest, write_metrics
 
-    rows = _rows([5.0, 1.2, 1.0, 1.4, 1.1, 3.0])
+    rows = _rows([5.0, 1.2, 1.0, 1.4, 1.1, 3.0, 1.3])  # six steady steps: the fastest fifth is one, 1.0
     write_metrics(tmp_path, rows)
-    assert run_figure(tmp_path) == fastest_steps(steady_rows(rows))
-    with pytest.raises(RackcastError, match="metrics.parquet"):
-        run_figure(tmp_path / "missing")
+    old = {k: v for k, v in summary(rows).items() if k != "fastest"}
+    fast = with_fastest(old, tmp_path)["fastest"]
+    assert fast["steps"] == 1 and fast["step_time_s"] == 1.0 and fast["phases_s"]["compute"] == 0.5
+    assert fast["halves_spread"] == pytest.approx(0.2)  # even steps' fastest 1.2, odd steps' 1.0
+    assert "fastest" not in with_fastest(old, tmp_path / "no-metrics")
+
+
+def test_validate_plan_figure_is_the_median_of_its_runs_figures_with_their_spreads():
+    from rackcast.validation.validate import plan_result
+
+    def record(step, halves):
+        return {"peak_memory_bytes": 1.0, "step_time_s": 9.0,
+                "fastest": {"steps": 3, "step_time_s": step, "phases_s": {"compute": step / 2},
+                            "halves_spread": halves}}
+
+    r = plan_result("p", "p.yaml", [record(1.0, 0.02), record(1.3, 0.04), record(1.1, float("nan"))])
+    assert r.measured_step_s == 1.1 and r.measured_runs_s == [1.0, 1.3, 1.1]
+    assert r.measured_phases_s == {"compute": 0.55} and r.step_spread == 0.04
+    assert r.repeat_spread["relative"] == pytest.approx(0.3 / 1.1) and r.too_noisy

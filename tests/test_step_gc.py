@@ -73,6 +73,19 @@ def test_collector_is_restored_after_the_loop_and_after_an_error():
         _restored()
 
 
+def test_a_callers_own_freeze_is_kept_through_the_loop():
+    try:
+        gc.collect()
+        gc.freeze()  # the caller's (e.g. before forking workers)
+        frozen = gc.get_freeze_count()
+        with StepBoundaryGC() as boundary:
+            for _ in boundary.steps(range(2)):
+                assert gc.get_freeze_count() == frozen and not gc.isenabled()
+        assert gc.get_freeze_count() == frozen and gc.isenabled()
+    finally:
+        _restored()
+
+
 def test_memprof_counts_the_storages_of_frozen_tensors():
     weights = torch.zeros(1 << 16)
     try:

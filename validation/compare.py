@@ -28,7 +28,7 @@ import json
 import math
 from pathlib import Path
 
-from rackcast.backend.record import measured_figure
+from rackcast.backend.record import measured_figure, with_fastest
 from rackcast.errors import RackcastError
 from rackcast.plan import Plan
 from rackcast.spread import CORE_SHARE_FLOOR
@@ -47,9 +47,10 @@ def load_record(run_dir: str | Path) -> dict:
         raise RackcastError("no record.json here (is this a run folder written by `rackcast train`?)",
                             where=str(run_dir))
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise RackcastError(f"malformed JSON: {exc}", where=str(path)) from None
+    return with_fastest(record, Path(run_dir))
 
 
 def check_same_plan(plan: Plan, rec: dict, run_dir: str | Path) -> None:
@@ -140,7 +141,9 @@ def compare_rows(result, rec: dict, plan: Plan | None = None) -> list[dict]:
     def add(name, unit, pred, meas):
         rows.append({"metric": name, "unit": unit, "predicted": pred, "measured": meas, "error": _err(pred, meas)})
 
-    step, phases = measured_figure(rec) if rec.get("step_time_s") else (None, rec.get("phases_s", {}))
+    figure = (measured_figure(rec) if rec.get("step_time_s")
+              else {"step_time_s": None, "phases_s": rec.get("phases_s", {})})
+    step, phases = figure["step_time_s"], figure["phases_s"]
     add("step_time_s", "s", result.step_time_s, step)
     tokens = rec.get("tokens_per_step")
     add("tokens_per_s", "tokens/s", result.tokens_per_s, tokens / step if tokens and step else rec.get("tokens_per_s"))
@@ -183,7 +186,7 @@ def measured_events(run_dir: Path, rec: dict) -> tuple[list[dict], str]:
                 e["ts"] = round(e["ts"] - t0, 3)
             out.append(e)
         return out, "torch.profiler trace of the run"
-    phases = measured_figure(rec)[1] if rec.get("step_time_s") else rec.get("phases_s", {})
+    phases = measured_figure(rec)["phases_s"] if rec.get("step_time_s") else rec.get("phases_s", {})
     out = [{"ph": "M", "name": "process_name", "pid": MEASURED_PID, "tid": 0,
             "args": {"name": "measured: one step from the run's measured phase times (no trace.json in the run)"}},
            {"ph": "M", "name": "thread_name", "pid": MEASURED_PID, "tid": 0, "args": {"name": "phases"}}]

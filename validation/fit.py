@@ -18,12 +18,12 @@ The factors multiply a topology's efficiency profile (so the fitted topology pre
                     backward, optimizer; simulator.host_overhead; only  micro-batch sizes (overhead is per op, the
                     where the topology has measured host_op_s)          rest per token)
 Efficiencies are clamped to (0, 1] (eager_bandwidth only to (0, EAGER_BANDWIDTH_MAX]: cache-resident tensors may
-beat the out-of-cache copy figure it is a share of). Identifiability: one step time alone fits one number, so with step times only
-(no phase times) a single `overall` factor scales every efficiency together; each phase time adds one equation, so
-k factors need at least k independent measured quantities (a single run with phases fits gemm-or-compute, one factor
-per exposed communication phase and optimizer; separating gemm, attention and memory_bound needs runs with different
-compute mixes). The result reports each factor's posterior standard error and whether it was identified (standard
-error below SE_IDENTIFIED).
+beat the out-of-cache copy figure it is a share of). Identifiability: one step time alone fits one number, so with
+step times only (no phase times) a single `overall` factor scales every efficiency together; each phase time adds
+one equation, so k factors need at least k independent measured quantities (a single run with phases fits
+gemm-or-compute, one factor per exposed communication phase and optimizer; separating gemm, attention and
+memory_bound needs runs with different compute mixes). The result reports each factor's posterior standard error and
+whether it was identified (standard error below SE_IDENTIFIED).
 
 Method: residuals log(predicted / measured step time) and (predicted - measured phase) / measured step time, over
 all measurements, evaluated with the vectorised simulator.estimate.step_time (features computed once per plan);
@@ -65,7 +65,6 @@ NOISE = 0.03  # assumed scatter of one measured quantity (fraction of its step t
 # shift keeps the same weight, so its prior is N(0, PRIOR_SIGMA^2) in absolute units, wider than its whole range:
 # effectively none, as before (its clamp bounds it, not the prior).
 PRIOR_SIGMA = 1.0
-PRIOR_WEIGHT = (NOISE / PRIOR_SIGMA) ** 2  # on theta^2, in the units of the squared residuals
 SE_IDENTIFIED = 0.1  # a factor counts as identified when its standard error (log factor) is below this
 EFFICIENCY_FLOOR = 1e-6  # a scaled efficiency stays in [this, 1]: positive, so every time it divides stays finite
 
@@ -169,10 +168,11 @@ def _to_factors(names: list[str], theta: np.ndarray) -> dict[str, float]:
 
 
 def fit(measurements: list[Measurement], topo: Topology, names: list[str] | None = None,
-        iterations: int = 60) -> FitResult:
+        iterations: int = 60, prior_sigma: float = PRIOR_SIGMA) -> FitResult:
     """Least-squares factors (see the module docstring). names: which to fit (default: all that the measurements
     are sensitive to; `overall` alone when no phase times were measured). The host per-op overhead is part of the
-    predictions (and op_overhead a factor) where the topology has measured host_op_s."""
+    predictions (and op_overhead a factor) where the topology has measured host_op_s. prior_sigma: the prior's
+    standard deviation of a log-factor (a very large one leaves the data alone to decide)."""
     if not measurements:
         raise ValueError("fit needs at least one measurement")
     prob = _Problem(measurements, topo)
@@ -180,6 +180,7 @@ def fit(measurements: list[Measurement], topo: Topology, names: list[str] | None
         names = list(FACTORS) if prob.phase_rows else ["overall"]
     theta = np.zeros(len(names))
     h = 1e-4
+    prior = (NOISE / prior_sigma) ** 2
 
     def jac(th, r0):
         cols = []
@@ -199,14 +200,14 @@ def fit(measurements: list[Measurement], topo: Topology, names: list[str] | None
     rms_before = float(np.sqrt(np.mean(r ** 2)))
     step_before = list(np.exp(r[: len(measurements)]) - 1)
     lam, it = 1e-2, 0
-    cost = float(r @ r + PRIOR_WEIGHT * theta @ theta)
+    cost = float(r @ r + prior * theta @ theta)
     for it in range(1, iterations + 1):
-        A = J.T @ J + PRIOR_WEIGHT * np.eye(len(names))
-        g = J.T @ r + PRIOR_WEIGHT * theta
+        A = J.T @ J + prior * np.eye(len(names))
+        g = J.T @ r + prior * theta
         step = np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-12), -g)
         t_new = theta + step
         r_new = prob.residuals(_to_factors(names, t_new))
-        c_new = float(r_new @ r_new + PRIOR_WEIGHT * t_new @ t_new)
+        c_new = float(r_new @ r_new + prior * t_new @ t_new)
         if c_new < cost:
             theta, r, cost, lam = t_new, r_new, c_new, max(lam / 3, 1e-7)
             J = jac(theta, r)
@@ -218,7 +219,7 @@ def fit(measurements: list[Measurement], topo: Topology, names: list[str] | None
                 break
     # Standard errors at the assumed measurement scatter (not the residual, which is 0 for exact data): they say
     # how well the measurements pin each factor, whatever the luck of this fit.
-    cov = np.linalg.pinv(J.T @ J + PRIOR_WEIGHT * np.eye(len(names))) * NOISE ** 2
+    cov = np.linalg.pinv(J.T @ J + prior * np.eye(len(names))) * NOISE ** 2
     se = np.sqrt(np.maximum(np.diag(cov), 0.0))
     sens = np.linalg.norm(J, axis=0)
     factors = _to_factors(names, theta)

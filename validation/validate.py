@@ -21,13 +21,13 @@ Each plan is trained `repeats` times for `steps` steps, interleaved (plan 1..n, 
 shared machine fall on every plan, each process pinned to its own core (backend.cpu_runtime). A run's figure is the
 mean step time and phases of its fastest fifth of steady steps (the first step, warm-up, skipped; rackcast.spread's
 `fastest`: interference only adds time, and the predictions are of an undisturbed machine; the calibration's
-microbenchmarks keep their fastest samples alike). It is computed from each run's metrics.parquet
-(backend.record.fastest_steps), so runs recorded before the record kept it are scored the same way. The plan's
-figure is the median over repeats of its runs' figures, reported with its spread (rackcast.spread): the range over
-repeats, and within a run the figure's difference between its even and odd steps (halves_spread). A plan whose
-spread exceeds rackcast.spread.SPREAD_LIMIT is flagged too noisy to score, and the summary says whether the suite
-could be scored (`noisy_plans`, `scorable`): a MAPE taken over noisy measurements measures the machine, not the
-model.
+microbenchmarks keep their fastest samples alike). It is the record's `fastest` figure, computed from the run's
+metrics.parquet for runs recorded before the record kept it (backend.record.with_fastest), so they score the same
+way. The plan's figure is the median over repeats of its runs' figures, reported with its spread (rackcast.spread):
+the range over repeats, and within a run the figure's difference between its even and odd steps (halves_spread). A
+plan whose spread exceeds rackcast.spread.SPREAD_LIMIT is flagged too noisy to score, and the summary says whether
+the suite could be scored (`noisy_plans`, `scorable`): a MAPE taken over noisy measurements measures the machine,
+not the model.
 
 Predictions: the simulator (simulator.step.simulate) with the calibrated topology less its host per-op overhead
 ("microbenchmarks"); with the calibrated topology as it is, which includes the overhead (simulator.host_overhead:
@@ -57,6 +57,7 @@ import yaml
 
 from rackcast.atomic import atomic_path, write_text_atomic
 from rackcast.backend.launch import torchrun_command, worker_env
+from rackcast.backend.record import measured_figure, with_fastest
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
 from rackcast.spread import FASTEST_SHARE, SPREAD_LIMIT, spread_of
@@ -137,19 +138,6 @@ def reused(run_dir: Path, steps: int) -> dict:
     return rec
 
 
-def run_figure(run_dir: Path) -> dict:
-    """A run's measured figure (backend.record.fastest_steps) from its metrics.parquet: one row per step."""
-    import pyarrow.parquet as pq
-
-    from rackcast.backend.record import fastest_steps, steady_rows
-
-    path = run_dir / "metrics.parquet"
-    if not path.exists():
-        raise RackcastError("no metrics.parquet: run the suite once without reusing runs", where=str(run_dir),
-                            option="reuse")
-    return fastest_steps(steady_rows(pq.read_table(path).to_pylist()))
-
-
 def kendall_tau(x, y) -> float:
     """Kendall's tau-b of two sequences (ties counted as neither concordant nor discordant)."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
@@ -171,13 +159,27 @@ class PlanResult:
     measured_peak_memory_bytes: float
     predicted: dict[str, dict] = field(default_factory=dict)  # profile label -> figures
     param_dtype: str = ""  # the dtype the trainer kept weights and activations in (its record's param_dtype)
-    repeat_spread: dict = field(default_factory=dict)  # rackcast.spread over the repeats' median steps
+    repeat_spread: dict = field(default_factory=dict)  # rackcast.spread over the repeats' figures
     step_spread: float = math.nan  # the widest halves_spread of one run's figure (rackcast.spread)
 
     @property
     def too_noisy(self) -> bool:
         """Repeats, or the two halves of one run, disagree by more than rackcast.spread.SPREAD_LIMIT."""
         return bool(self.repeat_spread.get("too_wide")) or self.step_spread > SPREAD_LIMIT
+
+
+def plan_result(name: str, plan_path: str, records: list[dict]) -> PlanResult:
+    """A plan's measurement from its repeats' records (each with its `fastest` figure, backend.record.with_fastest):
+    the median over repeats of the runs' figures and of their phases, the range over repeats, and the widest
+    halves_spread of one run."""
+    figures = [measured_figure(r) for r in records]
+    phases = {k: statistics.median(f["phases_s"].get(k, 0.0) for f in figures) for k in figures[0]["phases_s"]}
+    runs = spread_of(f["step_time_s"] for f in figures)
+    return PlanResult(name, plan_path, runs.centre, [f["step_time_s"] for f in figures], phases,
+                      max(r["peak_memory_bytes"] for r in records), param_dtype=records[0].get("param_dtype", ""),
+                      repeat_spread=runs.as_dict(),
+                      step_spread=max((x for f in figures if not math.isnan(x := f["halves_spread"])),
+                                      default=math.nan))
 
 
 def summarise(results: list[PlanResult], label: str, held_out: set[str] | None = None) -> dict:
@@ -232,19 +234,10 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
             if progress:
                 progress(f"train {p.stem} ({rep + 1}/{repeats})", done, total)
             run_dir = out_dir / "runs" / f"{p.stem}-r{rep}"
-            records[p.stem].append(reused(run_dir, steps) if reuse else train(p, run_dir, steps, data_dir))
+            rec = reused(run_dir, steps) if reuse else train(p, run_dir, steps, data_dir)
+            records[p.stem].append(with_fastest(rec, run_dir))
             done += 1
-    results = []
-    for p in plans:
-        recs = records[p.stem]
-        figures = [run_figure(out_dir / "runs" / f"{p.stem}-r{rep}") for rep in range(repeats)]
-        phases = {k: statistics.median(f["phases_s"].get(k, 0.0) for f in figures) for k in figures[0]["phases_s"]}
-        runs = spread_of(f["step_time_s"] for f in figures)
-        results.append(PlanResult(p.stem, str(p), runs.centre, [f["step_time_s"] for f in figures], phases,
-                                  max(r["peak_memory_bytes"] for r in recs),
-                                  param_dtype=recs[0].get("param_dtype", ""), repeat_spread=runs.as_dict(),
-                                  step_spread=max((x for f in figures if not math.isnan(x := f["halves_spread"])),
-                                                  default=math.nan)))
+    results = [plan_result(p.stem, str(p), records[p.stem]) for p in plans]
     if progress:
         progress("simulate (calibrated profile)", done, total)
     predict_all(results, topology, "microbenchmarks", overhead=False)
@@ -280,7 +273,8 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
                "op_counts": counts, "eager_bytes_counted": eager,
                "runs_with_teardown_crash": sum("teardown_exit" in r for recs in records.values() for r in recs),
                "measured_figure": f"mean of the fastest {FASTEST_SHARE:.0%} of each run's steady steps, median over "
-                                  "repeats", "spread_limit": SPREAD_LIMIT, "noisy_plans": [r.name for r in results if r.too_noisy],
+                                  "repeats",
+               "spread_limit": SPREAD_LIMIT, "noisy_plans": [r.name for r in results if r.too_noisy],
                "scorable": not any(r.too_noisy for r in results),
                "summaries": [summarise(results, label) for label in results[0].predicted if label != "fitted"] + [
                    summarise(results, "fitted"), dict(summarise(results, "fitted", held),

@@ -177,22 +177,22 @@ def read_measurements(runs: list[str], files: list[str]) -> list:
     """validation.fit.Measurement for each run folder (record.json: its fastest-steps figure,
     backend.record.measured_figure) and each measurement YAML."""
     from rackcast.backend.record import measured_figure
+    from rackcast.validation.compare import load_record
     from rackcast.validation.fit import Measurement
     from rackcast.plan import load_plan
 
     out = []
     for run in runs:
         rec_path = Path(run) / "record.json"
-        if not rec_path.exists():
-            raise RackcastError("no record.json (is this a run folder?)", where=run)
-        rec = json.loads(rec_path.read_text())
+        rec = load_record(run)
         plan_path = Path(rec.get("plan_path", ""))
         if not plan_path.exists() and (Path(run) / "plan.yaml").exists():
             plan_path = Path(run) / "plan.yaml"
         if not plan_path.exists():
             raise RackcastError(f"the run's plan {rec.get('plan_path')!r} is not found (copy it to plan.yaml in the "
                                 "run folder)", where=str(rec_path))
-        step, phases = measured_figure(rec)
+        figure = measured_figure(rec)
+        step, phases = figure["step_time_s"], figure["phases_s"]
         out.append(Measurement(load_plan(str(plan_path)), step, {k: float(v) for k, v in phases.items() if v == v},
                                label=str(run)))
     for path in files:

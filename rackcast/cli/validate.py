@@ -25,7 +25,8 @@ def register(sub) -> None:
     p.add_argument("--reuse", action="store_true", help="predict the runs an earlier `validate` left in --out "
                                                         "instead of training again (same --steps, --repeats)")
     p.add_argument("--steps", type=int, default=0, help="steps per run (default 20; --quick 8)")
-    p.add_argument("--repeats", type=int, default=0, help="runs per plan, the median of their figures taken (default 3; --quick 1)")
+    p.add_argument("--repeats", type=int, default=0,
+                   help="runs per plan, the median of their figures taken (default 3; --quick 1)")
     p.add_argument("--fit-on", type=int, default=3, help="plans whose phase times the fitted profile uses "
                                                          "(the first N of the suite; default 3)")
     p.add_argument("--data-dir", default="runs/.data", help="token cache folder (default runs/.data)")
