@@ -226,3 +226,21 @@ def test_the_cpu_gemm_grids_span_the_tiny_presets_widths_and_the_grouped_grid_ru
         for spec in map(load_model, TABLE_MODELS):
             used = [spec.d_model, spec.vocab] + [w for w in (spec.gated_norm_rank, spec.moe and spec.moe.experts) if w]
             assert min(widths) <= min(used) and max(used) <= max(widths), (spec.name, quick)
+
+
+def test_fit_weighs_a_measurement_by_its_scatter():
+    # two runs of plans a gemm factor of 0.5 explains, one measured 30% slow: as precise as the other it pulls the
+    # fit half-way; flagged with a scatter of 0.3 (ten times NOISE, a hundredth of the weight) it barely moves it
+    plans = _plans()[:2]
+    topo = load_topology("local-cpu")
+    exact, slow = synthetic(plans, topo, {"gemm": 0.5})
+    for m in (exact, slow):
+        m.phases_s = {}
+    slow.step_time_s *= 1.3
+
+    def fitted(scatter: float) -> float:
+        return fit([exact, replace(slow, scatter=scatter)], topo, ["gemm"]).factors["gemm"]
+
+    equal, weighted = fitted(0.0), fitted(0.3)
+    assert abs(math.log(weighted / 0.5)) < abs(math.log(equal / 0.5)) / 10
+    assert fitted(NOISE / 2) == pytest.approx(equal)  # below NOISE a scatter counts as NOISE

@@ -152,3 +152,4 @@ def test_validate_plan_figure_is_the_median_of_its_runs_figures_with_their_sprea
     assert r.measured_step_s == 1.1 and r.measured_runs_s == [1.0, 1.3, 1.1]
     assert r.measured_phases_s == {"compute": 0.55} and r.step_spread == 0.04
     assert r.repeat_spread["relative"] == pytest.approx(0.3 / 1.1) and r.too_noisy
+    assert r.scatter == pytest.approx(0.3 / 1.1 / 2)  # half the wider spread: what the fit weighs it by

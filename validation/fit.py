@@ -26,8 +26,9 @@ memory_bound needs runs with different compute mixes). The result reports each f
 whether it was identified (standard error below SE_IDENTIFIED).
 
 Method: residuals log(predicted / measured step time) and (predicted - measured phase) / measured step time, over
-all measurements, evaluated with the vectorised simulator.estimate.step_time (features computed once per plan);
-Levenberg-Marquardt on log-factors with numeric derivatives, minimising
+all measurements, each weighted by NOISE / its measurement's scatter (Measurement.scatter; weighted least squares:
+a measurement that moved between repeats says less), evaluated with the vectorised simulator.estimate.step_time
+(features computed once per plan); Levenberg-Marquardt on log-factors with numeric derivatives, minimising
     sum r^2 + (NOISE / PRIOR_SIGMA)^2 sum theta^2,
 the maximum a posteriori estimate for residuals of scatter NOISE and a log-normal prior on each factor,
 log factor ~ N(0, PRIOR_SIGMA^2) around its microbenchmark value (comm_compute_slowdown, additive, gets the same
@@ -75,6 +76,9 @@ class Measurement:
     step_time_s: float
     phases_s: dict[str, float] = field(default_factory=dict)  # trainer phase names (rackcast.vocab.MEASURED_PHASES)
     label: str = ""
+    # Relative scatter of this measurement where it was measured (validate: half the relative range of its repeats
+    # or run halves); below NOISE, or unknown (0), it counts as NOISE. Its residuals weigh NOISE / scatter.
+    scatter: float = 0.0
 
 
 @dataclass
@@ -141,6 +145,9 @@ class _Problem:
             for group, names in PHASE_GROUPS.items():
                 if any(n in m.phases_s for n in names):
                     self.phase_rows.append((i, group, sum(m.phases_s.get(n, 0.0) for n in names)))
+        # Weighted least squares: each residual over its measurement's scatter, in units of NOISE.
+        each = np.array([NOISE / max(NOISE, m.scatter if m.scatter == m.scatter else 0.0) for m in measurements])
+        self.weights = np.concatenate([each, np.array([each[i] for i, _, _ in self.phase_rows])])
 
     def predict(self, factors: dict[str, float]) -> dict[str, np.ndarray]:
         return step_time(self.features, apply_factors(self.topo, factors))
@@ -152,6 +159,9 @@ class _Problem:
             r.append(np.array([(sum(p[n][i] for n in PHASE_GROUPS[g]) - v) / self.step[i]
                                for i, g, v in self.phase_rows]))
         return np.concatenate(r)
+
+    def weighted(self, factors: dict[str, float]) -> np.ndarray:
+        return self.residuals(factors) * self.weights
 
 
 def _to_factors(names: list[str], theta: np.ndarray) -> dict[str, float]:
@@ -187,18 +197,19 @@ def fit(measurements: list[Measurement], topo: Topology, names: list[str] | None
         for j in range(len(th)):
             t2 = th.copy()
             t2[j] += h
-            cols.append((prob.residuals(_to_factors(names, t2)) - r0) / h)
+            cols.append((prob.weighted(_to_factors(names, t2)) - r0) / h)
         return np.stack(cols, axis=1)
 
-    r = prob.residuals(_to_factors(names, theta))
+    plain_before = prob.residuals(_to_factors(names, theta))
+    r = plain_before * prob.weights
     J = jac(theta, r)
     active = np.linalg.norm(J, axis=0) > 1e-9  # factors the measurements are not sensitive to stay at 1
     if names != ["overall"]:
         names = [n for n, a in zip(names, active) if a]
         theta = np.zeros(len(names))
         J = J[:, active]
-    rms_before = float(np.sqrt(np.mean(r ** 2)))
-    step_before = list(np.exp(r[: len(measurements)]) - 1)
+    rms_before = float(np.sqrt(np.mean(plain_before ** 2)))
+    step_before = list(np.exp(plain_before[: len(measurements)]) - 1)
     lam, it = 1e-2, 0
     cost = float(r @ r + prior * theta @ theta)
     for it in range(1, iterations + 1):
@@ -206,7 +217,7 @@ def fit(measurements: list[Measurement], topo: Topology, names: list[str] | None
         g = J.T @ r + prior * theta
         step = np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-12), -g)
         t_new = theta + step
-        r_new = prob.residuals(_to_factors(names, t_new))
+        r_new = prob.weighted(_to_factors(names, t_new))
         c_new = float(r_new @ r_new + prior * t_new @ t_new)
         if c_new < cost:
             theta, r, cost, lam = t_new, r_new, c_new, max(lam / 3, 1e-7)
@@ -223,12 +234,13 @@ def fit(measurements: list[Measurement], topo: Topology, names: list[str] | None
     se = np.sqrt(np.maximum(np.diag(cov), 0.0))
     sens = np.linalg.norm(J, axis=0)
     factors = _to_factors(names, theta)
+    plain = prob.residuals(factors)
     std = {n: float(s) for n, s in zip(names, se)}
     ident = {n: bool(s < SE_IDENTIFIED and sv > 1e-9) for n, s, sv in zip(names, se, sens)}
     fitted = {n: float(t) if n == "comm_compute_slowdown" else math.exp(t) for n, t in zip(names, theta)}
     return FitResult(fitted=fitted, factors=factors, std_error=std, identified=ident, rms_before=rms_before,
-                     rms_after=float(np.sqrt(np.mean(r ** 2))), step_error_before=[float(x) for x in step_before],
-                     step_error_after=[float(x) for x in np.exp(r[: len(measurements)]) - 1],
+                     rms_after=float(np.sqrt(np.mean(plain ** 2))), step_error_before=[float(x) for x in step_before],
+                     step_error_after=[float(x) for x in np.exp(plain[: len(measurements)]) - 1],
                      topology=apply_factors(topo, factors), iterations=it)
 
 

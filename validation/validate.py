@@ -33,7 +33,8 @@ Predictions: the simulator (simulator.step.simulate) with the calibrated topolog
 ("microbenchmarks"); with the calibrated topology as it is, which includes the overhead (simulator.host_overhead:
 op counts of the backend model x the calibrated host times per forward, backward and optimizer op; "+ op
 overhead"); and that after fitting the topology's factors, op overhead included (validation.fit), to the measured phase
-times of the first `fit_on` plans ("fitted"; its held-out error counts only the other plans). Figures: step-time
+times of the first `fit_on` plans, each weighted by its measured scatter (PlanResult.scatter) ("fitted"; its
+held-out error counts only the other plans). Figures: step-time
 MAPE and max |error|, Kendall's tau-b between predicted and measured step times, and peak-memory error: the
 trainer's peak live tensor bytes (backend.memprof) against the memory model for what it keeps (fp32, the activations
 eager PyTorch saves; validation.compare.predicted_run_memory).
@@ -163,6 +164,13 @@ class PlanResult:
     step_spread: float = math.nan  # the widest halves_spread of one run's figure (rackcast.spread)
 
     @property
+    def scatter(self) -> float:
+        """Half the wider of the repeats' relative range and the widest run's halves_spread: the measurement's +-
+        (validation.fit weighs a plan's residuals by it); 0 where neither is known."""
+        spreads = [x for x in (self.repeat_spread.get("relative", math.nan), self.step_spread) if x == x]
+        return max(spreads) / 2 if spreads else 0.0
+
+    @property
     def too_noisy(self) -> bool:
         """Repeats, or the two halves of one run, disagree by more than rackcast.spread.SPREAD_LIMIT."""
         return bool(self.repeat_spread.get("too_wide")) or self.step_spread > SPREAD_LIMIT
@@ -257,8 +265,8 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
     calib = results[:fit_on]
     base = topo
     names = FIT_FACTORS + (["op_overhead"] if counts else [])
-    res = fit([Measurement(load_plan(r.plan_path), r.measured_step_s, r.measured_phases_s, label=r.name)
-               for r in calib], base, names)
+    res = fit([Measurement(load_plan(r.plan_path), r.measured_step_s, r.measured_phases_s, label=r.name,
+                           scatter=r.scatter) for r in calib], base, names)
     fitted_path = out_dir / "fitted-topology.yaml"
     write_topology(fitted_path, replace(res.topology, name="validate-fitted"),
                    [f"rackcast validate: {topology} with factors fitted to {', '.join(r.name for r in calib)}:",
