@@ -123,7 +123,6 @@ class CompareScreen(Screen):
         self.app.call_from_thread(self.show, comparison)
 
     def show(self, c: Comparison) -> None:
-        self.comparison = c
         self.query_one("#status", Static).update(
             f"{c.plan_name}: predicted ({c.source}) vs measured; error = (predicted - measured) / measured")
         table = self.query_one(DataTable)
@@ -139,3 +138,4 @@ class CompareScreen(Screen):
             plt.hline(c.predicted_step_s)
             plt.text("predicted", c.steps[len(c.steps) // 2], c.predicted_step_s)
         self.query_one(PlotextPlot).refresh()
+        self.comparison = c  # last: whoever waits for it (capture) finds the table and plot filled
