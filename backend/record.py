@@ -127,11 +127,13 @@ def with_fastest(record: dict, run_dir: Path) -> dict:
 
 def measured_figure(record: dict) -> dict:
     """What a run is scored and fitted on: its `fastest` figure (step_time_s, phases_s, halves_spread, steps;
-    `with_fastest` fills it in for older runs), or, without one, its medians (steps 0, halves_spread NaN)."""
+    `with_fastest` fills it in for older runs), or, without one, its medians (steps 0, halves_spread NaN); a record
+    without a step time (no steady step) gives step_time_s None and the record's phases."""
     fast = record.get("fastest") or {}
     if fast.get("steps"):
         return fast
-    return {"share": FASTEST_SHARE, "steps": 0, "step_time_s": float(record["step_time_s"]),
+    step = record.get("step_time_s")
+    return {"share": FASTEST_SHARE, "steps": 0, "step_time_s": float(step) if step else None,
             "phases_s": dict(record.get("phases_s", {})), "halves_spread": math.nan}
 
 

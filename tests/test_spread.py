@@ -128,6 +128,13 @@ def test_record_fastest_takes_the_phases_of_the_same_fastest_steps():
     assert (figure["step_time_s"], figure["phases_s"], figure["steps"]) == (rec["step_time_s"], rec["phases_s"], 0)
 
 
+def test_measured_figure_of_a_record_without_steady_steps_has_no_step_time_and_keeps_its_phases():
+    from rackcast.backend.record import measured_figure
+
+    figure = measured_figure({"phases_s": {"compute": 0.5}})  # a run that ended before a steady step
+    assert figure["step_time_s"] is None and figure["phases_s"] == {"compute": 0.5} and figure["steps"] == 0
+
+
 def test_an_older_record_gets_its_fastest_figure_from_the_runs_metrics(tmp_path):
     from rackcast.backend.record import summary, with_fastest, write_metrics
 

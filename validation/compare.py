@@ -141,8 +141,7 @@ def compare_rows(result, rec: dict, plan: Plan | None = None) -> list[dict]:
     def add(name, unit, pred, meas):
         rows.append({"metric": name, "unit": unit, "predicted": pred, "measured": meas, "error": _err(pred, meas)})
 
-    figure = (measured_figure(rec) if rec.get("step_time_s")
-              else {"step_time_s": None, "phases_s": rec.get("phases_s", {})})
+    figure = measured_figure(rec)
     step, phases = figure["step_time_s"], figure["phases_s"]
     add("step_time_s", "s", result.step_time_s, step)
     tokens = rec.get("tokens_per_step")
@@ -186,7 +185,7 @@ def measured_events(run_dir: Path, rec: dict) -> tuple[list[dict], str]:
                 e["ts"] = round(e["ts"] - t0, 3)
             out.append(e)
         return out, "torch.profiler trace of the run"
-    phases = measured_figure(rec)["phases_s"] if rec.get("step_time_s") else rec.get("phases_s", {})
+    phases = measured_figure(rec)["phases_s"]
     out = [{"ph": "M", "name": "process_name", "pid": MEASURED_PID, "tid": 0,
             "args": {"name": "measured: one step from the run's measured phase times (no trace.json in the run)"}},
            {"ph": "M", "name": "thread_name", "pid": MEASURED_PID, "tid": 0, "args": {"name": "phases"}}]
