@@ -20,6 +20,9 @@ machine, so it is the figure to compare with.
 
     s = spread_of([0.101, 0.098, 0.131])     # Spread(centre=0.101, low=0.098, high=0.131, n=3)
     s.relative, s.too_wide                   # 0.327, True
+
+Across a suite, `leave_one_out_error` of each plan's repeats says how well the measurements reproduce themselves:
+a prediction's MAPE below that mean cannot be told apart from the machine's own noise (validate's repeat floor).
 """
 
 from __future__ import annotations
@@ -112,3 +115,17 @@ def halves_spread(values, share: float = FASTEST_SHARE) -> float:
     even, odd = fastest_mean(values[0::2], share), fastest_mean(values[1::2], share)
     centre = fastest_mean(values, share)
     return abs(even - odd) / centre if centre else math.nan
+
+
+def leave_one_out_error(values) -> float:
+    """The mean over the finite values of |v - median(the others)| / median(the others): how far one repeat lands
+    from what the other repeats measured, the error a perfect prediction scored on one repeat would show. The floor
+    of any error checked against such measurements; NaN with fewer than two values."""
+    v = _finite(values)
+    if len(v) < 2:
+        return math.nan
+    errors = []
+    for i, x in enumerate(v):
+        centre = statistics.median(v[:i] + v[i + 1:])
+        errors.append(abs(x - centre) / centre)
+    return statistics.fmean(errors)

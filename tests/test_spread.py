@@ -160,3 +160,24 @@ def test_validate_plan_figure_is_the_median_of_its_runs_figures_with_their_sprea
     assert r.measured_phases_s == {"compute": 0.55} and r.step_spread == 0.04
     assert r.repeat_spread["relative"] == pytest.approx(0.3 / 1.1) and r.too_noisy
     assert r.scatter == pytest.approx(0.3 / 1.1 / 2)  # half the wider spread: what the fit weighs it by
+
+
+def test_leave_one_out_error_is_each_value_against_the_median_of_the_others():
+    from rackcast.spread import leave_one_out_error
+
+    assert leave_one_out_error([2.0, 2.0, 2.0]) == 0.0
+    # 1 against median(2, 3) = 2.5, 2 against 2.0, 3 against 1.5: errors 0.6, 0, 1
+    assert leave_one_out_error([3.0, 1.0, 2.0]) == pytest.approx((0.6 + 0.0 + 1.0) / 3)
+    assert math.isnan(leave_one_out_error([1.0])) and math.isnan(leave_one_out_error([1.0, math.nan]))
+
+
+def test_validate_repeat_floor_uses_repeats_and_falls_back_to_run_halves_with_one_run_each():
+    from rackcast.validation.validate import PlanResult, repeat_floor
+
+    def result(runs, step_spread=math.nan):
+        return PlanResult("p", "", spread_of(runs).centre, runs, {}, 1.0, step_spread=step_spread)
+
+    floor = repeat_floor([result([1.0, 1.0, 1.0]), result([1.0, 2.0]), result([5.0])])  # the one-run plan adds nothing
+    assert floor == {"mape": pytest.approx((0.0 + 0.75) / 2), "from": "repeats", "plans": 2}
+    quick = repeat_floor([result([1.0], 0.1), result([2.0], 0.3)])
+    assert quick == {"mape": pytest.approx(0.2), "from": "run halves", "plans": 2}

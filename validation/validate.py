@@ -61,7 +61,7 @@ from rackcast.backend.launch import torchrun_command, worker_env
 from rackcast.backend.record import measured_figure, with_fastest
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
-from rackcast.spread import FASTEST_SHARE, SPREAD_LIMIT, spread_of
+from rackcast.spread import FASTEST_SHARE, SPREAD_LIMIT, leave_one_out_error, spread_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -190,6 +190,19 @@ def plan_result(name: str, plan_path: str, records: list[dict]) -> PlanResult:
                                       default=math.nan))
 
 
+def repeat_floor(results: list[PlanResult]) -> dict:
+    """How well the suite's measurements reproduce themselves: the mean over plans of one repeat's distance from the
+    other repeats' median (rackcast.spread.leave_one_out_error), or, with one run per plan (--quick), of the runs'
+    halves_spread (one half of a run against the other). A perfect prediction would show about this MAPE; a target
+    below it cannot be checked on these measurements."""
+    per_plan = [leave_one_out_error(r.measured_runs_s) for r in results]
+    source = "repeats"
+    if all(math.isnan(x) for x in per_plan):
+        per_plan, source = [r.step_spread for r in results], "run halves"
+    finite = [x for x in per_plan if not math.isnan(x)]
+    return {"mape": statistics.fmean(finite) if finite else math.nan, "from": source, "plans": len(finite)}
+
+
 def summarise(results: list[PlanResult], label: str, held_out: set[str] | None = None) -> dict:
     rows = [r for r in results if held_out is None or r.name in held_out]
     meas = np.array([r.measured_step_s for r in rows])
@@ -283,7 +296,7 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
                "measured_figure": f"mean of the fastest {FASTEST_SHARE:.0%} of each run's steady steps, median over "
                                   "repeats",
                "spread_limit": SPREAD_LIMIT, "noisy_plans": [r.name for r in results if r.too_noisy],
-               "scorable": not any(r.too_noisy for r in results),
+               "scorable": not any(r.too_noisy for r in results), "repeat_floor": repeat_floor(results),
                "summaries": [summarise(results, label) for label in results[0].predicted if label != "fitted"] + [
                    summarise(results, "fitted"), dict(summarise(results, "fitted", held),
                                                       profile="fitted (held-out plans)")]}

@@ -112,5 +112,10 @@ def _run(args) -> int:
         out.print(f"spread: {', '.join(s['noisy_plans'])} varied by more than {_pct(s['spread_limit'])} between "
                   "runs or run halves: too noisy to score; the errors above may be the machine's, not the model's "
                   "(rerun on a quieter machine or with more --repeats)")
+    floor = s.get("repeat_floor")
+    if floor and floor["plans"]:
+        out.print(f"repeat floor: one {'repeat' if floor['from'] == 'repeats' else 'run half'} lands "
+                  f"{_pct(floor['mape'])} from the others' median on average ({floor['plans']} plans; "
+                  "rackcast.spread.leave_one_out_error): a MAPE below that is within the measurements' own noise")
     out.print(f"results: {args.out}/results.parquet, {args.out}/summary.json ({s['wall_s']:.0f} s)")
     return 0
