@@ -22,7 +22,7 @@ def test_validate_quick_reuse_scores_recorded_runs_and_reports_the_run_halves_fl
     out = _copy(tmp_path)
     proc = cli("validate", "--quick", "--reuse", "--topology", str(DATA / "calibrated.yaml"), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert "Validation summary" in proc.stdout and "repeat floor: one run half lands" in proc.stdout
+    assert "Validation summary" in proc.stdout and "repeat floor: the two halves of a run differ by" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["reused_runs"] and summary["repeats"] == 1
     floor = summary["repeat_floor"]

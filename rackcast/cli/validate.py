@@ -114,8 +114,9 @@ def _run(args) -> int:
                   "(rerun on a quieter machine or with more --repeats)")
     floor = s.get("repeat_floor")
     if floor and floor["plans"]:
-        out.print(f"repeat floor: one {'repeat' if floor['from'] == 'repeats' else 'run half'} lands "
-                  f"{_pct(floor['mape'])} from the others' median on average ({floor['plans']} plans; "
-                  "rackcast.spread.leave_one_out_error): a MAPE below that is within the measurements' own noise")
+        gap = ("one repeat lands {} from the other repeats' median" if floor["from"] == "repeats"
+               else "the two halves of a run differ by {}").format(_pct(floor["mape"]))
+        out.print(f"repeat floor: {gap} on average ({floor['plans']} plans; validate.repeat_floor): a MAPE below "
+                  "that is within the measurements' own noise")
     out.print(f"results: {args.out}/results.parquet, {args.out}/summary.json ({s['wall_s']:.0f} s)")
     return 0
