@@ -88,6 +88,7 @@ def main(argv=None) -> int:
                       f"at figure {res['probe_at_figure_ms']:5.2f} ms  core_share {res['core_share']:.2f}  "
                       f"r(step,probe) {res['r_within']:+.2f}  load {res['load']}", flush=True)
     print(f"load at end {load()}")
+    (out / "tracking.json").write_text(json.dumps(results, indent=1))
     for name in args.plans:
         runs = [r for r in results if r["plan"] == name]
         figs = [r["figure_ms"] for r in runs]
@@ -100,7 +101,6 @@ def main(argv=None) -> int:
               f"pooled steps r(step, probe) {pearson(*list(zip(*steps))[:2]):+.2f} (n={len(steps)}), "
               f"core_share >= {CORE_SHARE_FLOOR}: "
               f"{pearson(*list(zip(*on_core))[:2]) if on_core else math.nan:+.2f} (n={len(on_core)})")
-    (out / "tracking.json").write_text(json.dumps(results, indent=1))
     return 0
 
 

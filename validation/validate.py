@@ -27,7 +27,10 @@ way. The plan's figure is the median over repeats of its runs' figures, reported
 the range over repeats, and within a run the figure's difference between its even and odd steps (halves_spread). A
 plan whose spread exceeds rackcast.spread.SPREAD_LIMIT is flagged too noisy to score, and the summary says whether
 the suite could be scored (`noisy_plans`, `scorable`): a MAPE taken over noisy measurements measures the machine,
-not the model.
+not the model. Each run also measured the machine's speed (backend.speed_probe, at its figure's steps): a plan whose
+median run's probe is more than rackcast.spread.SLOW_MACHINE_LIMIT slower than the calibrated topology's
+(`efficiency.speed_probe_s`) ran on a slower machine than the prediction describes (`slow_machine_plans`); it stays in
+the MAPE over all plans, and the unfitted figures are given again over the machine-matched plans.
 
 Predictions: the simulator (simulator.step.simulate) with the calibrated topology less its host per-op overhead
 ("microbenchmarks"); with the calibrated topology as it is, which includes the overhead (simulator.host_overhead:
