@@ -8,6 +8,12 @@ beside the median probe. Prints per-run rows, the within-run Pearson correlation
 across-run correlation of figure and median probe, per plan, with the load average at the start and the end.
 
     .venv/bin/python benchmarks/speed_probe_tracking.py --rounds 3 --out runs/probe-tracking
+
+Findings (two sessions of 18 runs x 20 steps, load 1.7-4.9; README, "Machine-speed probe"): where the process had its
+core (core_share >= 0.95) the probe at the figure's steps follows the run's figure, r +0.82 over five runs of
+1p-gb32-mb8 (270.8-283.8 ms against 2.17-2.32 ms) and +0.99 over three of 1p-mb2, and per step r +0.54 and +0.74;
+descheduled runs (core_share 0.50-0.82) took up to 2.1x longer while the probe, the fastest of its passes, did not
+move; two-process plans follow loosely across runs (r +0.48, +0.50) and hardly per step (+0.37, +0.05).
 """
 
 from __future__ import annotations
