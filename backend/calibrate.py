@@ -29,6 +29,7 @@ from rackcast.units import KIB, MIB
 from rackcast.spread import undisturbed
 from rackcast.backend.cpu_runtime import DEFAULT_THREADS, configure_cpu_process
 from rackcast.backend.parallel import close_distributed
+from rackcast.backend.speed_probe import calibration_probe
 
 # torch 2.13 renamed the tensor forms; older versions only have the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -178,6 +179,14 @@ class _CommBench:
         return pingpong
 
 
+def _mean_over_ranks(values: list[float], world: int, device: torch.device) -> list[float]:
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / world).tolist()
+
+
 def _worker(rank: int, world: int, port: int, quick: bool, q, threads: int = 0) -> None:
     finished = False
     try:
@@ -194,6 +203,7 @@ def _worker(rank: int, world: int, port: int, quick: bool, q, threads: int = 0) 
         tick = (lambda label: q.put(("tick", label))) if rank == 0 else (lambda label: None)
         barrier = dist.barrier if world > 1 else (lambda: None)
         compute = run_compute(device, quick, tick, barrier)
+        compute["speed_probe"] = calibration_probe(device, barrier, lambda s: _mean_over_ranks(s, world, device))
         barrier()
         compute["host_link_Bps"] = _host_link_Bps(device, quick)
         comm = _CommBench(rank, world, device, quick, tick).run() if world > 1 else []

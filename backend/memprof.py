@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -121,3 +122,15 @@ def profile_peak(fn: Callable, *args, extra: Iterable[tuple[int, int]] = (),
     events = memory_events(prof)
     return result, PeakMeasurement(base_bytes=base, step_bytes=running_peak(n for _, n in events),
                                    events=len(events))
+
+
+def chrome_trace(path: Path, cuda: bool, wait: int, active: int):
+    """A started torch.profiler that skips `wait` steps, records the next `active` (CPU, and CUDA where `cuda`) and
+    writes them as a Chrome trace to `path`; the caller calls its step() after each step and stop() at the end."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    profiler = profile(activities=acts, schedule=schedule(wait=wait, warmup=0, active=active, repeat=1),
+                       on_trace_ready=lambda p: p.export_chrome_trace(str(path)))
+    profiler.start()
+    return profiler

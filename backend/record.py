@@ -4,19 +4,21 @@ Files in the run folder:
 - metrics.parquet: one row per optimizer step: step, loss, ce, z_loss, eval_loss (NaN except at eval steps), lr,
   step_time_s, tokens_per_s, mfu, step_cpu_s (the step's process CPU time, time.process_time, all threads) and
   core_share (step_cpu_s / step_time_s: below 1 the process waited for a core on a shared machine, above 1 it ran
-  more than one thread), phase_<name>_s for every simulator phase (rackcast.vocab.MEASURED_PHASES:
+  more than one thread), probe_s (backend.speed_probe: the reference kernel's seconds, timed by every rank just
+  before the step, outside its timing; mean over ranks) and probe_slowest_s (the slowest rank's), phase_<name>_s for every simulator phase (rackcast.vocab.MEASURED_PHASES:
   the simulator's phases plus "other"), peak_memory_bytes (largest over ranks so far; NaN on CPU until the measured step), peak_rss_bytes,
   memory_profiled (the step whose memory the profiler measured, slowed down by it), drop_fraction, plan_hash
   (rackcast.plan.inputs_hash). step_time_s and the phases are means over ranks; slowest_rank is the rank whose step
   took longest, step_time_slowest_s its step time and phase_<name>_slowest_s its phases (the critical path).
 - record.json: the summary: plan, plan_hash, layout, device, steps, tokens_per_step, and the medians over steps after
   the first (warm-up), the memory-profiled step left out, of step_time_s, tokens_per_s, mfu, step_cpu_s,
-  core_share, phases_s, and
+  core_share, probe_s, phases_s, and
   critical_path: the same medians of the slowest rank's step time and phases, and the rank slowest most often;
   step_time_spread: those steps' median, quartiles and relative spread (rackcast.spread: flagged too_wide when the
   interquartile range exceeds the scoring limit);
   fastest: the run's figure on a shared machine (rackcast.spread.fastest): the mean step time and phases of the
-  fastest FASTEST_SHARE of those steps, how many they are, and halves_spread (the figure on even against odd steps);
+  fastest FASTEST_SHARE of those steps, how many they are, halves_spread (the figure on even against odd steps) and
+  probe_s (the mean speed probe at those steps: how fast the machine was while it measured the figure);
   validate and `calibrate --from-run` score and fit this figure (`measured_figure`);
   peak_memory_bytes with memory_measure (how it was measured) and param_dtype / activation_dtype (what the trainer
   kept weights and activations in), peak_rss_bytes, drop_fraction, first/last loss, flops_convention, peak_flops
@@ -108,21 +110,30 @@ def fastest_steps(steady: list[dict]) -> dict:
     if not idx:
         return {"share": FASTEST_SHARE, "steps": 0, "step_time_s": math.nan, "phases_s": {}, "halves_spread": math.nan}
     chosen = [steady[i] for i in idx]
-    return {"share": FASTEST_SHARE, "steps": len(idx),
-            "step_time_s": statistics.fmean(r["step_time_s"] for r in chosen),
-            "phases_s": {p: statistics.fmean(r.get(f"phase_{p}_s") or 0.0 for r in chosen) for p in MEASURED_PHASES},
-            "halves_spread": halves_spread(times)}
+    out = {"share": FASTEST_SHARE, "steps": len(idx),
+           "step_time_s": statistics.fmean(r["step_time_s"] for r in chosen),
+           "phases_s": {p: statistics.fmean(r.get(f"phase_{p}_s") or 0.0 for r in chosen) for p in MEASURED_PHASES},
+           "halves_spread": halves_spread(times)}
+    probes = [r.get("probe_s") for r in chosen]
+    if all(p is not None and not math.isnan(p) for p in probes):  # runs recorded before the probe have none
+        out["probe_s"] = statistics.fmean(probes)
+    return out
 
 
 def with_fastest(record: dict, run_dir: Path) -> dict:
     """The record with its `fastest` figure: as recorded, or, for a run recorded before the record kept it, computed
-    from the run's metrics.parquet (one row per step) where the run folder has one."""
+    from the run's metrics.parquet (one row per step) where the run folder has one, with the speed probe (its median
+    probe_s, and the figure's) where those rows have it."""
     metrics = Path(run_dir) / "metrics.parquet"
     if record.get("fastest") or not metrics.exists():
         return record
     import pyarrow.parquet as pq
 
-    return dict(record, fastest=fastest_steps(steady_rows(pq.read_table(metrics).to_pylist())))
+    steady = steady_rows(pq.read_table(metrics).to_pylist())
+    out = dict(record, fastest=fastest_steps(steady))
+    if "probe_s" not in record and not math.isnan(probe := _median(steady, "probe_s")):
+        out["probe_s"] = probe
+    return out
 
 
 def measured_figure(record: dict) -> dict:
@@ -153,6 +164,7 @@ def summary(rows: list[dict], **info) -> dict:
         "mfu": _median(steady, "mfu"),
         "step_cpu_s": _median(steady, "step_cpu_s"),
         "core_share": _median(steady, "core_share"),
+        "probe_s": _median(steady, "probe_s"),
         "phases_s": phases,
         "critical_path": _critical_path(steady),
         "peak_memory_bytes": _max(rows, "peak_memory_bytes"),
@@ -190,7 +202,7 @@ def progress_line(row: dict, steps: int) -> str:
 
 # step_row's per-rank figures in column order (loss, ce and z_loss sums, micro-batches, dropped and assigned rows,
 # step wall and process CPU seconds), then each phase's seconds from PHASE_COLUMN on.
-STEP_COLUMNS = ("loss", "ce", "z_loss", "micro_batches", "dropped", "assigned", "step_s", "step_cpu_s")
+STEP_COLUMNS = ("loss", "ce", "z_loss", "micro_batches", "dropped", "assigned", "step_s", "step_cpu_s", "probe_s")
 COLUMN = {name: i for i, name in enumerate(STEP_COLUMNS)}
 PHASE_COLUMN = len(STEP_COLUMNS)
 
@@ -212,7 +224,8 @@ def step_row(per_rank, mem, names: list[str], *, tokens_per_step: float, model_f
            "z_loss": total["z_loss"] / n if not pipeline else math.nan,
            "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
            "mfu": model_flops / (step_time * world * peak_flops),
-           "step_cpu_s": step_cpu, "core_share": step_cpu / step_time}
+           "step_cpu_s": step_cpu, "core_share": step_cpu / step_time, "probe_s": total["probe_s"] / world,
+           "probe_slowest_s": per_rank[:, COLUMN["probe_s"]].max().item()}
     for i, name in enumerate(names):
         out[f"phase_{name}_s"] = vec[PHASE_COLUMN + i].item() / world
     out["slowest_rank"] = slowest

@@ -7,7 +7,8 @@ backend.parallel; not under ZeRO-2, whose backend.zero reduces each gradient to 
 optimizer (backend.optim) and quantile balancer (its statistics pooled over them), then per optimizer step: this rank's
 share of the global batch (backend.data) in micro-batches -> forward/backward (or the pipeline schedule) -> expert
 gradient reduction -> optimizer -> balancer. Measures each step (backend.record), saves checkpoints (backend.checkpoint)
-and resumes from the latest complete one. Garbage collection: between steps only, untimed (backend.step_gc).
+and resumes from the latest complete one. Garbage collection and the machine-speed probe: between steps only, untimed
+(backend.step_gc, backend.speed_probe).
 
 Peak memory: on CUDA torch.cuda.max_memory_allocated. On CPU every rank measures the peak bytes of live tensors during
 one training step with the profiler (backend.memprof): the third step this process runs (MEMORY_STEP; the last one when
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rackcast.atomic import write_json_atomic
-from rackcast.backend import checkpoint, memprof, record, step_gc
+from rackcast.backend import checkpoint, memprof, record, speed_probe, step_gc
 from rackcast.backend.compiled import compile_blocks
 from rackcast.backend.context_parallel import ContextShard, chunk_loss, sequence_chunk, shard_context
 from rackcast.backend.attached_loss import AttachedLoss
@@ -107,6 +108,7 @@ class Trainer:
         self.layout = lay = Layout.of(self.plan, self.rank)
         self.groups = Groups(lay, self.device) if self.world > 1 else None
         self.timer = PhaseTimer(self.cuda)
+        self.probe = speed_probe.SpeedProbe(self.device)
         self.spec = spec = self.plan.model_spec()
         self.out = Path(args.out)
         self.plan_hash = inputs_hash(self.plan)
@@ -374,13 +376,14 @@ class Trainer:
     def _peak_memory(self) -> float:
         return float(record.peak_memory_bytes(self.device)) if self.cuda else self.memory_peak
 
-    def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time, step_cpu) -> dict:
+    def _reduce_stats(self, loss_sum, ce_sum, z_sum, count, phases, step_time, step_cpu, probe_s) -> dict:
         dropped, assigned = pop_drop_counts(self.moes)
         names = list(MEASURED_PHASES)
         # One row per rank (a sum of rows zero elsewhere): the record keeps the slowest rank's figures beside the means
         per_rank = torch.zeros(self.world, record.PHASE_COLUMN + len(names), dtype=torch.float64)
         figures = dict(loss=loss_sum, ce=ce_sum, z_loss=z_sum, micro_batches=count, dropped=dropped, assigned=assigned,
-                       step_s=step_time, step_cpu_s=step_cpu) | {n: phases.get(n, 0.0) for n in names}
+                       step_s=step_time, step_cpu_s=step_cpu, probe_s=probe_s)
+        figures |= {n: phases.get(n, 0.0) for n in names}
         per_rank[self.rank] = torch.tensor([figures[c] for c in (*record.STEP_COLUMNS, *names)], dtype=torch.float64)
         mem = torch.tensor([self._peak_memory(), record.peak_rss_bytes()], dtype=torch.float64)
         if self.world > 1:
@@ -396,14 +399,9 @@ class Trainer:
         if args.resume:
             self.resume()
         profiler = None
-        if args.profile and self.rank == 0:
-            from torch.profiler import ProfilerActivity, profile, schedule
-
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            wait = 1 if self.cuda else MEMORY_STEP + 1  # after the memory-measured step on CPU
-            profiler = profile(activities=acts, schedule=schedule(wait=wait, warmup=0, active=TRACE_STEPS, repeat=1),
-                               on_trace_ready=lambda p: p.export_chrome_trace(str(self.out / "trace.json")))
-            profiler.start()
+        if args.profile and self.rank == 0:  # after the memory-measured step on CPU
+            profiler = memprof.chrome_trace(self.out / "trace.json", self.cuda, 1 if self.cuda else MEMORY_STEP + 1,
+                                            TRACE_STEPS)
         memory_step = self.start_step + min(MEMORY_STEP, args.steps - self.start_step - 1)
         with step_gc.StepBoundaryGC() as boundary:  # collections between steps only, outside their timing
             for step in boundary.steps(range(self.start_step, args.steps)):
@@ -411,6 +409,7 @@ class Trainer:
                 self.saver.poll()
                 self.timer.pop()
                 profiled = not self.cuda and step == memory_step
+                probe_s = self.probe.time()  # the machine's speed at this boundary, untimed (backend.speed_probe)
                 t0, cpu0 = self.timer.now(), time.process_time()
                 if profiled:
                     stats, peak = memprof.profile_peak(self.train_step, step, extra=self._cpp_storages())
@@ -422,7 +421,7 @@ class Trainer:
                 phases = record.step_phases(self.timer.pop(), step_time)
                 self._collect_routing()
                 row = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"],
-                       **self._reduce_stats(loss_sum, ce_sum, z_sum, count, phases, step_time, step_cpu),
+                       **self._reduce_stats(loss_sum, ce_sum, z_sum, count, phases, step_time, step_cpu, probe_s),
                        "memory_profiled": profiled}
                 last = step + 1 == args.steps
                 do_eval = last or (args.eval_every and (step + 1) % args.eval_every == 0)

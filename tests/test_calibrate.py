@@ -104,7 +104,8 @@ def _fake_measurements() -> dict:
                         "memory": [{"elements": 1 << 18, "bytes": 1 << 20, "copy_Bps": 20e9, "add_Bps": 20e9,
                                     "mix_Bps": 5e9}],
                         "memory_stream": {"elements": 1 << 24, "bytes": 1 << 26, "copy_Bps": 10e9, "add_Bps": 12e9},
-                        "host_link_Bps": 8e9},
+                        "host_link_Bps": 8e9,
+                        "speed_probe": {"samples_s": [2.5e-3, 2.4e-3, 2.7e-3], "median_s": 2.5e-3}},
             "collectives": coll, "world": 2, "quick": True, "device": "cpu", "started_utc": "2026-11-29T00:00:00+00:00",
             "wall_s": 1.0, "machine": {"torch": "x", "python": "3", "platform": "p", "cpu_count": 2,
                                        "device_name": "CPU process", "host_memory_bytes": 8 << 30}}
@@ -124,6 +125,14 @@ def test_topology_from_measurements_round_trips(tmp_path):
     assert back.efficiency.memory_bound == pytest.approx(5 / 12, abs=1e-3)
     assert back.scale_up.bandwidth_Bps == pytest.approx((1 << 23) / ((1e-4 + (1 << 23) / 2e9) / 2), rel=1e-3)
     assert all(0 < p.value <= 1 for p in back.efficiency.gemm)
+    assert back.efficiency.speed_probe_s == 2.5e-3  # the machine-speed probe validate checks runs against
+
+
+def test_measurements_from_before_the_speed_probe_give_a_topology_without_one():
+    meas = _fake_measurements()
+    del meas["compute"]["speed_probe"]
+    topo, notes = build_topology(meas, load_topology("local-cpu"), "fake")
+    assert topo.efficiency.speed_probe_s == 0.0 and not any("speed probe" in n for n in notes)
 
 
 def test_cli_from_measurement_writes_fitted_topology(tmp_path, cli):
@@ -173,7 +182,7 @@ def test_calibrate_quick_on_this_machine(tmp_path, cli):
     proc = cli("calibrate", "--quick", "--out", str(dest))
     assert proc.returncode == 0, proc.stderr
     topo = load_topology(str(dest))
-    assert topo.peak_flops("bf16") > 0 and topo.scale_up.bandwidth_Bps > 0
+    assert topo.peak_flops("bf16") > 0 and topo.scale_up.bandwidth_Bps > 0 and topo.efficiency.speed_probe_s > 0
     assert dest.read_text().startswith("# rackcast calibrate --quick")
     assert load_plan(str(PLANS / "tiny-2proc-ep.yaml")).topology.name == "local-cpu"
     from rackcast.simulator.estimate import estimate

@@ -70,3 +70,14 @@ def test_running_peak():
     assert running_peak([]) == 0
     assert running_peak([5, -3, 4, -6]) == 6
     assert running_peak([-5, 2]) == 0
+
+
+def test_the_speed_probe_leaves_no_live_tensor_for_the_memory_peak_to_count():
+    """The trainer takes the speed probe (backend.speed_probe) at every step boundary; its tensors must not add to
+    the live tensor bytes the profiled step's peak starts from."""
+    from rackcast.backend.speed_probe import SpeedProbe
+
+    probe = SpeedProbe(torch.device("cpu"))
+    before = live_bytes()
+    assert probe.time() > 0
+    assert live_bytes() == before

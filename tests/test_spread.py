@@ -181,3 +181,54 @@ def test_validate_repeat_floor_uses_repeats_and_falls_back_to_run_halves_with_on
     assert floor == {"mape": pytest.approx((0.0 + 0.75) / 2), "from": "repeats", "plans": 2}
     quick = repeat_floor([result([1.0], 0.1), result([2.0], 0.3)])
     assert quick == {"mape": pytest.approx(0.2), "from": "run halves", "plans": 2}
+
+
+def test_record_keeps_the_speed_probe_at_its_fastest_steps_and_its_median():
+    from rackcast.backend.record import summary
+
+    times = [9.0] + [2.0] * 5 + [1.0] + [2.0] * 3  # the fastest fifth of the nine steady steps: index 6 and 1
+    probes = [5.0, 3.0, 2.0, 2.0, 2.0, 2.0, 4.0, 2.0, 2.0, 2.0]
+    rows = [dict(r, probe_s=p) for r, p in zip(_rows(times), probes)]
+    rec = summary(rows)
+    assert rec["fastest"]["probe_s"] == pytest.approx((4.0 + 3.0) / 2)  # the probes at the figure's steps
+    assert rec["probe_s"] == 2.0  # the median over the steady steps
+    assert "probe_s" not in summary(_rows(times))["fastest"]  # a run recorded before the probe has none
+
+
+def test_an_older_record_gets_its_speed_probe_from_the_runs_metrics_where_they_have_one(tmp_path):
+    from rackcast.backend.record import summary, with_fastest, write_metrics
+
+    rows = [dict(r, probe_s=p) for r, p in zip(_rows([5.0, 1.2, 1.0, 1.4]), [9.0, 2.0, 3.0, 4.0])]
+    write_metrics(tmp_path, rows)
+    old = {k: v for k, v in summary(rows).items() if k not in ("fastest", "probe_s")}
+    filled = with_fastest(old, tmp_path)
+    assert filled["fastest"]["probe_s"] == 3.0 and filled["probe_s"] == 3.0
+    write_metrics(tmp_path, _rows([5.0, 1.2, 1.0, 1.4]))  # metrics from before the probe
+    filled = with_fastest(old, tmp_path)
+    assert "probe_s" not in filled and "probe_s" not in filled["fastest"]
+
+
+def test_slowdown_is_the_probes_ratio_less_one_and_unknown_without_either_probe():
+    from rackcast.spread import slowdown
+
+    assert slowdown(2.4e-3, 2.0e-3) == pytest.approx(0.2)
+    assert slowdown(1.8e-3, 2.0e-3) == pytest.approx(-0.1)
+    assert all(math.isnan(slowdown(p, c)) for p, c in ((None, 2e-3), (2e-3, 0.0), (float("nan"), 2e-3)))
+
+
+def test_validate_flags_a_plan_whose_median_run_had_a_slower_machine_than_calibrated():
+    from rackcast.spread import SLOW_MACHINE_LIMIT
+    from rackcast.validation.validate import plan_result
+
+    def record(probe):
+        fast = {"steps": 3, "step_time_s": 1.0, "phases_s": {}, "halves_spread": 0.0}
+        return {"peak_memory_bytes": 1.0, "fastest": fast if probe is None else dict(fast, probe_s=probe)}
+
+    calibrated = 2.0e-3
+    slow = calibrated * (1 + 2 * SLOW_MACHINE_LIMIT)
+    one_slow = plan_result("p", "", [record(calibrated), record(slow), record(calibrated)], calibrated)
+    assert one_slow.run_slowdowns[1] == pytest.approx(2 * SLOW_MACHINE_LIMIT) and not one_slow.slow_machine
+    two_slow = plan_result("p", "", [record(slow), record(slow), record(calibrated)], calibrated)
+    assert two_slow.machine_slowdown == pytest.approx(2 * SLOW_MACHINE_LIMIT) and two_slow.slow_machine
+    assert not plan_result("p", "", [record(slow)], 0.0).slow_machine  # not calibrated: not checked
+    assert not plan_result("p", "", [record(None)], calibrated).slow_machine  # no probe recorded: not checked

@@ -1,7 +1,8 @@
 """Garbage collection only at step boundaries (backend.step_gc): no automatic collection inside a step, a reference
 cycle made in a step freed before the next one, the collector restored after the loop (also on an error), frozen
 tensors still counted by backend.memprof, and the trainer's loop running under the policy (a cycle made in one step
-freed before the next, the collector off inside each step and restored after training).
+freed before the next, the collector off inside each step and restored after training), with the speed probe
+(backend.speed_probe) recorded for every step.
 
     .venv/bin/pytest -q tests/test_step_gc.py        (about 15 s on 2 cores)
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import weakref
@@ -115,7 +117,8 @@ print(json.dumps({"code": code, "steps": seen, "enabled_after": gc.isenabled(), 
 """
 
 
-def test_trainer_steps_run_with_automatic_collection_off_collect_between_and_restore_it_after(tmp_path):
+def test_trainer_steps_run_with_automatic_collection_off_collect_between_restore_it_after_and_record_the_probe(
+        tmp_path):
     plan = write_plan(tmp_path / "tiny.yaml", {})
     args = ["--plan", str(plan), "--steps", "3", "--out", str(tmp_path / "run"), "--quiet", "--threads", "1",
             "--data-dir", str(ROOT / "runs" / ".data")]
@@ -127,3 +130,9 @@ def test_trainer_steps_run_with_automatic_collection_off_collect_between_and_res
     assert seen["enabled_after"] and seen["frozen_after"] == 0
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     assert record["peak_memory_bytes"] > 0
+    import pyarrow.parquet as pq  # the speed probe, taken at every step boundary beside the collection
+
+    rows = pq.read_table(tmp_path / "run" / "metrics.parquet").to_pylist()
+    assert len(rows) == 3 and all(r["probe_s"] > 0 for r in rows)
+    steady = [r["probe_s"] for r in rows[1:] if not r["memory_profiled"]]  # as record.steady_rows
+    assert record["probe_s"] == statistics.median(steady) and record["fastest"]["probe_s"] in steady

@@ -147,16 +147,17 @@ def test_summary_medians_skip_warm_up_and_the_memory_profiled_step():
 
 
 def test_step_row_means_cpu_time_over_ranks_and_reads_phases_after_it():
-    """step_row: the step's CPU seconds are averaged over ranks and divided by the mean wall step (core_share); the
-    phase columns start after the CPU column, and the slowest rank is picked by wall time."""
+    """step_row: the step's CPU seconds are averaged over ranks and divided by the mean wall step (core_share), the
+    speed probe averaged with its slowest rank's beside it; the phase columns start after the probe column, and the
+    slowest rank is picked by wall time."""
     from rackcast.backend.record import PHASE_COLUMN, step_row
     from rackcast.vocab import MEASURED_PHASES
 
     names = list(MEASURED_PHASES)
     per_rank = torch.zeros(2, PHASE_COLUMN + len(names), dtype=torch.float64)
-    #                  loss ce   z  mbs drop assigned wall cpu
-    per_rank[0, :PHASE_COLUMN] = torch.tensor([4.0, 4.0, 0, 2, 0, 10, 2.0, 1.0])
-    per_rank[1, :PHASE_COLUMN] = torch.tensor([4.0, 4.0, 0, 2, 0, 10, 4.0, 2.0])
+    #                  loss ce   z  mbs drop assigned wall cpu probe
+    per_rank[0, :PHASE_COLUMN] = torch.tensor([4.0, 4.0, 0, 2, 0, 10, 2.0, 1.0, 0.25])
+    per_rank[1, :PHASE_COLUMN] = torch.tensor([4.0, 4.0, 0, 2, 0, 10, 4.0, 2.0, 0.75])
     per_rank[0, PHASE_COLUMN + names.index("compute")] = 1.5
     per_rank[1, PHASE_COLUMN + names.index("compute")] = 3.5
     row = step_row(per_rank, torch.tensor([1.0, 2.0]), names, tokens_per_step=100, model_flops=1e9,
@@ -164,6 +165,7 @@ def test_step_row_means_cpu_time_over_ranks_and_reads_phases_after_it():
     assert row["step_time_s"] == 3.0 and row["step_cpu_s"] == 1.5 and row["core_share"] == 0.5
     assert row["phase_compute_s"] == 2.5 and row["phase_compute_slowest_s"] == 3.5 and row["slowest_rank"] == 1
     assert row["loss"] == 2.0
+    assert row["probe_s"] == 0.5 and row["probe_slowest_s"] == 0.75
 
 
 @pytest.mark.slow

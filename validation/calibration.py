@@ -140,6 +140,11 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
                      "negligible): " + ", ".join(f"{part} {op['host_op_s'][part] * 1e6:.2f} us ({op['ops'][part]} "
                                                  f"aten calls in {op['seconds'][part] * 1e3:.3g} ms)"
                                                  for part in ("forward", "backward", "optimizer")))
+    probe = comp.get("speed_probe", {})
+    if probe:
+        notes.append(f"speed probe (backend.speed_probe, all ranks at once): median {probe['median_s'] * 1e3:.3g} ms "
+                     f"of {len(probe['samples_s'])}, {min(probe['samples_s']) * 1e3:.3g}-"
+                     f"{max(probe['samples_s']) * 1e3:.3g} ms")
     host_bw = comp["host_link_Bps"]
     notes.append(f"host link: {'pinned host-to-GPU copy' if cuda else 'memcpy'} {host_bw / 1e9:.3g} GB/s one way")
     accel = replace(base.accelerator, name=meas["machine"].get("device_name", base.accelerator.name),
@@ -188,7 +193,8 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
                             comm_compute_slowdown=base.efficiency.comm_compute_slowdown, source=source,
                             host_op_s=HostOpTimes(*(float(f"{op['host_op_s'][part]:.3g}")
                                                     for part in ("forward", "backward", "optimizer")))
-                            if op else HostOpTimes())
+                            if op else HostOpTimes(),
+                            speed_probe_s=float(f"{probe['median_s']:.4g}") if probe else 0.0)
     topo = replace(base, name=name, accelerator=accel, host=host, scale_up=scale_up, efficiency=eff,
                    description=f"{base.description} -- calibrated {meas['started_utc']}")
     return topo, notes

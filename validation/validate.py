@@ -27,7 +27,10 @@ way. The plan's figure is the median over repeats of its runs' figures, reported
 the range over repeats, and within a run the figure's difference between its even and odd steps (halves_spread). A
 plan whose spread exceeds rackcast.spread.SPREAD_LIMIT is flagged too noisy to score, and the summary says whether
 the suite could be scored (`noisy_plans`, `scorable`): a MAPE taken over noisy measurements measures the machine,
-not the model.
+not the model. Each run also measured the machine's speed (backend.speed_probe, at its figure's steps): a plan whose
+median run's probe is more than rackcast.spread.SLOW_MACHINE_LIMIT slower than the calibrated topology's
+(`efficiency.speed_probe_s`) ran on a slower machine than the prediction describes (`slow_machine_plans`); it stays in
+the MAPE over all plans, and the unfitted figures are given again over the machine-matched plans.
 
 Predictions: the simulator (simulator.step.simulate) with the calibrated topology less its host per-op overhead
 ("microbenchmarks"); with the calibrated topology as it is, which includes the overhead (simulator.host_overhead:
@@ -61,7 +64,8 @@ from rackcast.backend.launch import torchrun_command, worker_env
 from rackcast.backend.record import measured_figure, with_fastest
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
-from rackcast.spread import FASTEST_SHARE, SPREAD_LIMIT, leave_one_out_error, spread_of
+from rackcast.spread import (FASTEST_SHARE, SLOW_MACHINE_LIMIT, SPREAD_LIMIT, leave_one_out_error, slowdown,
+                             spread_of)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,6 +166,8 @@ class PlanResult:
     param_dtype: str = ""  # the dtype the trainer kept weights and activations in (its record's param_dtype)
     repeat_spread: dict = field(default_factory=dict)  # rackcast.spread over the repeats' figures
     step_spread: float = math.nan  # the widest halves_spread of one run's figure (rackcast.spread)
+    # each run's machine against the calibrated one (rackcast.spread.slowdown of the probe at the figure's steps)
+    run_slowdowns: list[float] = field(default_factory=list)
 
     @property
     def scatter(self) -> float:
@@ -175,11 +181,21 @@ class PlanResult:
         """Repeats, or the two halves of one run, disagree by more than rackcast.spread.SPREAD_LIMIT."""
         return bool(self.repeat_spread.get("too_wide")) or self.step_spread > SPREAD_LIMIT
 
+    @property
+    def machine_slowdown(self) -> float:
+        """The median over repeats of the runs' slowdowns (the plan's figure is the median run's); NaN unknown."""
+        return spread_of(self.run_slowdowns).centre
 
-def plan_result(name: str, plan_path: str, records: list[dict]) -> PlanResult:
+    @property
+    def slow_machine(self) -> bool:
+        """Its runs ran on a machine more than rackcast.spread.SLOW_MACHINE_LIMIT slower than the calibrated one."""
+        return self.machine_slowdown > SLOW_MACHINE_LIMIT
+
+
+def plan_result(name: str, plan_path: str, records: list[dict], calibrated_probe_s: float = 0.0) -> PlanResult:
     """A plan's measurement from its repeats' records (each with its `fastest` figure, backend.record.with_fastest):
-    the median over repeats of the runs' figures and of their phases, the range over repeats, and the widest
-    halves_spread of one run."""
+    the median over repeats of the runs' figures and of their phases, the range over repeats, the widest
+    halves_spread of one run, and each run's machine slowdown against `calibrated_probe_s` (0: not calibrated)."""
     figures = [measured_figure(r) for r in records]
     phases = {k: statistics.median(f["phases_s"].get(k, 0.0) for f in figures) for k in figures[0]["phases_s"]}
     runs = spread_of(f["step_time_s"] for f in figures)
@@ -187,7 +203,8 @@ def plan_result(name: str, plan_path: str, records: list[dict]) -> PlanResult:
                       max(r["peak_memory_bytes"] for r in records), param_dtype=records[0].get("param_dtype", ""),
                       repeat_spread=runs.as_dict(),
                       step_spread=max((x for f in figures if not math.isnan(x := f["halves_spread"])),
-                                      default=math.nan))
+                                      default=math.nan),
+                      run_slowdowns=[slowdown(f.get("probe_s"), calibrated_probe_s) for f in figures])
 
 
 def repeat_floor(results: list[PlanResult]) -> dict:
@@ -214,6 +231,25 @@ def summarise(results: list[PlanResult], label: str, held_out: set[str] | None =
             "step_max_abs_error": float(np.max(np.abs(err))), "kendall_tau": kendall_tau(pred, meas),
             "memory_mape": float(np.mean(np.abs((mem_p - mem_m) / mem_m))),
             "memory_max_abs_error": float(np.max(np.abs((mem_p - mem_m) / mem_m)))}
+
+
+def machine_check(results: list[PlanResult], calibrated_probe_s: float) -> dict:
+    """The summary's speed-probe check: the calibrated probe, the limit, each plan's machine slowdown, and the plans
+    whose machine was slower than the calibrated one by more than the limit (`slow_machine_plans`)."""
+    return {"calibrated_probe_s": calibrated_probe_s or None, "slow_machine_limit": SLOW_MACHINE_LIMIT,
+            "machine_slowdown": {r.name: None if math.isnan(r.machine_slowdown) else r.machine_slowdown
+                                 for r in results},
+            "slow_machine_plans": [r.name for r in results if r.slow_machine]}
+
+
+def matched_summaries(results: list[PlanResult]) -> list[dict]:
+    """Each unfitted profile's figures again over the plans whose machine matched the calibrated one, where some plan's
+    did not (and some did): the error the model makes on the machine it describes, beside the error over all."""
+    matched = {r.name for r in results if not r.slow_machine}
+    if len(matched) in (0, len(results)):
+        return []
+    return [dict(summarise(results, label, matched), profile=f"{label} (machine-matched plans)")
+            for label in results[0].predicted if label != "fitted"]
 
 
 def predict_all(results: list[PlanResult], topo_path: str, label: str, overhead: bool = True) -> None:
@@ -258,7 +294,8 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
             rec = reused(run_dir, steps) if reuse else train(p, run_dir, steps, data_dir)
             records[p.stem].append(with_fastest(rec, run_dir))
             done += 1
-    results = [plan_result(p.stem, str(p), records[p.stem]) for p in plans]
+    calibrated_probe = load_topology(topology).efficiency.speed_probe_s
+    results = [plan_result(p.stem, str(p), records[p.stem], calibrated_probe) for p in plans]
     if progress:
         progress("simulate (calibrated profile)", done, total)
     predict_all(results, topology, "microbenchmarks", overhead=False)
@@ -297,9 +334,11 @@ def run_suite(topology: str, out_dir: Path, quick: bool = False, steps: int = 0,
                                   "repeats",
                "spread_limit": SPREAD_LIMIT, "noisy_plans": [r.name for r in results if r.too_noisy],
                "scorable": not any(r.too_noisy for r in results), "repeat_floor": repeat_floor(results),
+               **machine_check(results, calibrated_probe),
                "summaries": [summarise(results, label) for label in results[0].predicted if label != "fitted"] + [
                    summarise(results, "fitted"), dict(summarise(results, "fitted", held),
-                                                      profile="fitted (held-out plans)")]}
+                                                      profile="fitted (held-out plans)")]
+               + matched_summaries(results)}
     _write_results(out_dir, results)
 
     write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
@@ -315,7 +354,7 @@ def _write_results(out_dir: Path, results: list[PlanResult]) -> None:
                              "measured_runs_s": [], "predicted_step_s": [], "step_error": [],
                              "measured_peak_memory_bytes": [], "predicted_peak_memory_bytes": [],
                              "measured_compute_s": [], "predicted_compute_s": [], "repeat_spread": [],
-                             "step_spread": [], "too_noisy": []}
+                             "step_spread": [], "too_noisy": [], "machine_slowdown": [], "slow_machine": []}
     for r in results:
         for label, p in r.predicted.items():
             cols["plan"].append(r.name)
@@ -332,5 +371,7 @@ def _write_results(out_dir: Path, results: list[PlanResult]) -> None:
             cols["repeat_spread"].append(r.repeat_spread.get("relative", math.nan))
             cols["step_spread"].append(r.step_spread)
             cols["too_noisy"].append(r.too_noisy)
+            cols["machine_slowdown"].append(r.machine_slowdown)
+            cols["slow_machine"].append(r.slow_machine)
     with atomic_path(out_dir / "results.parquet") as tmp:
         pq.write_table(pa.table(cols), tmp)

@@ -118,5 +118,23 @@ def _run(args) -> int:
                else "the two halves of a run differ by {}").format(_pct(floor["mape"]))
         out.print(f"repeat floor: {gap} on average ({floor['plans']} plans; validate.repeat_floor): a MAPE below "
                   "that is within the measurements' own noise")
+    out.print(machine_line(s))
     out.print(f"results: {args.out}/results.parquet, {args.out}/summary.json ({s['wall_s']:.0f} s)")
     return 0
+
+
+def machine_line(s: dict) -> str:
+    """The summary's line on the speed-probe check (validation.validate.machine_check)."""
+    if not s.get("calibrated_probe_s"):
+        return "machine speed: not checked (the topology holds no speed probe: calibrate again to measure one)"
+    known = {k: v for k, v in s["machine_slowdown"].items() if v is not None}
+    if not known:
+        return "machine speed: not checked (the runs recorded no speed probe)"
+    worst = max(known, key=known.get)
+    if not s["slow_machine_plans"]:
+        return (f"machine speed: every plan ran within {_pct(s['slow_machine_limit'])} of the calibrated speed probe "
+                f"({s['calibrated_probe_s'] * 1e3:.3g} ms; slowest {worst} {known[worst]:+.1%})")
+    return (f"machine speed: {', '.join(s['slow_machine_plans'])} ran on a machine slower than calibrated (speed "
+            f"probe more than {_pct(s['slow_machine_limit'])} above {s['calibrated_probe_s'] * 1e3:.3g} ms; slowest "
+            f"{worst} {known[worst]:+.1%}): their errors include the machine's; the (machine-matched plans) rows "
+            "score the others")
