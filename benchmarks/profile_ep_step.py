@@ -122,7 +122,8 @@ def _print(plan: str, ranks: list[dict]) -> None:
             cells.append(f"{s['fastest_mean'] * scale:7.2f} / {s['median'] * scale:7.2f}")
         print(f"  {key:<16}" + "  ".join(cells))
     for r in ranks:
-        print(f"  rank{r['rank']} profiled step: {r['profiled_aten_calls']} aten calls; top self CPU (name, calls, ms):")
+        print(f"  rank{r['rank']} profiled step: {r['profiled_aten_calls']} aten calls; "
+              "top self CPU (name, calls, ms):")
         for name, calls, ms in r["top_self"]:
             print(f"    {name:<40} {calls:>6} {ms:8.2f}")
 
