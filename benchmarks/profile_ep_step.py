@@ -93,7 +93,8 @@ def _worker(plan: str, steps: int, out: str) -> None:
     report = {"rank": dist.get_rank(), "summary": summary,
               "profiled_aten_calls": sum(e.count for e in aten),
               "top_self": [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in top],
-              "calls": {e.key: e.count for e in events}}
+              "calls": {e.key: e.count for e in events},
+              "self_ms": {e.key: e.self_cpu_time_total / 1e3 for e in events}}
     Path(out, f"profile-rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
