@@ -131,6 +131,25 @@ def a2a_bytes(tokens_mb, spec: ModelSpec, expert_tensor):
     return tokens_mb * top_k * x * W_BYTES * expert_tensor
 
 
+def count_exchange_bytes(spec: ModelSpec, expert_tensor):
+    """Per-rank send buffer of the per-expert token-count all-to-all over the expert group that blocks before every
+    forward expert dispatch (counts carry no gradient): one int64 count per (expert, expert-tensor rank), as
+    backend.expert_parallel.ExpertParallelMoE.dispatch_compute_combine sends them. Megatron-Core's all-to-all
+    dispatcher likewise exchanges tokens-per-expert over the expert group before its permuted all-to-all
+    (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher.preprocess)."""
+    return spec.moe.experts * expert_tensor * INDEX_BYTES if spec.moe else 0
+
+
+def count_exchange_time(topo: Topology, spec: ModelSpec, parallel, span_out):
+    """Seconds of one count exchange (count_exchange_bytes, the flat all_to_all's alpha-beta time: at these few
+    bytes its latency). Priced as a latency of the forward dispatch it always immediately precedes on the same
+    group (the dispatch needs the counts for its split sizes), so it adds no collective of its own to the step:
+    the estimate adds it to each forward dispatch's all-to-all time, the simulator to that Comm's lead_s. parallel:
+    a ParallelSpec (or the estimate's arrays of them)."""
+    nbytes = count_exchange_bytes(spec, parallel.expert_tensor)
+    return collective_time(topo, "all_to_all", parallel.expert_group, nbytes, span_out)
+
+
 def node_limited_copies(spec: ModelSpec, domains):
     """Copies of a token that cross into other scale-up domains' NICs, as a count before the remote share (arrays
     broadcast): top_k without node-limited routing (every routed row is sent), and with it (moe.node_limit M over

@@ -280,6 +280,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "cp_layer_s": sum(collective_time(topo, "send_recv", cp, costs.context_bytes(tokens_mb, spec, t, cp, i),
                                           pl.context.span == "scale_out") for i in range(spec.layers)) / spec.layers,
         "ep_n": par.expert_group, "ep_out": pl.expert.span == "scale_out",
+        "count_exchange_s": costs.count_exchange_time(topo, spec, par, pl.expert.span == "scale_out"),
         # node-limited routing sends only part of the cross-domain copies over the NICs (costs.cross_domain_a2a_share)
         "a2a_bytes": costs.a2a_bytes(routed_mb, spec, par.expert_tensor) * m_imbalance *
         costs.cross_domain_a2a_share(spec, pl.expert.domains),
@@ -327,11 +328,15 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow, rates) -> dict:
     cp_exposed = layers * f["cp_layer_s"] * (2 + full) + sum(
         collective_time(topo, "send_recv", f["cp_n"], g(k), f["cp_out"]) for k in ("mtp_cp_bytes", "mtp_cp_grad_bytes"))
     a2a_one = collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
+    # The forward dispatch (and its recomputation's) pays the count exchange before it (costs.count_exchange_time).
+    dispatch_one = a2a_one + f["count_exchange_s"]
     shared_layer = shared / np.maximum(moe, 1)
     # Forward (and its recomputation): two exchanges under half the shared experts each; backward: under all of it.
-    a2a_exposed = 2 * moe * ((1 + full) * np.maximum(0.0, a2a_one - shared_layer / 2) +
-                             np.maximum(0.0, a2a_one - shared_layer))
-    a2a_t = (4 + 2 * full) * moe * a2a_one
+    half_hidden = np.maximum(0.0, a2a_one - shared_layer / 2)
+    counts_exposed = moe * (np.maximum(0.0, dispatch_one - shared_layer / 2) - half_hidden)  # per forward
+    a2a_exposed = 2 * moe * ((1 + full) * half_hidden + np.maximum(0.0, a2a_one - shared_layer)) + \
+        (1 + full) * counts_exposed
+    a2a_t = (4 + 2 * full) * moe * a2a_one + (1 + full) * moe * f["count_exchange_s"]
     compute = 3 * fwd + rec + elem
     # FSDP: forward and backward of each chunk gather their layers one ahead; the first layer's gather of each is
     # exposed, the rest hide behind compute where it is long enough.
@@ -349,10 +354,12 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow, rates) -> dict:
     overlapped = np.minimum(compute, np.minimum(3 * shared_layer * moe, a2a_t) + fsdp_t)
     compute = compute + slow * overlapped
     comm = tp_t + cp_exposed + a2a_exposed + fsdp_exposed
+    spread = (comm - (1 + full) * counts_exposed) / 3  # the count exchanges run in the forwards only
     return {"fwd": fwd, "rec": rec, "elem": elem, "compute": compute, "tp": tp_t + cp_exposed, "a2a": a2a_exposed,
             "a2a_total": a2a_t, "fsdp": fsdp_exposed, "total": compute + comm,
             # schedule units: F, B (input gradients, after recomputation), W (weight gradients)
-            "F": fwd + elem / 2 + comm / 3, "B": fwd + rec + elem / 2 + comm / 3, "W": fwd + comm / 3}
+            "F": fwd + elem / 2 + spread + counts_exposed, "B": fwd + rec + elem / 2 + spread + full * counts_exposed,
+            "W": fwd + spread}
 
 
 def _reduction_time(f: dict, topo: Topology, dense_bytes, expert_bytes):
