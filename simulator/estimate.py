@@ -47,40 +47,17 @@ from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
 from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, names_used, rank_shape, shapes_by_name, \
     tail_expert_shape
-from rackcast.simulator.host_overhead import counted_bytes, eager_bytes, host_bytes, host_ops
+from rackcast.simulator.host_overhead import HOST_OP_FEATURES, counted_bytes, host_op_features
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
                                                newton_schulz_parts, newton_schulz_split, optimizer_traffic_bytes)
 from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key, per_key_table
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
-from rackcast.simulator.schedule_formulas import bubble_coefficients
+from rackcast.simulator.schedule_formulas import bubble_coefficients, paced_bubble_time_s, pacing_coefficients
 from rackcast.simulator.stage_work import stage_work
 from rackcast.topologies.spec import Topology
-from rackcast.vocab import PHASES, PRECISIONS
-
-HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble_backward", "op_optimizer",
-                    "eager_forward", "eager_backward", "eager_bubble_forward", "eager_bubble_backward",
-                    "eager_optimizer")
-
-
-def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
-    """Host ops per step (simulator.host_overhead.host_ops): rank 0's forward and backward ops, the extra ones on the
-    pipeline's critical path, the optimizer's; their eager bytes where host_overhead.counted_bytes finds them. Zero,
-    and no op counting, where the topology has no measured host_op_s."""
-    if not topo.efficiency.host_op_s.measured:
-        return dict.fromkeys(HOST_OP_FEATURES, 0.0)
-    from rackcast.simulator.op_counts import op_counts
-
-    o = host_ops(op_counts(spec, plan.optimizer.name), spec, plan)
-    counted = counted_bytes(spec, plan, topo)
-    b = host_bytes(eager_bytes(counted, spec, plan), spec, plan) if counted else None
-    return {"op_forward": o.forward, "op_backward": o.backward, "op_bubble_forward": o.bubble_forward,
-            "op_bubble_backward": o.bubble_backward, "op_optimizer": o.optimizer,
-            "eager_forward": b.forward if b else 0.0, "eager_backward": b.backward if b else 0.0,
-            "eager_bubble_forward": b.bubble_forward if b else 0.0,
-            "eager_bubble_backward": b.bubble_backward if b else 0.0, "eager_optimizer": b.optimizer if b else 0.0}
-
+from rackcast.vocab import INTERLEAVED_SCHEDULES, PHASES, PRECISIONS
 
 def eager_bytes_counted(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> bool:
     """Whether the counted eager bytes replace the analytic elementwise and optimizer-update traffic
@@ -141,14 +118,14 @@ _STAGE_ROWS = ("attn", "experts", "tail_attn", "tail_experts", "elem_bytes", "la
 def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> np.ndarray:
     """simulator.stage_work's per-stage rows of one plan (_STAGE_ROWS, then the GEMM FLOPs of each name the model's
     layers have and of each name its ends have, simulator.gemms.names_used), each padded with zeros to `width`
-    stages, flattened."""
-    w = stage_work(spec, plan)
+    stages, then the same of each stage's first chunk (stage_work first_chunks=True), flattened."""
     layer_names, end_names = names_used(spec)
-    rows = [np.asarray(getattr(w, k), dtype=float) for k in _STAGE_ROWS] + \
-        [w.gemm_layers[:, GEMM_NAMES.index(n)] for n in layer_names] + \
-        [w.gemm_ends[:, GEMM_NAMES.index(n)] for n in end_names]
-    out = np.zeros((len(rows), width))
-    out[:, :plan.parallel.pipeline] = rows
+    out = np.zeros((len(_STAGE_ROWS) + len(layer_names) + len(end_names), 2 * width))
+    for half, w in enumerate((stage_work(spec, plan), stage_work(spec, plan, first_chunks=True))):
+        rows = [np.asarray(getattr(w, k), dtype=float) for k in _STAGE_ROWS] + \
+            [w.gemm_layers[:, GEMM_NAMES.index(n)] for n in layer_names] + \
+            [w.gemm_ends[:, GEMM_NAMES.index(n)] for n in end_names]
+        out[:, half * width:half * width + plan.parallel.pipeline] = rows
     return out.ravel()
 
 
@@ -189,7 +166,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
                          lambda p: _stage_rows(spec, p, width))
     layer_names, end_names = names_used(spec)
     row_names = _STAGE_ROWS + tuple("L:" + n for n in layer_names) + tuple("E:" + n for n in end_names)
-    every = np.moveaxis(flat.reshape(flat.shape[:-1] + (len(row_names), width)), -2, 0)
+    every = np.moveaxis(flat.reshape(flat.shape[:-1] + (len(row_names), 2 * width)), -2, 0)
     rows = dict(zip(_STAGE_ROWS, every))
     col = lambda x: np.asarray(x, dtype=float)[..., None]  # noqa: E731  a per-plan value against the stage axis
     tok, tt, imb, routed = col(tokens_mb), col(t), col(m_imbalance), col(routed_mb)
@@ -228,23 +205,29 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
                                          costs.GemmShape(*(col(v) for v in expert_shape)),
                                          costs.GemmShape(*(col(v) for v in tail_grouped)), col(full), topo,
                                          plan.precision)
-    valid = np.arange(width) < col(par.pipeline)
-    heavy = np.argmax(np.where(valid, 3 * fwd + rec + elem, -np.inf), axis=-1)[..., None]  # sets the steady state
-    others = valid & (np.arange(width) != heavy)
-    n_others = np.maximum(others.sum(axis=-1), 1)
+    # Columns: the stages, then each stage's first chunk. Features: the slowest stage (no prefix; it sets the steady
+    # state), the mean of the others ("o_"), and for the interleaved schedules' pacing (schedule_formulas.
+    # paced_bubble_time_s) the first chunks: the slowest stage's ("h1_"), the others' mean ("o1_"), the one of most
+    # compute ("x1_") and the first stage's, which holds the embedding and its exposed gather ("e1_").
+    column = np.arange(2 * width)
+    stage_col, valid = column < width, column % width < col(par.pipeline)
+    cost = np.where(valid, 3 * fwd + rec + elem, -np.inf)
+    heavy = np.argmax(cost[..., :width], axis=-1)[..., None]
+    slowest_first = width + np.argmax(cost[..., width:], axis=-1)[..., None]
+    others = valid & (column % width != heavy)
+    n_others = np.maximum((others & stage_col).sum(axis=-1), 1)[..., None]
+    weights = {"": column == heavy, "o_": (others & stage_col) / n_others, "h1_": column == width + heavy,
+               "o1_": (others & ~stage_col) / n_others, "x1_": column == slowest_first, "e1_": column == width}
     stage_features = {}
-    for k, v in stage.items():
-        v = np.broadcast_to(v, others.shape)
-        stage_features[k] = np.take_along_axis(v, heavy, axis=-1)[..., 0]
-        stage_features["o_" + k] = np.where(others, v, 0.0).sum(axis=-1) / n_others
-    for prefix, names, flops in (("gemm:", layer_names, gemm_flops[0]), ("gemm_end:", end_names, gemm_flops[1])):
-        flops = np.broadcast_to(flops, (len(names),) + others.shape)  # all GEMM names of the stage at once
-        heavy_flops = np.take_along_axis(flops, heavy[None], axis=-1)[..., 0]
-        other_flops = np.einsum("g...w,...w->g...", flops, others.astype(float)) / n_others
-        for n in GEMM_NAMES:  # names the model lacks are zero
-            j = names.index(n) if n in names else None
-            stage_features[prefix + n] = 0.0 if j is None else heavy_flops[j]
-            stage_features["o_" + prefix + n] = 0.0 if j is None else other_flops[j]
+    for prefix, wt in weights.items():
+        wt = np.broadcast_to(wt, others.shape).astype(float)
+        for k, v in stage.items():
+            stage_features[prefix + k] = (np.broadcast_to(v, wt.shape) * wt).sum(axis=-1)
+        for key, names, flops in (("gemm:", layer_names, gemm_flops[0]), ("gemm_end:", end_names, gemm_flops[1])):
+            flops = np.broadcast_to(flops, (len(names),) + wt.shape)  # all GEMM names of the stage at once
+            picked = np.einsum("g...w,...w->g...", flops, wt)
+            for n in GEMM_NAMES:  # names the model lacks are zero
+                stage_features[prefix + key + n] = picked[names.index(n)] if n in names else 0.0
     ns = 0.0
     if plan.optimizer.name == "muonh":
         ns = newton_schulz_split(per_key(plan, LAYER_SET, lambda p: newton_schulz_parts(spec, p.rank_layers(spec, 0))),
@@ -256,14 +239,16 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     if plan.optimizer.name == "muonh":
         muon_bytes, muon_norms, muon_tp_bytes, muon_tp_norms = muon_gather_split(
             per_key(plan, LAYER_SET, lambda p: muon_gather_parts(spec, p.rank_layers(spec, 0))), plan)
-    bub_f, bub_b, bub_w = per_key(plan, ("schedule", "pipeline", "virtual", m), lambda p: bubble_coefficients(
-        p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.chunks_per_rank))
+    bub_f, bub_b, bub_w, pace_f, pace_b = per_key(plan, ("schedule", "pipeline", "virtual", m), lambda p: (
+        *bubble_coefficients(p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.chunks_per_rank),
+        *pacing_coefficients(p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.chunks_per_rank)))
     host_ops_ = (0.0,) * len(HOST_OP_FEATURES)
     if topo.efficiency.host_op_s.measured:  # counts per plan (CPU topologies: small searches)
         host_ops_ = per_key(plan, COLUMNS, lambda p: tuple(host_op_features(spec, p, topo).values()))
     features = {
         "microbatches": m, "chunks_per_rank": par.chunks_per_rank,
-        "bubble_f": bub_f, "bubble_b": bub_b, "bubble_w": bub_w,
+        "bubble_f": bub_f, "bubble_b": bub_b, "bubble_w": bub_w, "pace_f": pace_f, "pace_b": pace_b,
+        "paced": np.isin(plan.schedule, tuple(INTERLEAVED_SCHEDULES)),
         **stage_features,
         "tokens_mb": tokens_mb,
         **{f"gemm_{d}:{n}": getattr(dense_shapes[n], d) if n in dense_shapes else 1.0 for n in GEMM_NAMES
@@ -310,13 +295,14 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     return {k: float(v) for k, v in features.items()}
 
 
-def _stage_time(f: dict, pre: str, topo: Topology, slow, rates) -> dict:
+def _stage_time(f: dict, pre: str, topo: Topology, slow, rates, chunks=None) -> dict:
     """One stage's micro-batch (all its chunks), features prefixed `pre`: forward, input-gradient and
     weight-gradient seconds including the communication each exposes, and the parts of it. Mirrors the workload
     (simulator.workload): every layer's forward runs 2 tensor-parallel all-reduces and, in MoE layers, a dispatch
     and a combine all-to-all, each hiding behind half the shared experts' work; its backward the same at twice the
     work; full recomputation runs the forward (and its communication) once more before the backward. `rates`: the
-    plan's GEMM rates (simulator.gemms.gemm_rates), shared by its stages."""
+    plan's GEMM rates (simulator.gemms.gemm_rates), shared by its stages; `chunks` the stage's chunks (default the
+    plan's chunks per rank; 1 for a single chunk)."""
     g = lambda k: f[pre + k]  # noqa: E731
     full = f["recompute_full"]
     fwd, rec, elem, shared = _stage_compute_s(g, gemm_seconds(rates, *_stage_gemm_flops(f, pre, rates)),
@@ -344,7 +330,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow, rates) -> dict:
                               f["fsdp_pd"]) * layers + \
         collective_time(topo, "all_gather", f["efsdp_n"], g("expert_fsdp_bytes") / np.maximum(moe, 1), f["efsdp_out"],
                         f["efsdp_pd"]) * moe
-    actions = 2 * f["chunks_per_rank"]
+    actions = 2 * (f["chunks_per_rank"] if chunks is None else chunks)
     first = gathers * actions / np.maximum(layers, 1)
     fsdp_t = 2 * gathers
     ends = 2 * (collective_time(topo, "all_gather", f["fsdp_n"], g("fsdp_embed_bytes"), f["fsdp_out"], f["fsdp_pd"]) +
@@ -389,6 +375,13 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     pp_t = 2 * chain
     busy = m * h["total"]
     bubble_t = (f["bubble_f"] * o["F"] + f["bubble_b"] * o["B"] + f["bubble_w"] * o["W"]) / v
+    if np.any(f["paced"]):  # interleaved: from the first chunks' times (schedule_formulas.paced_bubble_time_s)
+        first = {k: _stage_time(f, k, topo, slow, rates, chunks=1) for k in ("h1_", "o1_", "x1_", "e1_")}
+        units = {k: (t["F"], t["B"], t["W"]) for k, t in first.items()}
+        slowest = tuple(np.maximum(a, b) for a, b in zip(units["x1_"], units["e1_"]))
+        bubble_t = np.where(f["paced"] > 0, paced_bubble_time_s(
+            (f["bubble_f"], f["bubble_b"], f["bubble_w"]), (f["pace_f"], f["pace_b"]), units["o1_"], units["h1_"],
+            slowest), bubble_t)
     pipeline_t = busy + bubble_t + pp_t
     # Gradient reduction (costs.gradient_reductions), hidden behind the last backward.
     dp_t = _reduction_time(f, topo, f["dense_grad_bytes"], f["expert_grad_bytes"])
