@@ -59,6 +59,8 @@ def compute_peak(topo: Topology, precision):
     if isinstance(precision, str):
         return _peak(topo, precision)
     codes = np.asarray(precision).astype(int)
+    if codes.size and (codes == codes.flat[0]).all():  # one precision (the planner's arrays): no np.unique pass
+        return np.full(codes.shape, _peak(topo, PRECISIONS[codes.flat[0]]), dtype=float)
     peak = np.zeros(codes.shape)
     for code in np.unique(codes):
         peak = np.where(codes == code, _peak(topo, PRECISIONS[code]), peak)

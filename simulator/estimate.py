@@ -45,19 +45,19 @@ from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
-from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, names_used, rank_shape, shapes_by_name, \
+from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, rank_shape, shapes_by_name, \
     tail_expert_shape
 from rackcast.simulator.host_overhead import HOST_OP_FEATURES, counted_bytes, host_op_features
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
                                                newton_schulz_parts, newton_schulz_split, optimizer_traffic_bytes)
-from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key, per_key_table
+from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
 from rackcast.simulator.schedule_formulas import bubble_coefficients, paced_bubble_time_s, pacing_coefficients
-from rackcast.simulator.stage_work import stage_work
+from rackcast.simulator.stage_features import FIRST_CHUNK_PREFIXES, STAGE_KEYS, stage_compute_s, stage_features
 from rackcast.topologies.spec import Topology
-from rackcast.vocab import INTERLEAVED_SCHEDULES, PHASES, PRECISIONS
+from rackcast.vocab import PHASES, PRECISIONS
 
 def eager_bytes_counted(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> bool:
     """Whether the counted eager bytes replace the analytic elementwise and optimizer-update traffic
@@ -80,24 +80,6 @@ def _stage_gemm_flops(f: dict, pre: str, rates) -> tuple:
     return stack(rates.names, "gemm:"), stack(rates.end_names, "gemm_end:")
 
 
-def _stage_compute_s(g, gemm_s: tuple, grouped: costs.GemmShape, tail_grouped: costs.GemmShape, full,
-                     topo: Topology, precision) -> tuple:
-    """(forward, recomputation, elementwise, shared-expert) seconds of one stage's micro-batch from its FLOPs and
-    bytes (g: feature name -> value; gemm_s its GEMMs' simulator.gemms.gemm_seconds; costs), in the plan's
-    `precision` (costs.compute_peak; the ends and the attention core costs.unquantised): dense GEMMs each at its
-    own shape (gemm_s), the attention core at the attention efficiency, routed experts at the grouped-GEMM
-    efficiency of the `grouped` shape (the multi-token prediction blocks' at the balanced `tail_grouped`),
-    elementwise traffic memory-bound; full recomputation (`full` 1) redoes the layers' GEMMs."""
-    layers, ends, shared = gemm_s
-    tail = costs.attention_time(g("tail_attn_flops"), topo, precision) + \
-        costs.grouped_gemm_time(g("tail_expert_flops"), tail_grouped, topo, costs.unquantised(precision))
-    fwd = layers + ends + tail + costs.attention_time(g("attn_flops"), topo, precision) + \
-        costs.grouped_gemm_time(g("expert_flops"), grouped, topo, precision)
-    rec = full * layers + costs.attention_time(g("rec_attn_flops"), topo, precision) + \
-        costs.grouped_gemm_time(g("rec_expert_flops"), grouped, topo, precision)
-    return fwd, rec, costs.memory_bound_time(g("elementwise_bytes"), topo), shared
-
-
 def _shapes(f: dict, col=lambda x: x) -> tuple[dict, costs.GemmShape, costs.GemmShape]:
     """The dense GEMM shapes by name, the grouped expert GEMM shape and the multi-token-prediction blocks'
     (balanced) one of a features dict (plan_features); `col` applied to each field."""
@@ -107,31 +89,10 @@ def _shapes(f: dict, col=lambda x: x) -> tuple[dict, costs.GemmShape, costs.Gemm
     return dense, costs.GemmShape(*grouped), costs.GemmShape(col(f["tail_expert_m"]), *grouped[1:])
 
 
-STAGE_KEYS = ("attn_flops", "expert_flops", "tail_attn_flops", "tail_expert_flops", "rec_attn_flops",
-              "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes", "fsdp_embed_bytes",
-              "fsdp_head_bytes", "expert_fsdp_bytes", "mtp_cp_bytes", "mtp_cp_grad_bytes") + \
-    tuple("gemm:" + n for n in GEMM_NAMES) + tuple("gemm_end:" + n for n in GEMM_NAMES)  # ... and each GEMM's
-_STAGE_ROWS = ("attn", "experts", "tail_attn", "tail_experts", "elem_bytes", "layers", "moe_layers", "dense_params",
-               "expert_params", "first", "last")
-
-
-def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> np.ndarray:
-    """simulator.stage_work's per-stage rows of one plan (_STAGE_ROWS, then the GEMM FLOPs of each name the model's
-    layers have and of each name its ends have, simulator.gemms.names_used), each padded with zeros to `width`
-    stages, then the same of each stage's first chunk (stage_work first_chunks=True), flattened."""
-    layer_names, end_names = names_used(spec)
-    out = np.zeros((len(_STAGE_ROWS) + len(layer_names) + len(end_names), 2 * width))
-    for half, w in enumerate((stage_work(spec, plan), stage_work(spec, plan, first_chunks=True))):
-        rows = [np.asarray(getattr(w, k), dtype=float) for k in _STAGE_ROWS] + \
-            [w.gemm_layers[:, GEMM_NAMES.index(n)] for n in layer_names] + \
-            [w.gemm_ends[:, GEMM_NAMES.index(n)] for n in end_names]
-        out[:, half * width:half * width + plan.parallel.pipeline] = rows
-    return out.ravel()
-
-
 def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> dict:
-    """The scalars the step-time formulas need: the slowest pipeline stage's work (keys STAGE_KEYS), the mean of
-    the other stages' (the same keys prefixed "o_"; they fill and drain the pipeline), and rank 0's gradient
+    """The scalars the step-time formulas need: the pipeline stages' work (simulator.stage_features: the slowest
+    stage's, keys STAGE_KEYS, the mean of the other stages', prefixed "o_", and the interleaved schedules' first
+    chunks'), and rank 0's gradient
     reduction and optimizer step (rank 0 finishes the schedule last). For PlanArrays (simulator.plan_arrays: many
     layouts at once, `usable` GPUs per domain each) every value is an array, one element per plan; a single Plan is
     placed on topo's GPUs per domain."""
@@ -160,74 +121,14 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     expert_shape = costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group) * m_imbalance, spec,
                                       par.expert, par.expert_tensor)
 
-    # Every stage's work (simulator.stage_work), padded to the deepest pipeline: rows[name][..., stage].
-    width = int(np.max(par.pipeline))
-    flat = per_key_table(plan, LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor"),
-                         lambda p: _stage_rows(spec, p, width))
-    layer_names, end_names = names_used(spec)
-    row_names = _STAGE_ROWS + tuple("L:" + n for n in layer_names) + tuple("E:" + n for n in end_names)
-    every = np.moveaxis(flat.reshape(flat.shape[:-1] + (len(row_names), 2 * width)), -2, 0)
-    rows = dict(zip(_STAGE_ROWS, every))
-    col = lambda x: np.asarray(x, dtype=float)[..., None]  # noqa: E731  a per-plan value against the stage axis
-    tok, tt, imb, routed = col(tokens_mb), col(t), col(m_imbalance), col(routed_mb)
-    top = spec.top_param_breakdown()
-    embed_end = top.get("embedding", 0) + top.get("positions", 0) + top.get("embed_norm", 0) + \
-        top.get("embed_gated_norm", 0)
-    head_end = top.get("head", 0) + top.get("final_norm", 0) + top.get("final_gated_norm", 0)
-    gathered = col(par.fsdp > 1) * w_bytes / tt  # FSDP all-gathers: layers one at a time, each end as its own unit
     counted = eager_bytes_counted(spec, plan, topo)  # the counted eager bytes replace the fused traffic terms
-    # Per stage and micro-batch on one rank. Expert-tensor ranks split each expert's width but process every row of
-    # their experts: per-rank expert FLOPs stay those of expert_tensor = 1 (costs.expert_shape: rows x width / et).
-    # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head. Each GEMM
-    # name's FLOPs apart (priced at its own shape); names the model lacks are zero. The multi-token-prediction
-    # blocks' routed experts at balanced routing.
-    first_gemm = len(_STAGE_ROWS)
-    gemm_flops = (every[first_gemm:first_gemm + len(layer_names)] * tok / tt,
-                  every[first_gemm + len(layer_names):] * tok / tt)
-    stage = {
-        "attn_flops": rows["attn"] * tok / tt, "expert_flops": rows["experts"] * routed * imb,
-        "tail_attn_flops": rows["tail_attn"] * tok / tt, "tail_expert_flops": rows["tail_experts"] * routed,
-        "rec_attn_flops": rows["attn"] * tok / tt * col(recomputed_attn),
-        "rec_expert_flops": rows["experts"] * routed * imb * col(full),
-        "elementwise_bytes": rows["elem_bytes"] * tok * (0.0 if counted else 1.0),
-        "layers": rows["layers"], "moe_layers": rows["moe_layers"],
-        "fsdp_bytes": rows["dense_params"] * gathered, "fsdp_embed_bytes": rows["first"] * embed_end * gathered,
-        "fsdp_head_bytes": rows["last"] * head_end * gathered,
-        "expert_fsdp_bytes": rows["expert_params"] / col(par.expert_group) * w_bytes * col(par.expert_fsdp > 1),
-        # the MTP modules' context-parallel exchanges, on the stage holding the head
-        "mtp_cp_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp)),
-        "mtp_cp_grad_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp), backward=True),
-    }
+    # The pipeline stages' work (simulator.stage_features): the slowest stage's, the others' mean, first chunks.
+    per_plan = {"tokens_mb": tokens_mb, "routed_mb": routed_mb, "imbalance": m_imbalance, "tensor": t, "context": cp,
+                "pipeline": par.pipeline, "expert_group": par.expert_group, "full": full,
+                "recomputed_attn": recomputed_attn, "fsdp_gathered": par.fsdp > 1,
+                "expert_fsdp_gathered": par.expert_fsdp > 1, "counted": counted}
     tail_grouped = tail_expert_shape(spec, routed_mb, par)
-    rates = gemm_rates(layer_names, end_names, {n: costs.GemmShape(*(col(v) for v in s))
-                                                 for n, s in dense_shapes.items()}, topo, plan.precision)
-    fwd, rec, elem, _ = _stage_compute_s(stage.get, gemm_seconds(rates, *gemm_flops),
-                                         costs.GemmShape(*(col(v) for v in expert_shape)),
-                                         costs.GemmShape(*(col(v) for v in tail_grouped)), col(full), topo,
-                                         plan.precision)
-    # Columns: the stages, then each stage's first chunk. Features: the slowest stage (no prefix; it sets the steady
-    # state), the mean of the others ("o_"), and for the interleaved schedules' pacing (schedule_formulas.
-    # paced_bubble_time_s) the first chunks: the slowest stage's ("h1_"), the others' mean ("o1_"), the one of most
-    # compute ("x1_") and the first stage's, which holds the embedding and its exposed gather ("e1_").
-    column = np.arange(2 * width)
-    stage_col, valid = column < width, column % width < col(par.pipeline)
-    cost = np.where(valid, 3 * fwd + rec + elem, -np.inf)
-    heavy = np.argmax(cost[..., :width], axis=-1)[..., None]
-    slowest_first = width + np.argmax(cost[..., width:], axis=-1)[..., None]
-    others = valid & (column % width != heavy)
-    n_others = np.maximum((others & stage_col).sum(axis=-1), 1)[..., None]
-    weights = {"": column == heavy, "o_": (others & stage_col) / n_others, "h1_": column == width + heavy,
-               "o1_": (others & ~stage_col) / n_others, "x1_": column == slowest_first, "e1_": column == width}
-    stage_features = {}
-    for prefix, wt in weights.items():
-        wt = np.broadcast_to(wt, others.shape).astype(float)
-        for k, v in stage.items():
-            stage_features[prefix + k] = (np.broadcast_to(v, wt.shape) * wt).sum(axis=-1)
-        for key, names, flops in (("gemm:", layer_names, gemm_flops[0]), ("gemm_end:", end_names, gemm_flops[1])):
-            flops = np.broadcast_to(flops, (len(names),) + wt.shape)  # all GEMM names of the stage at once
-            picked = np.einsum("g...w,...w->g...", flops, wt)
-            for n in GEMM_NAMES:  # names the model lacks are zero
-                stage_features[prefix + key + n] = picked[names.index(n)] if n in names else 0.0
+    stage_features_ = stage_features(spec, plan, topo, per_plan, dense_shapes, (expert_shape, tail_grouped))
     ns = 0.0
     if plan.optimizer.name == "muonh":
         ns = newton_schulz_split(per_key(plan, LAYER_SET, lambda p: newton_schulz_parts(spec, p.rank_layers(spec, 0))),
@@ -248,8 +149,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     features = {
         "microbatches": m, "chunks_per_rank": par.chunks_per_rank,
         "bubble_f": bub_f, "bubble_b": bub_b, "bubble_w": bub_w, "pace_f": pace_f, "pace_b": pace_b,
-        "paced": np.isin(plan.schedule, tuple(INTERLEAVED_SCHEDULES)),
-        **stage_features,
+        **stage_features_,
         "tokens_mb": tokens_mb,
         **{f"gemm_{d}:{n}": getattr(dense_shapes[n], d) if n in dense_shapes else 1.0 for n in GEMM_NAMES
            for d in "mnk"},
@@ -305,8 +205,8 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow, rates, chunks=None) -> 
     plan's chunks per rank; 1 for a single chunk)."""
     g = lambda k: f[pre + k]  # noqa: E731
     full = f["recompute_full"]
-    fwd, rec, elem, shared = _stage_compute_s(g, gemm_seconds(rates, *_stage_gemm_flops(f, pre, rates)),
-                                              *_shapes(f)[1:], full, topo, f["precision"])
+    fwd, rec, elem, shared = stage_compute_s(g, gemm_seconds(rates, *_stage_gemm_flops(f, pre, rates)),
+                                             *_shapes(f)[1:], full, topo, f["precision"])
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
     tp_t = (4 + 2 * full) * layers * tp_one
@@ -356,6 +256,28 @@ def _reduction_time(f: dict, topo: Topology, dense_bytes, expert_bytes):
                for c in costs.gradient_reductions(dense_bytes, expert_bytes, f["inner_n"], f["efsdp_n"], f["zero"]))
 
 
+_STAGE_KEY_SET = frozenset(STAGE_KEYS)
+
+
+class _FirstChunks(dict):
+    """The first chunks' features of the plans `rows` (an index array) out of stacked ones (plan_features),
+    FIRST_CHUNK_PREFIXES one after the other on the plan axis as unprefixed STAGE_KEYS, the plans' own features
+    repeated for each; each built on first use."""
+
+    def __init__(self, features: dict, rows: np.ndarray):
+        super().__init__()
+        self.features, self.rows = features, rows
+
+    def __missing__(self, key):
+        f = self.features
+        if key in _STAGE_KEY_SET:
+            value = np.concatenate([np.reshape(f[p + key], -1)[self.rows] for p in FIRST_CHUNK_PREFIXES])
+        else:
+            value = f[key] if np.ndim(f[key]) == 0 else np.tile(f[key][self.rows], len(FIRST_CHUNK_PREFIXES))
+        self[key] = value
+        return value
+
+
 def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     """Phase times (seconds) and the step time, elementwise over arrays of features."""
     f = {k: np.asarray(v, dtype=float) for k, v in f.items()}
@@ -375,13 +297,19 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     pp_t = 2 * chain
     busy = m * h["total"]
     bubble_t = (f["bubble_f"] * o["F"] + f["bubble_b"] * o["B"] + f["bubble_w"] * o["W"]) / v
-    if np.any(f["paced"]):  # interleaved: from the first chunks' times (schedule_formulas.paced_bubble_time_s)
-        first = {k: _stage_time(f, k, topo, slow, rates, chunks=1) for k in ("h1_", "o1_", "x1_", "e1_")}
-        units = {k: (t["F"], t["B"], t["W"]) for k, t in first.items()}
+    if np.any(f["paced"]):  # interleaved: from the first chunks' times (schedule_formulas.paced_bubble_time_s),
+        # priced only for the plans that are, all four first chunks (FIRST_CHUNK_PREFIXES) in one pass
+        rows = np.flatnonzero(f["paced"])
+        each = rates.take(np.tile(rows, len(FIRST_CHUNK_PREFIXES)))
+        first = _stage_time(_FirstChunks(f, rows), "", topo, slow, each, chunks=1)
+        units = {k: tuple(first[u].reshape(len(FIRST_CHUNK_PREFIXES), -1)[i] for u in "FBW")
+                 for i, k in enumerate(FIRST_CHUNK_PREFIXES)}
         slowest = tuple(np.maximum(a, b) for a, b in zip(units["x1_"], units["e1_"]))
-        bubble_t = np.where(f["paced"] > 0, paced_bubble_time_s(
-            (f["bubble_f"], f["bubble_b"], f["bubble_w"]), (f["pace_f"], f["pace_b"]), units["o1_"], units["h1_"],
-            slowest), bubble_t)
+        take = lambda x: np.reshape(x, -1)[rows]  # noqa: E731
+        paced_t = paced_bubble_time_s((take(f["bubble_f"]), take(f["bubble_b"]), take(f["bubble_w"])),
+                                      (take(f["pace_f"]), take(f["pace_b"])), units["o1_"], units["h1_"], slowest)
+        bubble_t = np.array(np.broadcast_to(bubble_t, np.shape(f["paced"])))
+        np.put(bubble_t, rows, paced_t)
     pipeline_t = busy + bubble_t + pp_t
     # Gradient reduction (costs.gradient_reductions), hidden behind the last backward.
     dp_t = _reduction_time(f, topo, f["dense_grad_bytes"], f["expert_grad_bytes"])
