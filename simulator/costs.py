@@ -206,6 +206,12 @@ def context_bytes(tokens_mb, spec: ModelSpec, tensor, context, layer: int):
     return np.where(context > 1, tokens * per_token, 0.0) + conv_halo_bytes(tokens_mb, spec, tensor, context, sites)
 
 
+def context_layer_key(spec: ModelSpec, layer: int) -> bool:
+    """What context_bytes reads of `layer`: whether it attends globally (its KV heads and window follow from it);
+    layers with the same key exchange the same bytes."""
+    return spec.is_global(layer)
+
+
 def mtp_context_bytes(tokens_mb, spec: ModelSpec, tensor, context, backward: bool = False):
     """Bytes one rank of the stage holding the multi-token-prediction modules receives for them per micro-batch
     under context parallelism (backend.mtp): each module's block exchanges keys and values as the main model's last

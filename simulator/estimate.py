@@ -89,6 +89,18 @@ def _shapes(f: dict, col=lambda x: x) -> tuple[dict, costs.GemmShape, costs.Gemm
     return dense, costs.GemmShape(*grouped), costs.GemmShape(col(f["tail_expert_m"]), *grouped[1:])
 
 
+def _mean_context_layer_s(spec: ModelSpec, topo: Topology, tokens_mb, tensor, context, across):
+    """One layer's K/V exchange seconds (costs.context_bytes, a send_recv over the context group), the mean over
+    the model's layers, summed in layer order; layers alike to it (costs.context_layer_key) priced once."""
+    priced = {}
+    for i in range(spec.layers):
+        key = costs.context_layer_key(spec, i)
+        if key not in priced:
+            priced[key] = collective_time(topo, "send_recv", context,
+                                          costs.context_bytes(tokens_mb, spec, tensor, context, i), across)
+    return sum(priced[costs.context_layer_key(spec, i)] for i in range(spec.layers)) / spec.layers
+
+
 def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> dict:
     """The scalars the step-time formulas need: the pipeline stages' work (simulator.stage_features: the slowest
     stage's, keys STAGE_KEYS, the mean of the other stages', prefixed "o_", and the interleaved schedules' first
@@ -162,8 +174,7 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "tp_bytes": costs.tensor_bytes(tokens_mb, spec),
         "cp_n": cp, "cp_out": pl.context.span == "scale_out",
         # one layer's K/V exchange (forward; the backward sends as much back), the mean over the model's layers
-        "cp_layer_s": sum(collective_time(topo, "send_recv", cp, costs.context_bytes(tokens_mb, spec, t, cp, i),
-                                          pl.context.span == "scale_out") for i in range(spec.layers)) / spec.layers,
+        "cp_layer_s": _mean_context_layer_s(spec, topo, tokens_mb, t, cp, pl.context.span == "scale_out"),
         "ep_n": par.expert_group, "ep_out": pl.expert.span == "scale_out",
         "count_exchange_s": costs.count_exchange_time(topo, spec, par, pl.expert.span == "scale_out"),
         # node-limited routing sends only part of the cross-domain copies over the NICs (costs.cross_domain_a2a_share)
