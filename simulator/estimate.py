@@ -271,9 +271,9 @@ _STAGE_KEY_SET = frozenset(STAGE_KEYS)
 
 
 class _FirstChunks(dict):
-    """The first chunks' features of the plans `rows` (an index array) out of stacked ones (plan_features),
-    FIRST_CHUNK_PREFIXES one after the other on the plan axis as unprefixed STAGE_KEYS, the plans' own features
-    repeated for each; each built on first use."""
+    """The first chunks' features of the plans `rows` (an index array) out of stacked ones (plan_features): the
+    STAGE_KEYS prefixed FIRST_CHUNK_PREFIXES unprefixed, as (chunk, plan) arrays, the plans' own features as (plan,)
+    arrays, broadcast against them; each built on first use."""
 
     def __init__(self, features: dict, rows: np.ndarray):
         super().__init__()
@@ -282,9 +282,9 @@ class _FirstChunks(dict):
     def __missing__(self, key):
         f = self.features
         if key in _STAGE_KEY_SET:
-            value = np.concatenate([np.reshape(f[p + key], -1)[self.rows] for p in FIRST_CHUNK_PREFIXES])
+            value = np.stack([np.reshape(f[p + key], -1)[self.rows] for p in FIRST_CHUNK_PREFIXES])
         else:
-            value = f[key] if np.ndim(f[key]) == 0 else np.tile(f[key][self.rows], len(FIRST_CHUNK_PREFIXES))
+            value = f[key] if np.ndim(f[key]) == 0 else f[key][self.rows]
         self[key] = value
         return value
 
@@ -311,10 +311,10 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     if np.any(f["paced"]):  # interleaved: from the first chunks' times (schedule_formulas.paced_bubble_time_s),
         # priced only for the plans that are, all four first chunks (FIRST_CHUNK_PREFIXES) in one pass
         rows = np.flatnonzero(f["paced"])
-        each = rates.take(np.tile(rows, len(FIRST_CHUNK_PREFIXES)))
+        each = rates.take(rows)
+        each = each._replace(layers=each.layers[:, None], ends=each.ends[:, None])  # against (chunk, plan)
         first = _stage_time(_FirstChunks(f, rows), "", topo, slow, each, chunks=1)
-        units = {k: tuple(first[u].reshape(len(FIRST_CHUNK_PREFIXES), -1)[i] for u in "FBW")
-                 for i, k in enumerate(FIRST_CHUNK_PREFIXES)}
+        units = {k: tuple(first[u][i] for u in "FBW") for i, k in enumerate(FIRST_CHUNK_PREFIXES)}
         slowest = tuple(np.maximum(a, b) for a, b in zip(units["x1_"], units["e1_"]))
         take = lambda x: np.reshape(x, -1)[rows]  # noqa: E731
         paced_t = paced_bubble_time_s((take(f["bubble_f"]), take(f["bubble_b"]), take(f["bubble_w"])),
