@@ -7,7 +7,8 @@ model, so the result matches one process) and overrides only `dispatch_compute_c
 2. capacity mode: keep at most floor(capacity_factor x tokens x top_k / experts) assignments per expert, the
    earliest tokens first; the rest are dropped (their combine weight is lost) and counted;
 3. exchange per-expert counts (all_to_all_single of E integers), then the rows (all_to_all_single with uneven
-   split sizes, differentiable: its backward is the reverse all_to_all);
+   split sizes, differentiable: its backward is the reverse all_to_all); all three exchanges are timed as the
+   exposed_expert_a2a phase;
 4. regroup the received rows by local expert, run GroupedExperts on them, undo the regrouping and send them back;
 5. MoE.combine scales by the combine weights and sums per token.
 With ep == 1 the same class runs without communication (used for capacity mode on one process).
@@ -43,11 +44,18 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(x: Tensor, send: list[int], recv: list[int], group, timer) -> Tensor:
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    _timed_all_to_all(out, x.contiguous(), recv, send, group, timer)
+    return out
+
+
+def _timed_all_to_all(out: Tensor, x: Tensor, recv: list[int] | None, send: list[int] | None, group, timer) -> None:
+    """all_to_all_single timed into `timer` as exposed_expert_a2a: the rows' exchanges and the per-expert counts'
+    exchange before them (communication too, and the wait for the slowest member of the expert group is spent
+    there, so the compute phase keeps only computation)."""
     t0 = timer.now() if timer is not None else 0.0
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
     if timer is not None:
         timer.add("exposed_expert_a2a", timer.now() - t0)
-    return out
 
 
 class ExpertParallelMoE(MoE):
@@ -87,7 +95,7 @@ class ExpertParallelMoE(MoE):
         block_counts = counts.view(self.ep, local)
         send_counts = block_counts.repeat_interleave(self.etp, 0).reshape(-1)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # [source rank, local expert]
+        _timed_all_to_all(recv_counts, send_counts, None, None, self.ep_group, self.timer)  # [source, local expert]
         send_splits = block_counts.sum(1).repeat_interleave(self.etp)
         recv_matrix = recv_counts.view(group, local)
         recv_splits = recv_matrix.sum(1).tolist()

@@ -26,7 +26,8 @@ Files in the run folder:
 - routing.parquet: tokens routed per (layer, expert) over the run, columns layer, expert, count (the format
   simulator.routing replays with `expert_transport: {routing: histogram, histogram: <path>}`).
 Phase meanings: compute = forward + backward work (timed around the real calls) less the communication timed inside
-it; exposed_expert_a2a = the expert all_to_all calls (dispatch and combine, forward and backward);
+it; exposed_expert_a2a = the expert all_to_all calls (dispatch and combine, forward and backward, and the per-expert
+counts' exchange before each forward dispatch);
 exposed_dp_comm = the gradient reductions (all-reduces; under ZeRO-2 the reduces to each parameter's owner,
 backend.zero); pipeline_bubble = pipeline wait (schedule time not spent in stage work,
 point-to-point transfers included, so pipeline_p2p stays 0); optimizer = optimizer step + quantile balancing.

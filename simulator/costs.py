@@ -59,6 +59,8 @@ def compute_peak(topo: Topology, precision):
     if isinstance(precision, str):
         return _peak(topo, precision)
     codes = np.asarray(precision).astype(int)
+    if codes.size and (codes == codes.flat[0]).all():  # one precision (the planner's arrays): no np.unique pass
+        return np.full(codes.shape, _peak(topo, PRECISIONS[codes.flat[0]]), dtype=float)
     peak = np.zeros(codes.shape)
     for code in np.unique(codes):
         peak = np.where(codes == code, _peak(topo, PRECISIONS[code]), peak)
@@ -131,6 +133,25 @@ def a2a_bytes(tokens_mb, spec: ModelSpec, expert_tensor):
     return tokens_mb * top_k * x * W_BYTES * expert_tensor
 
 
+def count_exchange_bytes(spec: ModelSpec, expert_tensor):
+    """Per-rank send buffer of the per-expert token-count all-to-all over the expert group that blocks before every
+    forward expert dispatch (counts carry no gradient): one int64 count per (expert, expert-tensor rank), as
+    backend.expert_parallel.ExpertParallelMoE.dispatch_compute_combine sends them. Megatron-Core's all-to-all
+    dispatcher likewise exchanges tokens-per-expert over the expert group before its permuted all-to-all
+    (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher.preprocess)."""
+    return spec.moe.experts * expert_tensor * INDEX_BYTES if spec.moe else 0
+
+
+def count_exchange_time(topo: Topology, spec: ModelSpec, parallel, span_out):
+    """Seconds of one count exchange (count_exchange_bytes, the flat all_to_all's alpha-beta time: at these few
+    bytes its latency). Priced as a latency of the forward dispatch it always immediately precedes on the same
+    group (the dispatch needs the counts for its split sizes), so it adds no collective of its own to the step:
+    the estimate adds it to each forward dispatch's all-to-all time, the simulator to that Comm's lead_s. parallel:
+    a ParallelSpec (or the estimate's arrays of them)."""
+    nbytes = count_exchange_bytes(spec, parallel.expert_tensor)
+    return collective_time(topo, "all_to_all", parallel.expert_group, nbytes, span_out)
+
+
 def node_limited_copies(spec: ModelSpec, domains):
     """Copies of a token that cross into other scale-up domains' NICs, as a count before the remote share (arrays
     broadcast): top_k without node-limited routing (every routed row is sent), and with it (moe.node_limit M over
@@ -183,6 +204,12 @@ def context_bytes(tokens_mb, spec: ModelSpec, tensor, context, layer: int):
     tokens = np.where(halo, tokens_mb * max(window - 1, 0) / chunk, (context - 1) * tokens_mb)
     sites = spec.conv.sites if spec.conv is not None else ()
     return np.where(context > 1, tokens * per_token, 0.0) + conv_halo_bytes(tokens_mb, spec, tensor, context, sites)
+
+
+def context_layer_key(spec: ModelSpec, layer: int) -> bool:
+    """What context_bytes reads of `layer`: whether it attends globally (its KV heads and window follow from it);
+    layers with the same key exchange the same bytes."""
+    return spec.is_global(layer)
 
 
 def mtp_context_bytes(tokens_mb, spec: ModelSpec, tensor, context, backward: bool = False):

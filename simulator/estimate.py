@@ -45,42 +45,19 @@ from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs, metrics
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
-from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, names_used, rank_shape, shapes_by_name, \
+from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, rank_shape, shapes_by_name, \
     tail_expert_shape
-from rackcast.simulator.host_overhead import counted_bytes, eager_bytes, host_bytes, host_ops
+from rackcast.simulator.host_overhead import HOST_OP_FEATURES, counted_bytes, host_op_features
 from rackcast.simulator.memory import BYTES, MemoryBreakdown, memory_breakdown, rank_params
 from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather_parts, muon_gather_split,
                                                newton_schulz_parts, newton_schulz_split, optimizer_traffic_bytes)
-from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key, per_key_table
+from rackcast.simulator.plan_arrays import COLUMNS, LAYER_SET, PlanArrays, is_arrays, per_key
 from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
-from rackcast.simulator.schedule_formulas import bubble_coefficients
-from rackcast.simulator.stage_work import stage_work
+from rackcast.simulator.schedule_formulas import bubble_coefficients, paced_bubble_time_s, pacing_coefficients
+from rackcast.simulator.stage_features import FIRST_CHUNK_PREFIXES, STAGE_KEYS, stage_compute_s, stage_features
 from rackcast.topologies.spec import Topology
 from rackcast.vocab import PHASES, PRECISIONS
-
-HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble_backward", "op_optimizer",
-                    "eager_forward", "eager_backward", "eager_bubble_forward", "eager_bubble_backward",
-                    "eager_optimizer")
-
-
-def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
-    """Host ops per step (simulator.host_overhead.host_ops): rank 0's forward and backward ops, the extra ones on the
-    pipeline's critical path, the optimizer's; their eager bytes where host_overhead.counted_bytes finds them. Zero,
-    and no op counting, where the topology has no measured host_op_s."""
-    if not topo.efficiency.host_op_s.measured:
-        return dict.fromkeys(HOST_OP_FEATURES, 0.0)
-    from rackcast.simulator.op_counts import op_counts
-
-    o = host_ops(op_counts(spec, plan.optimizer.name), spec, plan)
-    counted = counted_bytes(spec, plan, topo)
-    b = host_bytes(eager_bytes(counted, spec, plan), spec, plan) if counted else None
-    return {"op_forward": o.forward, "op_backward": o.backward, "op_bubble_forward": o.bubble_forward,
-            "op_bubble_backward": o.bubble_backward, "op_optimizer": o.optimizer,
-            "eager_forward": b.forward if b else 0.0, "eager_backward": b.backward if b else 0.0,
-            "eager_bubble_forward": b.bubble_forward if b else 0.0,
-            "eager_bubble_backward": b.bubble_backward if b else 0.0, "eager_optimizer": b.optimizer if b else 0.0}
-
 
 def eager_bytes_counted(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> bool:
     """Whether the counted eager bytes replace the analytic elementwise and optimizer-update traffic
@@ -103,24 +80,6 @@ def _stage_gemm_flops(f: dict, pre: str, rates) -> tuple:
     return stack(rates.names, "gemm:"), stack(rates.end_names, "gemm_end:")
 
 
-def _stage_compute_s(g, gemm_s: tuple, grouped: costs.GemmShape, tail_grouped: costs.GemmShape, full,
-                     topo: Topology, precision) -> tuple:
-    """(forward, recomputation, elementwise, shared-expert) seconds of one stage's micro-batch from its FLOPs and
-    bytes (g: feature name -> value; gemm_s its GEMMs' simulator.gemms.gemm_seconds; costs), in the plan's
-    `precision` (costs.compute_peak; the ends and the attention core costs.unquantised): dense GEMMs each at its
-    own shape (gemm_s), the attention core at the attention efficiency, routed experts at the grouped-GEMM
-    efficiency of the `grouped` shape (the multi-token prediction blocks' at the balanced `tail_grouped`),
-    elementwise traffic memory-bound; full recomputation (`full` 1) redoes the layers' GEMMs."""
-    layers, ends, shared = gemm_s
-    tail = costs.attention_time(g("tail_attn_flops"), topo, precision) + \
-        costs.grouped_gemm_time(g("tail_expert_flops"), tail_grouped, topo, costs.unquantised(precision))
-    fwd = layers + ends + tail + costs.attention_time(g("attn_flops"), topo, precision) + \
-        costs.grouped_gemm_time(g("expert_flops"), grouped, topo, precision)
-    rec = full * layers + costs.attention_time(g("rec_attn_flops"), topo, precision) + \
-        costs.grouped_gemm_time(g("rec_expert_flops"), grouped, topo, precision)
-    return fwd, rec, costs.memory_bound_time(g("elementwise_bytes"), topo), shared
-
-
 def _shapes(f: dict, col=lambda x: x) -> tuple[dict, costs.GemmShape, costs.GemmShape]:
     """The dense GEMM shapes by name, the grouped expert GEMM shape and the multi-token-prediction blocks'
     (balanced) one of a features dict (plan_features); `col` applied to each field."""
@@ -130,31 +89,22 @@ def _shapes(f: dict, col=lambda x: x) -> tuple[dict, costs.GemmShape, costs.Gemm
     return dense, costs.GemmShape(*grouped), costs.GemmShape(col(f["tail_expert_m"]), *grouped[1:])
 
 
-STAGE_KEYS = ("attn_flops", "expert_flops", "tail_attn_flops", "tail_expert_flops", "rec_attn_flops",
-              "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes", "fsdp_embed_bytes",
-              "fsdp_head_bytes", "expert_fsdp_bytes", "mtp_cp_bytes", "mtp_cp_grad_bytes") + \
-    tuple("gemm:" + n for n in GEMM_NAMES) + tuple("gemm_end:" + n for n in GEMM_NAMES)  # ... and each GEMM's
-_STAGE_ROWS = ("attn", "experts", "tail_attn", "tail_experts", "elem_bytes", "layers", "moe_layers", "dense_params",
-               "expert_params", "first", "last")
-
-
-def _stage_rows(spec: ModelSpec, plan: Plan, width: int) -> np.ndarray:
-    """simulator.stage_work's per-stage rows of one plan (_STAGE_ROWS, then the GEMM FLOPs of each name the model's
-    layers have and of each name its ends have, simulator.gemms.names_used), each padded with zeros to `width`
-    stages, flattened."""
-    w = stage_work(spec, plan)
-    layer_names, end_names = names_used(spec)
-    rows = [np.asarray(getattr(w, k), dtype=float) for k in _STAGE_ROWS] + \
-        [w.gemm_layers[:, GEMM_NAMES.index(n)] for n in layer_names] + \
-        [w.gemm_ends[:, GEMM_NAMES.index(n)] for n in end_names]
-    out = np.zeros((len(rows), width))
-    out[:, :plan.parallel.pipeline] = rows
-    return out.ravel()
+def _mean_context_layer_s(spec: ModelSpec, topo: Topology, tokens_mb, tensor, context, across):
+    """One layer's K/V exchange seconds (costs.context_bytes, a send_recv over the context group), the mean over
+    the model's layers, summed in layer order; layers alike to it (costs.context_layer_key) priced once."""
+    priced = {}
+    for i in range(spec.layers):
+        key = costs.context_layer_key(spec, i)
+        if key not in priced:
+            priced[key] = collective_time(topo, "send_recv", context,
+                                          costs.context_bytes(tokens_mb, spec, tensor, context, i), across)
+    return sum(priced[costs.context_layer_key(spec, i)] for i in range(spec.layers)) / spec.layers
 
 
 def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> dict:
-    """The scalars the step-time formulas need: the slowest pipeline stage's work (keys STAGE_KEYS), the mean of
-    the other stages' (the same keys prefixed "o_"; they fill and drain the pipeline), and rank 0's gradient
+    """The scalars the step-time formulas need: the pipeline stages' work (simulator.stage_features: the slowest
+    stage's, keys STAGE_KEYS, the mean of the other stages', prefixed "o_", and the interleaved schedules' first
+    chunks'), and rank 0's gradient
     reduction and optimizer step (rank 0 finishes the schedule last). For PlanArrays (simulator.plan_arrays: many
     layouts at once, `usable` GPUs per domain each) every value is an array, one element per plan; a single Plan is
     placed on topo's GPUs per domain."""
@@ -183,68 +133,14 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     expert_shape = costs.expert_shape(costs.expert_rows(routed_mb, spec, par.expert_group) * m_imbalance, spec,
                                       par.expert, par.expert_tensor)
 
-    # Every stage's work (simulator.stage_work), padded to the deepest pipeline: rows[name][..., stage].
-    width = int(np.max(par.pipeline))
-    flat = per_key_table(plan, LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor"),
-                         lambda p: _stage_rows(spec, p, width))
-    layer_names, end_names = names_used(spec)
-    row_names = _STAGE_ROWS + tuple("L:" + n for n in layer_names) + tuple("E:" + n for n in end_names)
-    every = np.moveaxis(flat.reshape(flat.shape[:-1] + (len(row_names), width)), -2, 0)
-    rows = dict(zip(_STAGE_ROWS, every))
-    col = lambda x: np.asarray(x, dtype=float)[..., None]  # noqa: E731  a per-plan value against the stage axis
-    tok, tt, imb, routed = col(tokens_mb), col(t), col(m_imbalance), col(routed_mb)
-    top = spec.top_param_breakdown()
-    embed_end = top.get("embedding", 0) + top.get("positions", 0) + top.get("embed_norm", 0) + \
-        top.get("embed_gated_norm", 0)
-    head_end = top.get("head", 0) + top.get("final_norm", 0) + top.get("final_gated_norm", 0)
-    gathered = col(par.fsdp > 1) * w_bytes / tt  # FSDP all-gathers: layers one at a time, each end as its own unit
     counted = eager_bytes_counted(spec, plan, topo)  # the counted eager bytes replace the fused traffic terms
-    # Per stage and micro-batch on one rank. Expert-tensor ranks split each expert's width but process every row of
-    # their experts: per-rank expert FLOPs stay those of expert_tensor = 1 (costs.expert_shape: rows x width / et).
-    # Recomputation redoes the layers' forward (full) or the attention core (selective), never the head. Each GEMM
-    # name's FLOPs apart (priced at its own shape); names the model lacks are zero. The multi-token-prediction
-    # blocks' routed experts at balanced routing.
-    first_gemm = len(_STAGE_ROWS)
-    gemm_flops = (every[first_gemm:first_gemm + len(layer_names)] * tok / tt,
-                  every[first_gemm + len(layer_names):] * tok / tt)
-    stage = {
-        "attn_flops": rows["attn"] * tok / tt, "expert_flops": rows["experts"] * routed * imb,
-        "tail_attn_flops": rows["tail_attn"] * tok / tt, "tail_expert_flops": rows["tail_experts"] * routed,
-        "rec_attn_flops": rows["attn"] * tok / tt * col(recomputed_attn),
-        "rec_expert_flops": rows["experts"] * routed * imb * col(full),
-        "elementwise_bytes": rows["elem_bytes"] * tok * (0.0 if counted else 1.0),
-        "layers": rows["layers"], "moe_layers": rows["moe_layers"],
-        "fsdp_bytes": rows["dense_params"] * gathered, "fsdp_embed_bytes": rows["first"] * embed_end * gathered,
-        "fsdp_head_bytes": rows["last"] * head_end * gathered,
-        "expert_fsdp_bytes": rows["expert_params"] / col(par.expert_group) * w_bytes * col(par.expert_fsdp > 1),
-        # the MTP modules' context-parallel exchanges, on the stage holding the head
-        "mtp_cp_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp)),
-        "mtp_cp_grad_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, col(t), col(cp), backward=True),
-    }
+    # The pipeline stages' work (simulator.stage_features): the slowest stage's, the others' mean, first chunks.
+    per_plan = {"tokens_mb": tokens_mb, "routed_mb": routed_mb, "imbalance": m_imbalance, "tensor": t, "context": cp,
+                "pipeline": par.pipeline, "expert_group": par.expert_group, "full": full,
+                "recomputed_attn": recomputed_attn, "fsdp_gathered": par.fsdp > 1,
+                "expert_fsdp_gathered": par.expert_fsdp > 1, "counted": counted}
     tail_grouped = tail_expert_shape(spec, routed_mb, par)
-    rates = gemm_rates(layer_names, end_names, {n: costs.GemmShape(*(col(v) for v in s))
-                                                 for n, s in dense_shapes.items()}, topo, plan.precision)
-    fwd, rec, elem, _ = _stage_compute_s(stage.get, gemm_seconds(rates, *gemm_flops),
-                                         costs.GemmShape(*(col(v) for v in expert_shape)),
-                                         costs.GemmShape(*(col(v) for v in tail_grouped)), col(full), topo,
-                                         plan.precision)
-    valid = np.arange(width) < col(par.pipeline)
-    heavy = np.argmax(np.where(valid, 3 * fwd + rec + elem, -np.inf), axis=-1)[..., None]  # sets the steady state
-    others = valid & (np.arange(width) != heavy)
-    n_others = np.maximum(others.sum(axis=-1), 1)
-    stage_features = {}
-    for k, v in stage.items():
-        v = np.broadcast_to(v, others.shape)
-        stage_features[k] = np.take_along_axis(v, heavy, axis=-1)[..., 0]
-        stage_features["o_" + k] = np.where(others, v, 0.0).sum(axis=-1) / n_others
-    for prefix, names, flops in (("gemm:", layer_names, gemm_flops[0]), ("gemm_end:", end_names, gemm_flops[1])):
-        flops = np.broadcast_to(flops, (len(names),) + others.shape)  # all GEMM names of the stage at once
-        heavy_flops = np.take_along_axis(flops, heavy[None], axis=-1)[..., 0]
-        other_flops = np.einsum("g...w,...w->g...", flops, others.astype(float)) / n_others
-        for n in GEMM_NAMES:  # names the model lacks are zero
-            j = names.index(n) if n in names else None
-            stage_features[prefix + n] = 0.0 if j is None else heavy_flops[j]
-            stage_features["o_" + prefix + n] = 0.0 if j is None else other_flops[j]
+    stage_features_ = stage_features(spec, plan, topo, per_plan, dense_shapes, (expert_shape, tail_grouped))
     ns = 0.0
     if plan.optimizer.name == "muonh":
         ns = newton_schulz_split(per_key(plan, LAYER_SET, lambda p: newton_schulz_parts(spec, p.rank_layers(spec, 0))),
@@ -256,15 +152,16 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     if plan.optimizer.name == "muonh":
         muon_bytes, muon_norms, muon_tp_bytes, muon_tp_norms = muon_gather_split(
             per_key(plan, LAYER_SET, lambda p: muon_gather_parts(spec, p.rank_layers(spec, 0))), plan)
-    bub_f, bub_b, bub_w = per_key(plan, ("schedule", "pipeline", "virtual", m), lambda p: bubble_coefficients(
-        p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.chunks_per_rank))
+    bub_f, bub_b, bub_w, pace_f, pace_b = per_key(plan, ("schedule", "pipeline", "virtual", m), lambda p: (
+        *bubble_coefficients(p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.chunks_per_rank),
+        *pacing_coefficients(p.schedule, p.parallel.pipeline, p.microbatches, p.parallel.chunks_per_rank)))
     host_ops_ = (0.0,) * len(HOST_OP_FEATURES)
     if topo.efficiency.host_op_s.measured:  # counts per plan (CPU topologies: small searches)
         host_ops_ = per_key(plan, COLUMNS, lambda p: tuple(host_op_features(spec, p, topo).values()))
     features = {
         "microbatches": m, "chunks_per_rank": par.chunks_per_rank,
-        "bubble_f": bub_f, "bubble_b": bub_b, "bubble_w": bub_w,
-        **stage_features,
+        "bubble_f": bub_f, "bubble_b": bub_b, "bubble_w": bub_w, "pace_f": pace_f, "pace_b": pace_b,
+        **stage_features_,
         "tokens_mb": tokens_mb,
         **{f"gemm_{d}:{n}": getattr(dense_shapes[n], d) if n in dense_shapes else 1.0 for n in GEMM_NAMES
            for d in "mnk"},
@@ -277,9 +174,9 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         "tp_bytes": costs.tensor_bytes(tokens_mb, spec),
         "cp_n": cp, "cp_out": pl.context.span == "scale_out",
         # one layer's K/V exchange (forward; the backward sends as much back), the mean over the model's layers
-        "cp_layer_s": sum(collective_time(topo, "send_recv", cp, costs.context_bytes(tokens_mb, spec, t, cp, i),
-                                          pl.context.span == "scale_out") for i in range(spec.layers)) / spec.layers,
+        "cp_layer_s": _mean_context_layer_s(spec, topo, tokens_mb, t, cp, pl.context.span == "scale_out"),
         "ep_n": par.expert_group, "ep_out": pl.expert.span == "scale_out",
+        "count_exchange_s": costs.count_exchange_time(topo, spec, par, pl.expert.span == "scale_out"),
         # node-limited routing sends only part of the cross-domain copies over the NICs (costs.cross_domain_a2a_share)
         "a2a_bytes": costs.a2a_bytes(routed_mb, spec, par.expert_tensor) * m_imbalance *
         costs.cross_domain_a2a_share(spec, pl.expert.domains),
@@ -309,17 +206,18 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
     return {k: float(v) for k, v in features.items()}
 
 
-def _stage_time(f: dict, pre: str, topo: Topology, slow, rates) -> dict:
+def _stage_time(f: dict, pre: str, topo: Topology, slow, rates, chunks=None) -> dict:
     """One stage's micro-batch (all its chunks), features prefixed `pre`: forward, input-gradient and
     weight-gradient seconds including the communication each exposes, and the parts of it. Mirrors the workload
     (simulator.workload): every layer's forward runs 2 tensor-parallel all-reduces and, in MoE layers, a dispatch
     and a combine all-to-all, each hiding behind half the shared experts' work; its backward the same at twice the
     work; full recomputation runs the forward (and its communication) once more before the backward. `rates`: the
-    plan's GEMM rates (simulator.gemms.gemm_rates), shared by its stages."""
+    plan's GEMM rates (simulator.gemms.gemm_rates), shared by its stages; `chunks` the stage's chunks (default the
+    plan's chunks per rank; 1 for a single chunk)."""
     g = lambda k: f[pre + k]  # noqa: E731
     full = f["recompute_full"]
-    fwd, rec, elem, shared = _stage_compute_s(g, gemm_seconds(rates, *_stage_gemm_flops(f, pre, rates)),
-                                              *_shapes(f)[1:], full, topo, f["precision"])
+    fwd, rec, elem, shared = stage_compute_s(g, gemm_seconds(rates, *_stage_gemm_flops(f, pre, rates)),
+                                             *_shapes(f)[1:], full, topo, f["precision"])
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
     tp_t = (4 + 2 * full) * layers * tp_one
@@ -327,11 +225,15 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow, rates) -> dict:
     cp_exposed = layers * f["cp_layer_s"] * (2 + full) + sum(
         collective_time(topo, "send_recv", f["cp_n"], g(k), f["cp_out"]) for k in ("mtp_cp_bytes", "mtp_cp_grad_bytes"))
     a2a_one = collective_time(topo, "all_to_all", f["ep_n"], f["a2a_bytes"], f["ep_out"])
+    # The forward dispatch (and its recomputation's) pays the count exchange before it (costs.count_exchange_time).
+    dispatch_one = a2a_one + f["count_exchange_s"]
     shared_layer = shared / np.maximum(moe, 1)
     # Forward (and its recomputation): two exchanges under half the shared experts each; backward: under all of it.
-    a2a_exposed = 2 * moe * ((1 + full) * np.maximum(0.0, a2a_one - shared_layer / 2) +
-                             np.maximum(0.0, a2a_one - shared_layer))
-    a2a_t = (4 + 2 * full) * moe * a2a_one
+    half_hidden = np.maximum(0.0, a2a_one - shared_layer / 2)
+    counts_exposed = moe * (np.maximum(0.0, dispatch_one - shared_layer / 2) - half_hidden)  # per forward
+    a2a_exposed = 2 * moe * ((1 + full) * half_hidden + np.maximum(0.0, a2a_one - shared_layer)) + \
+        (1 + full) * counts_exposed
+    a2a_t = (4 + 2 * full) * moe * a2a_one + (1 + full) * moe * f["count_exchange_s"]
     compute = 3 * fwd + rec + elem
     # FSDP: forward and backward of each chunk gather their layers one ahead; the first layer's gather of each is
     # exposed, the rest hide behind compute where it is long enough.
@@ -339,7 +241,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow, rates) -> dict:
                               f["fsdp_pd"]) * layers + \
         collective_time(topo, "all_gather", f["efsdp_n"], g("expert_fsdp_bytes") / np.maximum(moe, 1), f["efsdp_out"],
                         f["efsdp_pd"]) * moe
-    actions = 2 * f["chunks_per_rank"]
+    actions = 2 * (f["chunks_per_rank"] if chunks is None else chunks)
     first = gathers * actions / np.maximum(layers, 1)
     fsdp_t = 2 * gathers
     ends = 2 * (collective_time(topo, "all_gather", f["fsdp_n"], g("fsdp_embed_bytes"), f["fsdp_out"], f["fsdp_pd"]) +
@@ -349,10 +251,12 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow, rates) -> dict:
     overlapped = np.minimum(compute, np.minimum(3 * shared_layer * moe, a2a_t) + fsdp_t)
     compute = compute + slow * overlapped
     comm = tp_t + cp_exposed + a2a_exposed + fsdp_exposed
+    spread = (comm - (1 + full) * counts_exposed) / 3  # the count exchanges run in the forwards only
     return {"fwd": fwd, "rec": rec, "elem": elem, "compute": compute, "tp": tp_t + cp_exposed, "a2a": a2a_exposed,
             "a2a_total": a2a_t, "fsdp": fsdp_exposed, "total": compute + comm,
             # schedule units: F, B (input gradients, after recomputation), W (weight gradients)
-            "F": fwd + elem / 2 + comm / 3, "B": fwd + rec + elem / 2 + comm / 3, "W": fwd + comm / 3}
+            "F": fwd + elem / 2 + spread + counts_exposed, "B": fwd + rec + elem / 2 + spread + full * counts_exposed,
+            "W": fwd + spread}
 
 
 def _reduction_time(f: dict, topo: Topology, dense_bytes, expert_bytes):
@@ -361,6 +265,28 @@ def _reduction_time(f: dict, topo: Topology, dense_bytes, expert_bytes):
     return sum(collective_time(topo, c.kind, f[groups[c.axis] + "_n"], c.nbytes, f[groups[c.axis] + "_out"],
                                f[groups[c.axis] + "_pd"])
                for c in costs.gradient_reductions(dense_bytes, expert_bytes, f["inner_n"], f["efsdp_n"], f["zero"]))
+
+
+_STAGE_KEY_SET = frozenset(STAGE_KEYS)
+
+
+class _FirstChunks(dict):
+    """The first chunks' features of the plans `rows` (an index array) out of stacked ones (plan_features): the
+    STAGE_KEYS prefixed FIRST_CHUNK_PREFIXES unprefixed, as (chunk, plan) arrays, the plans' own features as (plan,)
+    arrays, broadcast against them; each built on first use."""
+
+    def __init__(self, features: dict, rows: np.ndarray):
+        super().__init__()
+        self.features, self.rows = features, rows
+
+    def __missing__(self, key):
+        f = self.features
+        if key in _STAGE_KEY_SET:
+            value = np.stack([np.reshape(f[p + key], -1)[self.rows] for p in FIRST_CHUNK_PREFIXES])
+        else:
+            value = f[key] if np.ndim(f[key]) == 0 else f[key][self.rows]
+        self[key] = value
+        return value
 
 
 def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
@@ -382,6 +308,19 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
     pp_t = 2 * chain
     busy = m * h["total"]
     bubble_t = (f["bubble_f"] * o["F"] + f["bubble_b"] * o["B"] + f["bubble_w"] * o["W"]) / v
+    if np.any(f["paced"]):  # interleaved: from the first chunks' times (schedule_formulas.paced_bubble_time_s),
+        # priced only for the plans that are, all four first chunks (FIRST_CHUNK_PREFIXES) in one pass
+        rows = np.flatnonzero(f["paced"])
+        each = rates.take(rows)
+        each = each._replace(layers=each.layers[:, None], ends=each.ends[:, None])  # against (chunk, plan)
+        first = _stage_time(_FirstChunks(f, rows), "", topo, slow, each, chunks=1)
+        units = {k: tuple(first[u][i] for u in "FBW") for i, k in enumerate(FIRST_CHUNK_PREFIXES)}
+        slowest = tuple(np.maximum(a, b) for a, b in zip(units["x1_"], units["e1_"]))
+        take = lambda x: np.reshape(x, -1)[rows]  # noqa: E731
+        paced_t = paced_bubble_time_s((take(f["bubble_f"]), take(f["bubble_b"]), take(f["bubble_w"])),
+                                      (take(f["pace_f"]), take(f["pace_b"])), units["o1_"], units["h1_"], slowest)
+        bubble_t = np.array(np.broadcast_to(bubble_t, np.shape(f["paced"])))
+        np.put(bubble_t, rows, paced_t)
     pipeline_t = busy + bubble_t + pp_t
     # Gradient reduction (costs.gradient_reductions), hidden behind the last backward.
     dp_t = _reduction_time(f, topo, f["dense_grad_bytes"], f["expert_grad_bytes"])

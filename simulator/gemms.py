@@ -260,6 +260,12 @@ class GemmRates(NamedTuple):
     end_names: tuple
     ends: object
 
+    def take(self, rows) -> "GemmRates":
+        """The rates of the plans `rows` (an index array into the plan axis, the one after the names'; rates
+        without one, a single plan's or no names' zero, serve every row)."""
+        pick = lambda a: a[:, rows] if np.ndim(a) > 1 else np.broadcast_to(a[:, None], (len(a), len(rows)))  # noqa: E731
+        return GemmRates(self.names, pick(self.layers), self.end_names, pick(self.ends))
+
 
 def gemm_rates(names: tuple, end_names: tuple, shapes: dict, topo, precision) -> GemmRates:
     """The GemmRates of these names: shapes[name] a costs.GemmShape (arrays broadcast), topo a Topology."""

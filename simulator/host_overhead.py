@@ -291,3 +291,26 @@ def host_costs(spec: ModelSpec, plan: Plan, topo: Topology) -> HostCosts:
     counted = counted_bytes(spec, plan, topo)
     counts = op_counts.op_counts(spec, plan.optimizer.name)
     return HostCosts(counts, eager_bytes(counted, spec, plan) if counted else None, times, topo)
+
+
+HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble_backward", "op_optimizer",
+                    "eager_forward", "eager_backward", "eager_bubble_forward", "eager_bubble_backward",
+                    "eager_optimizer")
+
+
+def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
+    """Host ops per step (host_ops), as the closed-form estimate's features (simulator.estimate): rank 0's forward
+    and backward ops, the extra ones on the pipeline's critical path, the optimizer's; their eager bytes where
+    counted_bytes finds them. Zero, and no op counting, where the topology has no measured host_op_s."""
+    if not topo.efficiency.host_op_s.measured:
+        return dict.fromkeys(HOST_OP_FEATURES, 0.0)
+    from rackcast.simulator import op_counts
+
+    o = host_ops(op_counts.op_counts(spec, plan.optimizer.name), spec, plan)
+    counted = counted_bytes(spec, plan, topo)
+    b = host_bytes(eager_bytes(counted, spec, plan), spec, plan) if counted else None
+    return {"op_forward": o.forward, "op_backward": o.backward, "op_bubble_forward": o.bubble_forward,
+            "op_bubble_backward": o.bubble_backward, "op_optimizer": o.optimizer,
+            "eager_forward": b.forward if b else 0.0, "eager_backward": b.backward if b else 0.0,
+            "eager_bubble_forward": b.bubble_forward if b else 0.0,
+            "eager_bubble_backward": b.bubble_backward if b else 0.0, "eager_optimizer": b.optimizer if b else 0.0}

@@ -26,6 +26,8 @@ class Comm(NamedTuple):  # immutable; a NamedTuple is cheaper to build than a fr
     stream: str  # tp | cp | ep | fsdp | dp | edp | pp | host: ops of one stream run one after another
     name: str
     a2a: tuple = ()  # all_to_all: (moe layer slot, micro-batch, direction "d" dispatch or "c" combine)
+    lead_s: float = 0.0  # all_to_all: seconds paid on the stream besides the transfer (the forward dispatch's
+    # count exchange, costs.count_exchange_time)
 
 
 class Compute(NamedTuple):

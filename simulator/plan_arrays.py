@@ -158,9 +158,13 @@ class PlanArrays:
         table = self.per_key_table(fields, fn)
         return tuple(table[:, j] for j in range(table.shape[1]))
 
-    def per_key_table(self, fields: Sequence, fn: Callable[[Plan], object]) -> np.ndarray:
-        """per_key's answers as one (plans, elements) array."""
+    def per_key_table(self, fields: Sequence, fn: Callable[[Plan], object], rows=None) -> np.ndarray:
+        """per_key's answers as one (plans, elements) array; `rows` (an index array): only those plans' (fn
+        evaluated only on the combinations they have)."""
         first, inverse = self.key_index(fields)
+        if rows is not None:
+            used, inverse = np.unique(inverse[rows], return_inverse=True)
+            first, inverse = first[used], inverse.reshape(-1)
         return np.array([fn(self.plan(i)) for i in first], dtype=float).reshape(len(first), -1)[inverse]
 
 
@@ -172,10 +176,12 @@ def per_key(plan: Plan | PlanArrays, fields: Sequence[str], fn: Callable[[Plan],
     return tuple(answer) if isinstance(answer, (tuple, list)) else (answer,)
 
 
-def per_key_table(plan: Plan | PlanArrays, fields: Sequence[str], fn: Callable[[Plan], object]) -> np.ndarray:
-    """fn(plan)'s floats as an array: (elements,) for a single Plan; for PlanArrays, PlanArrays.per_key_table."""
+def per_key_table(plan: Plan | PlanArrays, fields: Sequence[str], fn: Callable[[Plan], object],
+                  rows=None) -> np.ndarray:
+    """fn(plan)'s floats as an array: (elements,) for a single Plan; for PlanArrays, PlanArrays.per_key_table (of
+    the plans `rows`, where given)."""
     if isinstance(plan, PlanArrays):
-        return plan.per_key_table(fields, fn)
+        return plan.per_key_table(fields, fn, rows)
     return np.asarray(fn(plan), dtype=float).reshape(-1)
 
 

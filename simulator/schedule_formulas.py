@@ -25,6 +25,16 @@ Sources (p ranks, m microbatches, v chunks per rank):
 - ZB-V (torch ScheduleZBVZeroBubble, Qi et al. 2023 section 6): idle (p-1)F for F = B = W and m >= 2p, found
   by executing torch's order; other cases are not covered here (use the executor).
 
+Ranks whose chunks differ in cost (interleaved 1F1B and ZB-H1, ``paced_bubble_time_s``): in both orders every
+rank's first p actions are the forwards of its first chunk (warm-up (v-1)*m_round + hops*(p-1-rank) >= p for
+v >= 2; Narayanan et al. 2021 section 2.2.2, Megatron-LM's interleaved schedule, torch's
+ScheduleInterleavedZeroBubble), so the first round's p micro-batches reach rank h through a tandem line of the first
+chunks of ranks 0..h-1 and arrive one per slowest first-chunk forward: rank h idles the hops to it plus
+(p-1)(max first-chunk F - its own first-chunk F). Interleaved 1F1B's last p actions on every rank are its first
+chunk's full backwards (the cool-down), so the drain mirrors it with B + W. With the rank that sets the steady state
+last (the output head on the last chunk) this is the executor's critical path exactly; for uniform chunks the pacing
+terms vanish and the forms above remain.
+
 Interleaved 1F1B and ZB-H1 forms need m >= p; DualPipeV's cover F = B = W only (the README's form, fused,
 does not match the executed order for other ratios). Outside what is covered the functions raise ValueError.
 
@@ -37,6 +47,8 @@ on every rank (DualPipe README: PP + 1).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from rackcast.simulator.schedules import validate
 from rackcast.vocab import INTERLEAVED_SCHEDULES
@@ -73,6 +85,28 @@ def bubble_coefficients(
     if name in ("dualpipev", "zbv"):
         return k, 0, 0
     raise ValueError(f"no closed form for schedule {name!r}")
+
+
+def pacing_coefficients(name: str, stages: int, microbatches: int, virtual: int = 1) -> tuple[int, int]:
+    """(forward, backward) multipliers of the first round's and the cool-down's pacing (module docstring: ranks whose
+    chunks differ in cost): p-1 each way for interleaved 1F1B, p-1 forward only for ZB-H1 (its cool-down splits
+    the backward and fills the drain with weight gradients); 0 for the other schedules."""
+    _check_covered(name, stages, microbatches, virtual)
+    k = stages - 1
+    if name not in INTERLEAVED_SCHEDULES:
+        return 0, 0
+    return (k, k) if name == "interleaved_1f1b" else (k, 0)
+
+
+def paced_bubble_time_s(coefficients, pacing, chain, own, slowest):
+    """Idle per rank of an interleaved schedule from first-chunk times, each a (F, B, W) tuple of seconds (arrays
+    broadcast): `chain` the mean over the other ranks' first chunks (the hops of the fill and the drain, weighted by
+    bubble_coefficients), `own` the first chunk of the rank that sets the steady state, `slowest` the slowest first
+    chunk; `pacing` from pacing_coefficients. Reduces to bubble_time_s when the first chunks are equal."""
+    (c_f, c_b, c_w), (p_f, p_b) = coefficients, pacing
+    hops = c_f * chain[0] + c_b * chain[1] + c_w * chain[2]
+    return hops + p_f * np.maximum(0.0, slowest[0] - own[0]) + \
+        p_b * np.maximum(0.0, slowest[1] + slowest[2] - own[1] - own[2])
 
 
 def bubble_time_s(

@@ -82,18 +82,23 @@ def layer_kinds(spec: ModelSpec) -> tuple[np.ndarray, list[int], np.ndarray]:
     return out
 
 
-def stage_work(spec: ModelSpec, plan: Plan) -> StageWork:
-    """Every stage's forward work per token (see StageWork)."""
+def stage_work(spec: ModelSpec, plan: Plan, first_chunks: bool = False) -> StageWork:
+    """Every stage's forward work per token (see StageWork); `first_chunks`: only the chunk each rank runs first
+    (ParallelSpec.rank_chunks), whose times pace an interleaved schedule's first round and cool-down
+    (simulator.schedule_formulas.paced_bubble_time_s)."""
     par = plan.parallel
     p = par.pipeline
     kind, reps, table = layer_kinds(spec)
+    owner = par.chunk_ranks(plan.schedule)
+    leads = [c for c in range(len(owner)) if not first_chunks or par.rank_chunks(owner[c], plan.schedule)[0] == c]
+    chunk_of = np.repeat(np.arange(len(owner)), par.chunk_layers(spec.layers))
+    kept = np.isin(chunk_of, leads)
     counts = np.zeros((p, len(reps)))
-    np.add.at(counts, (np.array(par.layer_ranks(plan.schedule, spec.layers)), kind), 1.0)
+    np.add.at(counts, (np.array(par.layer_ranks(plan.schedule, spec.layers))[kept], kind[kept]), 1.0)
     elem = np.array([2 * layer_activation_bytes_per_token(spec, i, plan) for i in reps])  # written, then read
     sums = counts @ table
-    owner = par.chunk_ranks(plan.schedule)
     first = np.arange(p) == owner[0]
-    last = np.arange(p) == owner[-1]
+    last = (np.arange(p) == owner[-1]) & (len(owner) - 1 in leads)
     tail = tail_work(spec)
     ends = last[:, None] * flops_by_name(tail.gemms) + first[:, None] * flops_by_name(embed_gemms(spec))
     return StageWork(attn=sums[:, 0], experts=sums[:, 1], elem_bytes=counts @ elem, layers=counts.sum(axis=1),

@@ -323,7 +323,7 @@ class _StepSim:
                 layer, mb, direction = comm.a2a
                 send, recv = self.work.loads.port_bytes(layer, mb, direction, cats)
                 flows = self._a2a[key] = net.a2a_flows(stage, send, recv, comm.nbytes)
-            return net.run_a2a(flows, tag=comm.name)
+            return net.run_a2a(flows, tag=comm.name, lead_s=comm.lead_s)
         if k == "shift":
             return net.shift(stage, comm.axis, comm.nbytes, tag=comm.name)
         if k == "p2p":

@@ -289,14 +289,17 @@ class StepNetwork:
         # the halves paid their own latency; a pair's route pays both
         return hops[used], nhops[used], nbytes[used], lat[used], eff, float(tails[used].max())
 
-    def run_a2a(self, flows, tag=None):
-        """Run the flows of `a2a_flows` (a generator)."""
+    def run_a2a(self, flows, tag=None, lead_s: float = 0.0):
+        """Run the flows of `a2a_flows` (a generator); lead_s (simulator.ops.Comm.lead_s) is paid with the latency
+        after them, in the same timeout (no event of its own)."""
         if flows is None:
+            if lead_s > 0:
+                yield self.env.timeout(lead_s)
             return
         hops, nhops, nbytes, lat, eff, tail = flows
         yield self.net.transfer_many(hops, nhops, nbytes, tag=tag, efficiency=eff, lat=lat)
-        if tail > 0:
-            yield self.env.timeout(tail)
+        if tail + lead_s > 0:
+            yield self.env.timeout(tail + lead_s)
 
     def _a2a_port_routes(self, stage: int):
         """Per port flow (rank x {up, down} x category): padded link indices, hop counts, and the latency each

@@ -220,7 +220,7 @@ class Workload:
         ops += self._tp(key + "tpa")
         if lw.moe:
             ops.append(Compute(pre + "router", lw.router_s))
-            ops += self._moe_exchange(lw, mb, key, "d", "c", pre + "experts", 1.0, pre + "shared experts")
+            ops += self._moe_exchange(lw, mb, key, "d", "c", pre + "experts", 1.0, pre + "shared experts", True)
         else:
             ops.append(Compute(pre + "mlp", lw.router_s))
         ops += self._tp(key + "tpm")
@@ -253,16 +253,18 @@ class Workload:
             ops += [Start(key + "cp", self._cp_comm(lw)), Wait(key + "cp", "exposed_tensor_comm")]
         return ops
 
-    def _moe_exchange(self, lw, mb, key, first, second, expert_name, factor, shared_name) -> list:
-        """Dispatch, experts, combine; half the shared-expert work runs under each all-to-all."""
+    def _moe_exchange(self, lw, mb, key, first, second, expert_name, factor, shared_name, counts=False) -> list:
+        """Dispatch, experts, combine (half the shared experts under each all-to-all); counts: a forward's (lead_s)."""
         a2a_bytes = self._comms.get("a2a_bytes")
         if a2a_bytes is None:
-            a2a_bytes = self._comms["a2a_bytes"] = costs.a2a_bytes(self.routed_mb, self.spec,
-                                                                   self.plan.parallel.expert_tensor)
+            par, out = self.plan.parallel, self._placement().expert.span == "scale_out"
+            a2a_bytes = self._comms["a2a_bytes"] = costs.a2a_bytes(self.routed_mb, self.spec, par.expert_tensor)
+            self._comms["count_exchange_s"] = float(costs.count_exchange_time(self.topo, self.spec, par, out))
         ops: list = []
         for n, direction in enumerate((first, second)):
             name = "dispatch" if direction == "d" else "combine"
-            ops.append(_per_mb(partial(self._a2a_start, lw.index, direction, key + name, name, a2a_bytes), mb))
+            lead = self._comms["count_exchange_s"] if counts and n == 0 else 0.0
+            ops.append(_per_mb(partial(self._a2a_start, lw.index, direction, key + name, name, a2a_bytes, lead), mb))
             if lw.shared_s:
                 ops.append(Compute(shared_name, factor * lw.shared_s / 2))
             ops.append(Wait(key + name, "exposed_expert_a2a"))
@@ -270,11 +272,11 @@ class Workload:
                 ops.append(_per_mb(partial(self._expert_compute, lw, expert_name, factor), mb))
         return ops
 
-    def _a2a_start(self, layer: int, direction: str, key: str, name: str, nbytes: float, mb: int) -> Start:
-        comm = self._comms.get(("a2a", layer, mb, direction))  # the backward (and a recompute) repeats it
+    def _a2a_start(self, layer: int, direction: str, key: str, name: str, nbytes, lead_s, mb: int) -> Start:
+        comm = self._comms.get(("a2a", layer, mb, direction, lead_s))  # the backward (and a recompute) repeats it
         if comm is None:
-            comm = self._comms["a2a", layer, mb, direction] = Comm("all_to_all", "expert", nbytes, "ep", name,
-                                                                   (layer, mb, direction))
+            comm = self._comms["a2a", layer, mb, direction, lead_s] = Comm("all_to_all", "expert", nbytes, "ep", name,
+                                                                           (layer, mb, direction), lead_s)
         return Start(key, comm)
 
     def _expert_compute(self, lw: LayerWork, name: str, factor: float, mb: int) -> Compute:

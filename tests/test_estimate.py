@@ -63,7 +63,10 @@ def test_interleaving_shrinks_the_bubble():
 
 def test_vectorised_step_time_equals_one_at_a_time():
     plans = [load_plan(str(PLANS / name)) for name in ("marin-535b-hero.yaml", "gpt-145b-megatron.yaml")]
-    plans.append(_pipeline_plan("1f1b", 4, 8))
+    # and an interleaved plan whose first chunks differ (chunk 0 two layers heavier): the paced bubble's branch
+    paced = _pipeline_plan("interleaved_1f1b", 4, 8, 2)
+    paced = dataclasses.replace(paced, parallel=dataclasses.replace(paced.parallel, stage_layers=(12, 8) + (10,) * 6))
+    plans += [_pipeline_plan("1f1b", 4, 8), paced]
     topo = plans[1].topology_spec()
     feats = [plan_features(p.model_spec(), p, topo) for p in plans[1:]]
     stacked = {k: np.array([f[k] for f in feats]) for k in feats[0]}

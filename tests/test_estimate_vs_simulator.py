@@ -26,9 +26,10 @@ EXAMPLES = sorted([p.relative_to(ROOT) for p in PLANS.glob("*.yaml")] +
 
 # The sweep: Marin's ladder rung d1536 (16 layers, 192 experts top-4, 3 local : 1 global attention), experts and
 # fsdp 8-way in every stage of 8 GB200 GPUs (stages in one rack, then across racks), 32 micro-batches, full
-# recomputation and MuonH as in the hero plan (at 16 micro-batches interleaved 1F1B and ZB-H1 at pipeline 8, one layer
-# per chunk and the head on the last, differ by 7-8%: the closed form does not model a rank whose two chunks differ
-# in cost). Small enough to simulate every point in a second or two.
+# recomputation and MuonH as in the hero plan (pipeline 8 is one layer per chunk, the head on the last: the closed
+# form paces interleaved schedules by each rank's first chunk, schedule_formulas.paced_bubble_time_s; at 16
+# micro-batches ZB-H1 there still differs by 4.5%, its split cool-down not paced, interleaved 1F1B by 0.4%).
+# Small enough to simulate every point in a second or two.
 SWEEP_MODEL = "marin-ladder-d1536"
 STAGE_GPUS = 8
 MICROBATCHES = 32

@@ -94,3 +94,16 @@ def test_plan_arrays_rebuild_each_plan():
     assert [arrays.plan(i) for i in range(len(plans))] == plans
     swapped = arrays.replace(recompute=["full"] * len(plans))
     assert [swapped.plan(i) for i in range(len(plans))] == [replace(p, recompute="full") for p in plans]
+
+
+def test_per_key_table_of_some_rows_is_those_rows_of_the_whole_table_and_asks_only_their_keys():
+    _, _, _, plans = _sample("marin-535b-a23b", "gb200-nvl72", 11, 11264, 20)
+    arrays = _arrays(plans)
+    fields = ("pipeline", "virtual", "schedule")
+    whole = arrays.per_key_table(fields, lambda p: (p.parallel.pipeline, p.parallel.virtual, len(p.schedule)))
+    rows = np.array([7, 2, 2, 11, 0])
+    asked = []
+    some = arrays.per_key_table(fields, lambda p: asked.append(p) or (p.parallel.pipeline, p.parallel.virtual,
+                                                                      len(p.schedule)), rows)
+    np.testing.assert_array_equal(some, whole[rows])
+    assert len(asked) == len(set(arrays.key_index(fields)[1][rows].tolist()))  # once per key those rows have

@@ -71,6 +71,36 @@ def test_zb_h1_bubble_with_unequal_split_matches_paper_form():
     assert all(idle == pytest.approx(3 * (3.0 + 2.0 - 1.0)) for idle in res.idle_s)
 
 
+
+@pytest.mark.parametrize("stages,microbatches", SHAPES)
+@pytest.mark.parametrize("virtual", [2, 4])
+def test_interleaved_bubble_with_heavier_end_chunks_matches_the_paced_form(stages, microbatches, virtual):
+    # The embedding makes chunk 0 slower and the output head the last chunk slower still, so the last rank sets the
+    # steady state while its first chunk is a light one: it idles the first round at chunk 0's forward pace and the
+    # cool-down runs at chunk 0's backward pace (schedule_formulas.paced_bubble_time_s), which the uniform form misses.
+    base, embed, head = ChunkDurations(1.0, 1.0, 1.0), ChunkDurations(2.5, 2.0, 2.0), ChunkDurations(4.0, 3.0, 3.0)
+    chunks = [embed] + [base] * (stages * virtual - 2) + [head]
+    res = run_pipeline("interleaved_1f1b", stages, microbatches, virtual, chunks)
+    assert max(res.busy_s) == res.busy_s[-1]
+    first = chunks[:stages]  # rank r runs chunk r first
+    units = lambda d: (d.forward_s, d.backward_input_s, d.backward_weight_s)  # noqa: E731
+    chain = tuple(sum(units(d)[i] for d in first[:-1]) / (stages - 1) for i in range(3))
+    idle = formulas.paced_bubble_time_s(
+        formulas.bubble_coefficients("interleaved_1f1b", stages, microbatches, virtual),
+        formulas.pacing_coefficients("interleaved_1f1b", stages, microbatches, virtual), chain, units(first[-1]),
+        units(embed))
+    assert res.total_s - res.busy_s[-1] == pytest.approx(idle)
+    assert idle > formulas.bubble_time_s("interleaved_1f1b", stages, microbatches, virtual, *chain)
+
+
+def test_paced_form_reduces_to_the_uniform_form_for_equal_first_chunks():
+    for name in ("interleaved_1f1b", "zb_h1"):
+        units = (1.0, 0.75, 0.5)
+        idle = formulas.paced_bubble_time_s(formulas.bubble_coefficients(name, 4, 8, 2),
+                                            formulas.pacing_coefficients(name, 4, 8, 2), units, units, units)
+        assert idle == pytest.approx(formulas.bubble_time_s(name, 4, 8, 2, *units))
+
+
 KNOWN_PEAKS = [
     # (schedule, stages, microbatches, virtual, peak on rank 0 in chunk-microbatches)
     ("gpipe", 4, 8, 1, 8),  # all m

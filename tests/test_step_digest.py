@@ -36,9 +36,9 @@ CASES = {  # name -> plan builder
 }
 DIGESTS = {
     "gpt-145b-megatron": "07dd509b99ec5d2e8dec1fab84fbcb68f4459cbcb3779e9df44f01edefc85954",
-    "hero": "22a80128e0491b1bf0f853a4c6de4bd98d188ccb6fd37997de53417d5da7f6a3",
-    "hero-16-stages": "f9bdafe8ff7e1c580a59f886b87708ecab26cf4514bfc2377e2b55fdf811c9a5",
-    "tiny-2proc-ep": "457bc1233e39ecbf49751ebea1a07518b95e3ee111eb9ead19823b399ec73079",
+    "hero": "cc1aad8857ee64318b87fde73762fd47a4cb9d7f96c30b525dba03225ff04ce8",
+    "hero-16-stages": "cc869d8736f01f983e919b98fcb9107bf7f969d3c71efff1a0431fdb29688f3e",
+    "tiny-2proc-ep": "1ff57210a0775e291d001b4abcafd15db06ca9bb1b73bca49adfe224c1258373",
     "tiny-2proc-pp": "17f8235acd5a7a7e1ae8251e8180138d9a5f00354c09c82da81e1b69d688917c",
 }
 
