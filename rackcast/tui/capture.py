@@ -93,6 +93,20 @@ def synthetic_run(folder: Path, plan_path: str = COMPARE_PLAN, steps: int = 12) 
     return folder
 
 
+async def settled(pilot, app, tries: int = 100, pause_s: float = 0.1, agree: int = 3) -> str:
+    """The screen's text once `agree` captures in a row, `pause_s` apart, are the same: a table whose rows just
+    arrived widens its columns on a later refresh, which a loaded machine can delay past any fixed pause."""
+    text, same = screen_text(app), 1
+    for _ in range(tries):
+        await pilot.pause(pause_s)
+        now = screen_text(app)
+        same = same + 1 if now == text else 1
+        text = now
+        if same >= agree:
+            break
+    return text
+
+
 async def _captures(run_dir: str) -> dict[str, str]:
     from rackcast.tui.app import RackcastApp
     from rackcast.tui.detail_screen import DetailScreen
@@ -130,8 +144,7 @@ async def _captures(run_dir: str) -> dict[str, str]:
             await pilot.pause(0.05)
             if getattr(app.screen, "comparison", None) is not None:
                 break
-        await pilot.pause(0.2)
-        out["compare"] = screen_text(app)
+        out["compare"] = await settled(pilot, app)
         await pilot.press("f1")
         await pilot.pause()
         out["help"] = screen_text(app)

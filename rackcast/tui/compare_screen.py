@@ -51,6 +51,9 @@ def load_comparison(plan_path: str, run_dir: str) -> Comparison:
     return Comparison(plan.name, source, compare_rows(result, rec, plan), steps, times, float(result.step_time_s))
 
 
+COLUMNS = ("metric", "predicted", "measured", "error")
+
+
 def metric_cells(rows: list[dict]) -> list[list[str]]:
     from rackcast.cli.compare import _fmt  # the CLI's number formats, so both print the same cells
 
@@ -86,7 +89,7 @@ class CompareScreen(Screen):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        for col in ("metric", "predicted", "measured", "error"):
+        for col in COLUMNS:
             table.add_column(col)
         if self.plan_path and self.run_dir:
             self.action_load()
@@ -123,13 +126,17 @@ class CompareScreen(Screen):
         self.app.call_from_thread(self.show, comparison)
 
     def show(self, c: Comparison) -> None:
-        self.comparison = c
         self.query_one("#status", Static).update(
             f"{c.plan_name}: predicted ({c.source}) vs measured; error = (predicted - measured) / measured")
         table = self.query_one(DataTable)
-        table.clear()
-        for cells in metric_cells(c.rows):
-            table.add_row(*cells)
+        table.clear(columns=True)
+        cells = metric_cells(c.rows)
+        # Each column as wide as its widest cell, set explicitly: the table's own auto-widths were seen to stay at
+        # the headers' widths in one full-suite run ("step_t"), though never in a run of the TUI tests alone.
+        for i, col in enumerate(COLUMNS):
+            table.add_column(col, width=max(len(col), *(len(row[i]) for row in cells)))
+        for row in cells:
+            table.add_row(*row)
         plt = self.query_one(PlotextPlot).plt
         plt.clear_data()
         plt.clear_figure()
@@ -139,3 +146,4 @@ class CompareScreen(Screen):
             plt.hline(c.predicted_step_s)
             plt.text("predicted", c.steps[len(c.steps) // 2], c.predicted_step_s)
         self.query_one(PlotextPlot).refresh()
+        self.comparison = c  # last: whoever waits for it (capture) finds the table and plot filled
