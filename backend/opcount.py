@@ -10,10 +10,10 @@ Counts (one micro-batch, forward; backward as one ratio, since autograd runs out
 GroupedExperts grouped GEMMs, the same ops whatever the number of experts a rank holds), head (final norm, head and
 loss);
 bwd_over_fwd; optimizer ops for one step with the plan's optimizer and the parameter tensors; for MoE models the ops
-the expert-parallel dispatch path adds per MoE layer, forward (ep_fwd) and backward (ep_bwd) apart
-(`count_ep_dispatch`: the real backend.expert_parallel code against backend.moe's one-process path, the collectives
-looped back outside the count; the same at any expert degree and number of local experts, so counted at the
-smallest degree; dropless, no expert tensor parallelism). Op counts do not
+the expert-parallel dispatch path adds per MoE layer, forward (ep_fwd) and backward (ep_bwd) apart, and those
+capacity mode adds to it (capacity_fwd, capacity_bwd) (`count_ep_dispatch`: the real backend.expert_parallel code
+against backend.moe's one-process path, the collectives looped back outside the count; the same at any expert
+degree and number of local experts, so counted at the smallest degree; no expert tensor parallelism). Op counts do not
 depend on sizes (only on the structure), so a short sequence (simulator.op_counts.COUNT_SEQ tokens) is counted on
 the model's structural twin (simulator.op_counts.structural_twin: the same structure at widths of a few units, so a
 535B preset counts in about ten seconds; twin=False counts the model as given). Every expert gets rows (no empty
@@ -222,20 +222,25 @@ def dispatch_ops(moe: MoE, ids: torch.Tensor, weights: torch.Tensor) -> tuple[in
 
 
 def count_ep_dispatch(spec: ModelSpec, ep: int, tokens: int) -> dict[str, int]:
-    """The framework ops the expert-parallel dispatch path (backend.expert_parallel.ExpertParallelMoE, dropless, as
-    rank 0 of `ep` expert ranks) adds to one MoE layer's dispatch_compute_combine over the one-process path
-    (backend.moe.MoE), forward and backward apart, for `tokens` tokens routed in balance: the per-expert counts'
-    exchange, the split sizes' host copies, the regrouping by local expert and its inverse, and the rows'
-    exchanges' autograd nodes. Every all_to_all_single is a loopback outside the count (`loopback_all_to_all`)."""
+    """The framework ops backend.expert_parallel.ExpertParallelMoE (as rank 0 of `ep` expert ranks) adds to one MoE
+    layer's dispatch_compute_combine, forward and backward apart, for `tokens` tokens routed in balance: ep_fwd /
+    ep_bwd, the dropless path's over the one-process path (backend.moe.MoE; the per-expert counts' exchange, the
+    split sizes' host copies, the regrouping by local expert and its inverse, the rows' exchanges' autograd nodes;
+    0 at ep 1); capacity_fwd / capacity_bwd, capacity mode's over the dropless path (each expert's slots cut at its
+    capacity, which the trainer runs at any ep). Every all_to_all_single is a loopback outside the count
+    (`loopback_all_to_all`)."""
     torch.manual_seed(0)
     whole = MoE(spec)
-    sharded = copy.deepcopy(whole)
-    expert_parallel.shard_experts(sharded, ep_group=None, ep_rank=0, ep=ep, capacity_factor=None)
+    dropless, capacity = copy.deepcopy(whole), copy.deepcopy(whole)
+    expert_parallel.shard_experts(dropless, ep_group=None, ep_rank=0, ep=ep, capacity_factor=None)
+    expert_parallel.shard_experts(capacity, ep_group=None, ep_rank=0, ep=ep, capacity_factor=1.0)
     ids = balanced_assignment(tokens, spec.moe.top_k, spec.moe.experts)
     weights = torch.rand(tokens, spec.moe.top_k)
     with loopback_all_to_all():
-        (base_f, base_b), (ep_f, ep_b) = dispatch_ops(whole, ids, weights), dispatch_ops(sharded, ids, weights)
-    return {"ep_fwd": ep_f - base_f, "ep_bwd": ep_b - base_b}
+        (base_f, base_b), (ep_f, ep_b), (cap_f, cap_b) = (dispatch_ops(m, ids, weights)
+                                                          for m in (whole, dropless, capacity))
+    return {"ep_fwd": ep_f - base_f, "ep_bwd": ep_b - base_b, "capacity_fwd": cap_f - ep_f,
+            "capacity_bwd": cap_b - ep_b}
 
 
 def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool = True) -> dict:
@@ -254,7 +259,7 @@ def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool 
     layers = [fwd.get(f"layer{i}", 0) + fwd.get(f"experts{i}", 0) for i in range(spec.layers)]
     experts = [fwd.get(f"experts{i}", 0) for i in range(spec.layers)]
     fwd_total = sum(fwd.values())
-    ep = {"ep_fwd": 0, "ep_bwd": 0}
+    ep = dict.fromkeys(data.DISPATCH_KEYS, 0)
     if spec.moe is not None and spec.moe.experts > 1:  # the smallest expert split; the count is the same at any
         ep = count_ep_dispatch(spec, min(d for d in range(2, spec.moe.experts + 1) if spec.moe.experts % d == 0),
                                batch * s)  # (tests/test_op_counts.py checks two degrees)

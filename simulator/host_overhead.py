@@ -14,7 +14,8 @@ Model, per pipeline rank s holding layers L(s) (rackcast.layout.ParallelSpec.ran
                 recomputes, backend.recompute),
                 plus, where the expert group has more than one rank, per MoE layer of L(s) the expert-parallel
                 dispatch path's own ops, counted apart (ep_dispatch_ops: ep_fwd forward ops, ep_bwd backward ops,
-                not a ratio of the forward; ep_fwd again under full recomputation, which reruns the block)
+                not a ratio of the forward; ep_fwd again under full recomputation, which reruns the block), and in
+                capacity mode (any ep) capacity_fwd / capacity_bwd likewise
     compute overhead = m x ops_mb(s) x t_op on each rank (m micro-batches per step; t_op = host_op_s.forward for
         forward ops, recomputed ones included, .backward for backward ops);
     with pipeline p > 1 the step's critical path is (m + p - 1) x ops_mb(s*) x t_op, s* the stage with the most
@@ -96,14 +97,18 @@ def layer_forward_ops(counts: dict, plan: Plan, layer: int) -> float:
 
 def ep_dispatch_ops(counts: dict, spec: ModelSpec, plan: Plan, layer: int) -> tuple[float, float]:
     """(forward, backward) ops the expert-parallel dispatch path (backend.expert_parallel.ExpertParallelMoE) adds to
-    MoE layer `layer` per micro-batch beyond its counted one-process ops, where the plan exchanges rows (an expert
-    group of more than one rank); (0, 0) elsewhere. Counted apart on the real code (backend.opcount.
-    count_ep_dispatch: counts exchange, split sizes to the host, regrouping by local expert), the same at any
-    expert degree and number of local experts; its backward is its own count, not bwd_over_fwd times the forward.
-    The one home of these ops for the closed form (host_ops) and the discrete-event workload (simulator.workload)."""
-    if plan.parallel.expert_group == 1 or not spec.is_moe(layer):
-        return 0.0, 0.0
-    return float(counts["ep_fwd"]), float(counts["ep_bwd"])
+    MoE layer `layer` per micro-batch beyond its counted one-process ops: ep_fwd / ep_bwd where the plan exchanges
+    rows (an expert group of more than one rank), plus capacity_fwd / capacity_bwd in capacity mode (at any ep: the
+    trainer runs the path for it); (0, 0) elsewhere. Counted apart on the real code (backend.opcount.
+    count_ep_dispatch: counts exchange, split sizes to the host, regrouping by local expert; capacity cuts), the
+    same at any expert degree and number of local experts; backward is its own count, not bwd_over_fwd times the
+    forward. The one home of these ops for the closed form (host_ops) and the discrete-event workload."""
+    forward = backward = 0.0
+    if spec.is_moe(layer) and plan.parallel.expert_group > 1:
+        forward, backward = float(counts["ep_fwd"]), float(counts["ep_bwd"])
+    if spec.is_moe(layer) and plan.expert_transport.mode == "capacity":
+        forward, backward = forward + counts["capacity_fwd"], backward + counts["capacity_bwd"]
+    return forward, backward
 
 
 def recompute_share(spec: ModelSpec, plan: Plan, layer: int) -> float:
