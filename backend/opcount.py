@@ -9,7 +9,11 @@ Counts (one micro-batch, forward; backward as one ratio, since autograd runs out
 (embedding and its norms), per layer (including its routed experts), per layer the routed experts alone (the
 GroupedExperts grouped GEMMs, the same ops whatever the number of experts a rank holds), head (final norm, head and
 loss);
-bwd_over_fwd; optimizer ops for one step with the plan's optimizer and the parameter tensors. Op counts do not
+bwd_over_fwd; optimizer ops for one step with the plan's optimizer and the parameter tensors; for MoE models the ops
+the expert-parallel dispatch path adds per MoE layer, forward (ep_fwd) and backward (ep_bwd) apart, and those
+capacity mode adds to it (capacity_fwd, capacity_bwd) (`count_ep_dispatch`: the real backend.expert_parallel code
+against backend.moe's one-process path, the collectives looped back outside the count; the same at any expert
+degree and number of local experts, so counted at the smallest degree; no expert tensor parallelism). Op counts do not
 depend on sizes (only on the structure), so a short sequence (simulator.op_counts.COUNT_SEQ tokens) is counted on
 the model's structural twin (simulator.op_counts.structural_twin: the same structure at widths of a few units, so a
 535B preset counts in about ten seconds; twin=False counts the model as given). Every expert gets rows (no empty
@@ -36,14 +40,16 @@ on this CPU).
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
+from rackcast.backend import expert_parallel
 from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.moe import GroupedExperts, MoE, balanced_assignment
 from rackcast.backend.optim import build_optimizer
@@ -177,6 +183,66 @@ def _step(net, counter: _Counter, tokens, optimizer: str, field: str) -> tuple[d
     return fwd, bwd, sum(getattr(counter, field).values())
 
 
+def _loopback(out, x, output_split_sizes=None, input_split_sizes=None, group=None):
+    """all_to_all_single as a symmetric peer answers it: every rank sends what it receives (a copy outside any
+    counter: the collective is not an op of the dispatch path)."""
+    with _disable_current_modes():
+        out.copy_(x)
+
+
+@contextlib.contextmanager
+def loopback_all_to_all():
+    """backend.expert_parallel's all_to_all_single replaced by `_loopback` inside the block (restored after), so the
+    expert-parallel path runs in one process without a process group."""
+    real = expert_parallel.dist.all_to_all_single
+    expert_parallel.dist.all_to_all_single = _loopback
+    try:
+        yield
+    finally:
+        expert_parallel.dist.all_to_all_single = real
+
+
+def dispatch_ops(moe: MoE, ids: torch.Tensor, weights: torch.Tensor) -> tuple[int, int]:
+    """Ops of one `moe.dispatch_compute_combine` on balanced `ids`, forward and backward (its gradient through the
+    rows), counted by _Counter after one uncounted warm-up call."""
+    def call(counter: _Counter | None = None) -> None:
+        x = torch.randn(ids.shape[0], moe.experts.w_down.shape[-1], requires_grad=True)
+        with counter or contextlib.nullcontext():
+            if counter:
+                counter.tags.append("forward")
+            y = moe.dispatch_compute_combine(x, ids, weights)
+            if counter:
+                counter.tags.append("backward")
+            y.sum().backward()
+
+    call()
+    counter = _Counter()
+    call(counter)
+    return counter.counts.get("forward", 0), counter.counts.get("backward", 0)
+
+
+def count_ep_dispatch(spec: ModelSpec, ep: int, tokens: int) -> dict[str, int]:
+    """The framework ops backend.expert_parallel.ExpertParallelMoE (as rank 0 of `ep` expert ranks) adds to one MoE
+    layer's dispatch_compute_combine, forward and backward apart, for `tokens` tokens routed in balance: ep_fwd /
+    ep_bwd, the dropless path's over the one-process path (backend.moe.MoE; the per-expert counts' exchange, the
+    split sizes' host copies, the regrouping by local expert and its inverse, the rows' exchanges' autograd nodes;
+    0 at ep 1); capacity_fwd / capacity_bwd, capacity mode's over the dropless path (each expert's slots cut at its
+    capacity, which the trainer runs at any ep). Every all_to_all_single is a loopback outside the count
+    (`loopback_all_to_all`)."""
+    torch.manual_seed(0)
+    whole = MoE(spec)
+    dropless, capacity = copy.deepcopy(whole), copy.deepcopy(whole)
+    expert_parallel.shard_experts(dropless, ep_group=None, ep_rank=0, ep=ep, capacity_factor=None)
+    expert_parallel.shard_experts(capacity, ep_group=None, ep_rank=0, ep=ep, capacity_factor=1.0)
+    ids = balanced_assignment(tokens, spec.moe.top_k, spec.moe.experts)
+    weights = torch.rand(tokens, spec.moe.top_k)
+    with loopback_all_to_all():
+        (base_f, base_b), (ep_f, ep_b), (cap_f, cap_b) = (dispatch_ops(m, ids, weights)
+                                                          for m in (whole, dropless, capacity))
+    return {"ep_fwd": ep_f - base_f, "ep_bwd": ep_b - base_b, "capacity_fwd": cap_f - ep_f,
+            "capacity_bwd": cap_b - ep_b}
+
+
 def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool = True) -> dict:
     """Counts for a model preset name, YAML path or ModelSpec (see the module docstring); twin=False counts the
     model as given instead of its structural twin (the same counts, at the full model's cost)."""
@@ -193,7 +259,11 @@ def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool 
     layers = [fwd.get(f"layer{i}", 0) + fwd.get(f"experts{i}", 0) for i in range(spec.layers)]
     experts = [fwd.get(f"experts{i}", 0) for i in range(spec.layers)]
     fwd_total = sum(fwd.values())
-    return {"model": name, "optimizer": optimizer, "torch": torch.__version__,
+    ep = dict.fromkeys(data.DISPATCH_KEYS, 0)
+    if spec.moe is not None and spec.moe.experts > 1:  # the smallest expert split; the count is the same at any
+        ep = count_ep_dispatch(spec, min(d for d in range(2, spec.moe.experts + 1) if spec.moe.experts % d == 0),
+                               batch * s)  # (tests/test_op_counts.py checks two degrees)
+    return {"model": name, "optimizer": optimizer, "torch": torch.__version__, **ep,
             "experts": spec.moe.experts if spec.moe else 0,
             "fwd_embed": fwd.get("embed", 0), "fwd_layers": layers, "fwd_experts": experts,
             "fwd_head": fwd.get("head", 0) + fwd.get("untagged", 0), "fwd_total": fwd_total,

@@ -6,11 +6,12 @@ one-process path, counted on the real code in one process.
 One MoE layer of the plan's model (backend.moe.MoE) runs dispatch_compute_combine forward and backward on a balanced
 routing (backend.moe.balanced_assignment) of --sequences sequences, as is (MoE) and as rank 0 of an expert group of
 plan.parallel.expert (backend.expert_parallel.shard_experts), every all_to_all_single standing in for a symmetric peer
-(it receives what it sends, a copy outside the count) so the ep > 1 path runs without communication. Printed: the
-aten ops each makes, forward and backward (backend.opcount's counter, as the op-count table counts them), and the
+(it receives what it sends, a copy outside the count: backend.opcount.loopback_all_to_all) so the ep > 1 path runs
+without communication. Printed: the aten ops each makes, forward and backward (backend.opcount.dispatch_ops, as the
+op-count table's ep_fwd / ep_bwd count them: backend.opcount.count_ep_dispatch), and the
 mean wall time of the fastest fifth of --samples forward and backward calls (rackcast.spread.fastest_mean), with the
 load average: the EP path's extra ops times the calibrated host time per op (rackcast calibrate's host_op_s) is what
-the simulator's host overhead would add per MoE layer and micro-batch for them.
+the simulator's host overhead adds per MoE layer and micro-batch for them (simulator.host_overhead.ep_dispatch_ops).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from rackcast.backend import expert_parallel, opcount
 from rackcast.backend.moe import MoE, balanced_assignment
@@ -32,20 +32,9 @@ from rackcast.spread import fastest_mean
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _loopback(out, x, output_split_sizes=None, input_split_sizes=None, group=None):
-    with _disable_current_modes():  # the stand-in's copy is not an op of the path
-        out.copy_(x)
-
-
 def _measure(moe: MoE, width: int, ids, weights, samples: int) -> dict:
+    forward_ops, backward_ops = opcount.dispatch_ops(moe, ids, weights)
     tokens = ids.shape[0]
-    counter = opcount._Counter()
-    x = torch.randn(tokens, width, requires_grad=True)
-    with counter:
-        counter.tags.append("forward")
-        y = moe.dispatch_compute_combine(x, ids, weights)
-        counter.tags.append("backward")
-        y.sum().backward()
     fwd, bwd = [], []
     for _ in range(samples):
         x = torch.randn(tokens, width, requires_grad=True)
@@ -55,7 +44,7 @@ def _measure(moe: MoE, width: int, ids, weights, samples: int) -> dict:
         y.sum().backward()
         fwd.append(t1 - t0)
         bwd.append(time.perf_counter() - t1)
-    return {"ops_forward": counter.counts.get("forward", 0), "ops_backward": counter.counts.get("backward", 0),
+    return {"ops_forward": forward_ops, "ops_backward": backward_ops,
             "forward_us": 1e6 * fastest_mean(fwd), "backward_us": 1e6 * fastest_mean(bwd)}
 
 
@@ -68,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     plan = load_plan(args.plan)
     spec, ep = plan.model_spec(), plan.parallel.expert
-    expert_parallel.dist.all_to_all_single = _loopback
     torch.manual_seed(0)
     tokens = args.sequences * spec.seq_len
     base = MoE(spec)
@@ -76,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     expert_parallel.shard_experts(sharded, ep_group=None, ep_rank=0, ep=ep, capacity_factor=None)
     ids = balanced_assignment(tokens, spec.moe.top_k, spec.moe.experts)
     weights = torch.rand(tokens, spec.moe.top_k)
-    rows = {"MoE": _measure(base, spec.expert_input_dim, ids, weights, args.samples),
-            f"ExpertParallelMoE ep={ep}": _measure(sharded, spec.expert_input_dim, ids, weights, args.samples)}
+    with opcount.loopback_all_to_all():
+        rows = {"MoE": _measure(base, spec.expert_input_dim, ids, weights, args.samples),
+                f"ExpertParallelMoE ep={ep}": _measure(sharded, spec.expert_input_dim, ids, weights, args.samples)}
     print(f"{spec.name}, one MoE layer, {tokens} tokens (load average {Path('/proc/loadavg').read_text().split()[:3]})")
     for name, r in rows.items():
         print(f"  {name:<24} ops forward {r['ops_forward']:>3} backward {r['ops_backward']:>3}   "

@@ -11,7 +11,11 @@ Model, per pipeline rank s holding layers L(s) (rackcast.layout.ParallelSpec.ran
                 a rank runs its local experts as one grouped GEMM, see layer_forward_ops)
                 + [head and loss if s holds the last chunk],   times (1 + bwd_over_fwd) for the backward,
                 plus the recomputed forward's ops (sum over L(s) of layer ops x recompute_share: the trainer
-                recomputes, backend.recompute)
+                recomputes, backend.recompute),
+                plus, where the expert group has more than one rank, per MoE layer of L(s) the expert-parallel
+                dispatch path's own ops, counted apart (ep_dispatch_ops: ep_fwd forward ops, ep_bwd backward ops,
+                not a ratio of the forward; ep_fwd again under full recomputation, which reruns the block), and in
+                capacity mode (any ep) capacity_fwd / capacity_bwd likewise
     compute overhead = m x ops_mb(s) x t_op on each rank (m micro-batches per step; t_op = host_op_s.forward for
         forward ops, recomputed ones included, .backward for backward ops);
     with pipeline p > 1 the step's critical path is (m + p - 1) x ops_mb(s*) x t_op, s* the stage with the most
@@ -91,6 +95,22 @@ def layer_forward_ops(counts: dict, plan: Plan, layer: int) -> float:
     return counts["fwd_layers"][layer]
 
 
+def ep_dispatch_ops(counts: dict, spec: ModelSpec, plan: Plan, layer: int) -> tuple[float, float]:
+    """(forward, backward) ops the expert-parallel dispatch path (backend.expert_parallel.ExpertParallelMoE) adds to
+    MoE layer `layer` per micro-batch beyond its counted one-process ops: ep_fwd / ep_bwd where the plan exchanges
+    rows (an expert group of more than one rank), plus capacity_fwd / capacity_bwd in capacity mode (at any ep: the
+    trainer runs the path for it); (0, 0) elsewhere. Counted apart on the real code (backend.opcount.
+    count_ep_dispatch: counts exchange, split sizes to the host, regrouping by local expert; capacity cuts), the
+    same at any expert degree and number of local experts; backward is its own count, not bwd_over_fwd times the
+    forward. The one home of these ops for the closed form (host_ops) and the discrete-event workload."""
+    forward = backward = 0.0
+    if spec.is_moe(layer) and plan.parallel.expert_group > 1:
+        forward, backward = float(counts["ep_fwd"]), float(counts["ep_bwd"])
+    if spec.is_moe(layer) and plan.expert_transport.mode == "capacity":
+        forward, backward = forward + counts["capacity_fwd"], backward + counts["capacity_bwd"]
+    return forward, backward
+
+
 def recompute_share(spec: ModelSpec, plan: Plan, layer: int) -> float:
     """Share of a layer's forward ops and eager bytes its recomputation runs again in backward (backend.recompute):
     1 under full (the whole block), 0 without. Selective reruns the attention module (all but its projections'
@@ -134,10 +154,9 @@ def _stage_recompute(layer, spec: ModelSpec, plan: Plan, stage: int) -> float:
 
 
 def ops_per_microbatch(counts: dict, spec: ModelSpec, plan: Plan, stage: int) -> float:
-    """ops_mb(stage): forward, backward and recomputed forward ops of one micro-batch on pipeline rank `stage`."""
-    layer = lambda i: layer_forward_ops(counts, plan, i)  # noqa: E731
-    fwd = _stage_forward(counts["fwd_embed"], counts["fwd_head"], layer, spec, plan, stage)
-    return fwd * (1.0 + counts["bwd_over_fwd"]) + _stage_recompute(layer, spec, plan, stage)
+    """ops_mb(stage): forward, backward and recomputed forward ops of one micro-batch on pipeline rank `stage`, the
+    expert-parallel dispatch path's (ep_dispatch_ops) included."""
+    return sum(amounts[stage] for amounts in _stage_amounts(*_op_inputs(counts, spec, plan)))
 
 
 def optimizer_ops(counts: dict, spec: ModelSpec, plan: Plan, stage: int) -> float:
@@ -157,32 +176,54 @@ class HostOps:
     optimizer: float
 
 
-def _per_step(forward: list[float], recomputed: list[float], bwd_over_fwd: float, optimizer: float,
+def _per_step(forward: list[float], recomputed: list[float], backward: list[float], optimizer: float,
               plan: Plan) -> HostOps:
-    """Rank 0's own amounts of a step and the extra ones on the pipeline's critical path, from each stage's forward
-    and recomputed amounts per micro-batch (see the module docstring)."""
+    """Rank 0's own amounts of a step and the extra ones on the pipeline's critical path, from each stage's forward,
+    recomputed and backward amounts per micro-batch (see the module docstring)."""
     p, m = plan.parallel.pipeline, plan.microbatches
-    own_f, own_b = m * (forward[0] + recomputed[0]), m * forward[0] * bwd_over_fwd
+    own_f, own_b = m * (forward[0] + recomputed[0]), m * backward[0]
     if p == 1:
         return HostOps(forward=own_f, backward=own_b, bubble_forward=0.0, bubble_backward=0.0, optimizer=optimizer)
-    heavy = max(range(p), key=lambda s: forward[s] * (1.0 + bwd_over_fwd) + recomputed[s])
-    crit_f, crit_b = (m + p - 1) * (forward[heavy] + recomputed[heavy]), (m + p - 1) * forward[heavy] * bwd_over_fwd
+    heavy = max(range(p), key=lambda s: forward[s] + backward[s] + recomputed[s])
+    crit_f, crit_b = (m + p - 1) * (forward[heavy] + recomputed[heavy]), (m + p - 1) * backward[heavy]
     return HostOps(forward=own_f, backward=own_b, bubble_forward=crit_f - own_f, bubble_backward=crit_b - own_b,
                    optimizer=optimizer)
 
 
-def _step_amounts(embed: float, head: float, layer, bwd_over_fwd: float, optimizer: float, spec: ModelSpec,
-                  plan: Plan) -> HostOps:
-    """Per-step amounts (ops or bytes) on rank 0 from the ends' and each layer's forward amount per micro-batch."""
+def _stage_amounts(embed: float, head: float, layer, bwd_over_fwd: float, spec: ModelSpec, plan: Plan,
+                   extra=None) -> tuple[list[float], list[float], list[float]]:
+    """Each pipeline rank's forward, recomputed and backward amounts (ops or bytes) per micro-batch, from the ends'
+    and each layer's forward amount; extra(i): layer i's (forward, backward) amounts outside that ratio
+    (ep_dispatch_ops), rerun by a full recomputation (the whole block), not by a selective one (attention only)."""
     stages = range(plan.parallel.pipeline)
     forward = [_stage_forward(embed, head, layer, spec, plan, s) for s in stages]
     recomputed = [_stage_recompute(layer, spec, plan, s) for s in stages]
-    return _per_step(forward, recomputed, bwd_over_fwd, optimizer, plan)
+    backward = [f * bwd_over_fwd for f in forward]
+    if extra is not None:
+        for s in stages:
+            f, b = (sum(x) for x in zip((0.0, 0.0), *(extra(i) for i in plan.rank_layers(spec, s))))
+            forward[s] += f
+            backward[s] += b
+            recomputed[s] += f if plan.recompute == "full" else 0.0
+    return forward, recomputed, backward
+
+
+def _step_amounts(embed: float, head: float, layer, bwd_over_fwd: float, optimizer: float, spec: ModelSpec,
+                  plan: Plan) -> HostOps:
+    """Per-step amounts (ops or bytes) on rank 0 (_stage_amounts' per micro-batch, over the step)."""
+    forward, recomputed, backward = _stage_amounts(embed, head, layer, bwd_over_fwd, spec, plan)
+    return _per_step(forward, recomputed, backward, optimizer, plan)
+
+
+def _op_inputs(counts: dict, spec: ModelSpec, plan: Plan) -> tuple:
+    """_stage_amounts' arguments for the counted ops."""
+    return (counts["fwd_embed"], counts["fwd_head"], lambda i: layer_forward_ops(counts, plan, i),
+            counts["bwd_over_fwd"], spec, plan, lambda i: ep_dispatch_ops(counts, spec, plan, i))
 
 
 def host_ops(counts: dict, spec: ModelSpec, plan: Plan) -> HostOps:
-    return _step_amounts(counts["fwd_embed"], counts["fwd_head"], lambda i: layer_forward_ops(counts, plan, i),
-                         counts["bwd_over_fwd"], optimizer_ops(counts, spec, plan, 0), spec, plan)
+    forward, recomputed, backward = _stage_amounts(*_op_inputs(counts, spec, plan))
+    return _per_step(forward, recomputed, backward, optimizer_ops(counts, spec, plan, 0), plan)
 
 
 # ------------------------------------------------------------------------------------------ eager memory traffic
@@ -251,11 +292,13 @@ class HostCosts:
         """A forward's host ops and eager bytes; `share` of them for a recomputation (recompute_share)."""
         return share * (forward_ops * self.times.forward + eager_bytes_time(forward_bytes, self.topo))
 
-    def backward_s(self, forward_ops: float, kind: str, forward_bytes: float = 0.0) -> float:
+    def backward_s(self, forward_ops: float, kind: str, forward_bytes: float = 0.0, backward_ops: float = 0.0) -> float:
+        """A backward's host ops (bwd_over_fwd x `forward_ops`, plus `backward_ops` counted as they are:
+        ep_dispatch_ops) and eager bytes; half of them for a B or a W."""
         if not self.counts:
             return 0.0
         share = 1.0 if kind == "BW" else 0.5
-        ops_s = self.counts["bwd_over_fwd"] * forward_ops * self.times.backward
+        ops_s = (self.counts["bwd_over_fwd"] * forward_ops + backward_ops) * self.times.backward
         ratio = self.bytes.bwd_over_fwd if self.bytes else 0.0
         return share * (ops_s + eager_bytes_time(ratio * forward_bytes, self.topo))
 

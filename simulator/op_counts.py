@@ -2,7 +2,8 @@
 backend import, no subprocess.
 
 `op_counts(spec, optimizer)` returns the counts backend.opcount.count_ops made (framework ops per micro-batch by where
-they run, backward/forward ratio, optimizer ops). Op counts depend on the model's structure, not on its widths, so
+they run, backward/forward ratio, optimizer ops, the expert-parallel dispatch path's own ops per MoE layer and capacity
+mode's: DISPATCH_KEYS). Op counts depend on the model's structure, not on its widths, so
 they are counted on the spec's structural twin (`structural_twin`: the same layers, attention pattern, experts,
 shared experts and features, every width shrunk to a few units while keeping the branches the backend takes) and
 stored under a key (`cache_key`): a hash of the twin's data (rackcast.strict.to_data, less name, family and
@@ -51,7 +52,9 @@ TABLE_PATH = Path(__file__).with_name("op_counts.json")
 TABLE_MODELS = ("tiny-dense", "tiny-moe", "tiny-moe-dense0")
 CACHE_ENV = "RACKCAST_CACHE"
 CACHE_SUBDIR = "op-counts"
-KEYS = ("fwd_embed", "fwd_layers", "fwd_experts", "fwd_head", "bwd_over_fwd", "optimizer_ops")
+# backend.opcount.count_ep_dispatch's: the expert-parallel dispatch path's own ops per MoE layer, capacity mode's
+DISPATCH_KEYS = ("ep_fwd", "ep_bwd", "capacity_fwd", "capacity_bwd")
+KEYS = ("fwd_embed", "fwd_layers", "fwd_experts", "fwd_head", "bwd_over_fwd", "optimizer_ops", *DISPATCH_KEYS)
 UNKEYED = ("name", "family", "description", "recipe")  # labels and the recipe, not structure: not in the key
 COUNT_SEQ = 32  # tokens per counted sequence (backend.opcount): more than any preset's conv kernel, so every lag runs
 GROUPED_MM_ALIGN_BYTES = 16  # torch grouped_mm wants row strides of a multiple of 16 bytes (backend.moe pads others)

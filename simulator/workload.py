@@ -11,14 +11,13 @@ each dense GEMM (simulator.gemms) at the efficiency of its own shape, the attent
 efficiency (hardware work: causal, over the window), experts at the grouped-GEMM efficiency of the most loaded rank's
 grouped GEMM in the routing draw (its rows per local expert set the shape, costs.expert_shape), elementwise
 work as the activation bytes written in forward and read in backward, memory-bound; backward = 2 x forward.
-Host per-op overhead (only where the topology's efficiency.host_op_s is measured; simulator.host_overhead's
-model, op counts from simulator.op_counts): each layer's forward runs its ops x host_op_s.forward before its kernels
-(the whole layer's ops whatever ep: host_overhead.layer_forward_ops), its backward bwd_over_fwd times that (split
-evenly between the input- and weight-gradient halves of zero-bubble schedules), its recomputation
-host_overhead.recompute_share of the forward's; the embedding's ops on the stage holding the first chunk, head and
-loss on the stage holding the last; the optimizer's ops (its share of the layers) in its step. With counted eager
-bytes (host_overhead.counted_bytes) each host op also moves its part's bytes (host_overhead.HostCosts), replacing the
-fused elementwise and optimizer-update traffic.
+Host per-op overhead (only where the topology's efficiency.host_op_s is measured; simulator.host_overhead's model
+and HostCosts, op counts from simulator.op_counts): each layer's forward runs its ops (layer_forward_ops, whatever
+ep; plus ep_dispatch_ops' forward in an expert group) x host_op_s.forward before its kernels, its backward
+bwd_over_fwd times the layer's (plus ep_dispatch_ops' backward; split evenly between the halves of zero-bubble
+schedules), its recomputation recompute_share of the forward's; the embedding's ops on the first chunk's stage, head
+and loss on the last's; the optimizer's (its share of the layers) in its step. With counted eager bytes
+(counted_bytes) each host op also moves its part's bytes, replacing the fused elementwise and update traffic.
 
 Ops are the records of simulator.ops (Compute, Host, Start, Wait, Reduce, Memory; each documented there), run by
 simulator.step. Expert all-to-all token counts come from simulator.routing (see ExpertLoads).
@@ -37,7 +36,7 @@ from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs
 from rackcast.simulator.gemms import MLP_PARTS, embed_gemms, gemms_seconds, layer_gemms, tail_seconds
-from rackcast.simulator.host_overhead import host_costs, layer_forward_ops, recompute_share
+from rackcast.simulator.host_overhead import ep_dispatch_ops, host_costs, layer_forward_ops, recompute_share
 from rackcast.simulator.activations import mtp_activation_bytes_per_token
 from rackcast.simulator.memory import (BYTES, attention_core_bytes_per_token, layer_activation_bytes_per_token,
                                        rank_params, static_bytes)
@@ -67,6 +66,7 @@ class LayerWork:
     core_bytes: float  # the part selective recomputation does not keep
     kept_bytes: float  # full recomputation keeps only the layer input
     host_ops: float = 0.0  # the layer's framework ops in forward, 0 without measured host_op_s
+    ep_ops: tuple[float, float] = (0.0, 0.0)  # the expert-parallel dispatch path's (forward, backward) ops
     host_bytes: float = 0.0  # the layer's counted eager bytes in forward, 0 where not counted
 
 
@@ -144,6 +144,7 @@ class Workload:
             act_bytes=act, core_bytes=attention_core_bytes_per_token(spec, i, plan) * self.tokens_mb,
             kept_bytes=BYTES["bf16"] * spec.d_model / sp * self.tokens_mb,
             host_ops=layer_forward_ops(self.counts, plan, i) if self.counts else 0.0,
+            ep_ops=ep_dispatch_ops(self.counts, spec, plan, i) if self.counts else (0.0, 0.0),
             host_bytes=self.bytes.layers[i] if self.bytes else 0.0)
 
     # ------------------------------------------------------------------------------------------------ stages
@@ -213,7 +214,7 @@ class Workload:
         ops: list = []
         attn_s = lw.attn_s + (0.0 if recompute else lw.elem_s / 2)
         if lw.host_ops > 0.0:  # the trainer's recomputation (backend.recompute) reruns the whole block's ops
-            ops.append(Host(pre + "host ops", self.host_costs.forward_s(lw.host_ops, lw.host_bytes)))
+            ops.append(Host(pre + "host ops", self.host_costs.forward_s(lw.host_ops + lw.ep_ops[0], lw.host_bytes)))
         if par.context > 1:  # the trainer's K/V exchange blocks before the attention that reads it
             ops += [Start(key + "cp", self._cp_comm(lw)), Wait(key + "cp", "exposed_tensor_comm")]
         ops.append(Compute(pre + "attention", attn_s))
@@ -236,7 +237,7 @@ class Workload:
     def layer_backward(self, lw: LayerWork, mb: int | None, key: str, kind: str) -> list:
         """Ops of one layer's backward: kind "BW" (input and weight gradients), "B" (inputs) or "W" (weights); mb as
         in layer_forward."""
-        host = [Host("backward host ops", self.host_costs.backward_s(lw.host_ops, kind, lw.host_bytes))] \
+        host = [Host("backward host ops", self.host_costs.backward_s(lw.host_ops, kind, lw.host_bytes, lw.ep_ops[1]))] \
             if lw.host_ops else []
         if kind == "W":
             return host + [_per_mb(partial(self._weight_grads, lw), mb)]
@@ -448,8 +449,7 @@ class ExpertLoads:
             if balanced is not None:
                 rows = balanced.reshape(size + (ep, moe.experts // ep)).sum(axis=-1)
             else:
-                rows = rng.multinomial(tokens * moe.top_k, rank_probs / rank_probs.sum(),
-                                       size=size).astype(np.float64)
+                rows = rng.multinomial(tokens * moe.top_k, rank_probs / rank_probs.sum(), size=size).astype(np.float64)
             self.drop_fraction = 0.0
         # rows[mb, layer, src, dst]: rows source rank src sends to rank dst of the group (each of a block's
         # expert_tensor ranks receives the block's rows)

@@ -28,7 +28,8 @@ from conftest import PLANS
 # fails): the overhead is then most of a tiny plan's step.
 T = HostOpTimes(forward=1e-5, backward=6e-6, optimizer=4e-6)
 COUNTS = {"fwd_embed": 20, "fwd_layers": [300, 300, 300, 280], "fwd_experts": [80, 80, 80, 80], "fwd_head": 40,
-          "bwd_over_fwd": 2.0, "optimizer_ops": 4000}
+          "bwd_over_fwd": 2.0, "optimizer_ops": 4000, "ep_fwd": 30, "ep_bwd": 10,
+          "capacity_fwd": 7, "capacity_bwd": 3}
 
 
 def _t_op(topo, t: HostOpTimes):
@@ -50,7 +51,8 @@ def test_host_overhead_follows_the_layout():
     spec = one.model_spec()
     full = (20 + 1180 + 40) * 3
     assert ops_per_microbatch(COUNTS, spec, one, 0) == full
-    assert ops_per_microbatch(COUNTS, spec, ep, 0) == full  # grouped GEMMs: the same ops for half the experts
+    # grouped GEMMs: the same layer ops for half the experts, plus the dispatch path's own in each MoE layer
+    assert ops_per_microbatch(COUNTS, spec, ep, 0) == full + sum(map(spec.is_moe, range(spec.layers))) * (30 + 10)
     assert ops_per_microbatch(COUNTS, spec, pp, 0) == (20 + 600) * 3
     assert ops_per_microbatch(COUNTS, spec, pp, 1) == (580 + 40) * 3
     o = host_overhead(COUNTS, spec, pp, T)
@@ -109,6 +111,39 @@ def test_recomputation_reruns_its_share_of_each_layers_forward_host_ops(run, rec
 
     rerun = m * sum(ops * s for ops, s in zip(tiny_counts["fwd_layers"], share)) * T.forward
     assert overhead(plan) - overhead(replace(plan, recompute="none")) == pytest.approx(rerun, rel=1e-9)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("run", [estimate, simulate], ids=["estimate", "simulate"])
+def test_expert_parallel_adds_its_dispatch_ops_per_moe_layer_and_microbatch(run, recompute, tiny_counts,
+                                                                            monkeypatch):
+    """The dispatch path's counted ops (ep_fwd, ep_bwd) x host_op_s x MoE layers x micro-batches on a DP2 x EP2 plan
+    (the forward's again under full recomputation, which reruns the block), capacity mode's (capacity_fwd,
+    capacity_bwd) on top at any ep; nothing on dropless plans without an expert group."""
+    def step(plan, counts):
+        monkeypatch.setattr(oc, "op_counts", lambda spec, optimizer: {**counts, "model": spec.name})
+        return run(plan, topo=_t_op(plan.topology_spec(), T)).step_time_s
+
+    c = {**tiny_counts, "capacity_bwd": 3}  # tiny-moe's capacity cut has no backward op of its own: priced anyway
+    unpriced = {**c, "ep_fwd": 0, "ep_bwd": 0, "capacity_fwd": 0, "capacity_bwd": 0}
+    reruns = 2 if recompute == "full" else 1
+
+    def added(plan, keys):
+        spec = plan.model_spec()
+        return plan.microbatches * sum(map(spec.is_moe, range(spec.layers))) * sum(
+            reruns * c[f"{k}_fwd"] * T.forward + c[f"{k}_bwd"] * T.backward for k in keys)
+
+    ep = replace(load_plan(str(PLANS / "tiny-2proc-ep.yaml")), recompute=recompute)
+    assert ep.parallel.expert == 2 and c["ep_fwd"] > 0 and c["ep_bwd"] > 0 and c["capacity_fwd"] > 0
+    assert step(ep, c) - step(ep, unpriced) == pytest.approx(added(ep, ["ep"]), rel=1e-9)
+    capacity = replace(ep.expert_transport, mode="capacity")
+    for plan, keys in ((replace(ep, expert_transport=capacity), ["ep", "capacity"]),
+                       (replace(load_plan(str(PLANS / "tiny-1proc.yaml")), recompute=recompute,
+                                expert_transport=capacity), ["capacity"])):
+        assert step(plan, c) - step(plan, unpriced) == pytest.approx(added(plan, keys), rel=1e-9)
+    for name in ("tiny-1proc.yaml", "tiny-2proc-pp.yaml"):
+        plan = replace(load_plan(str(PLANS / name)), recompute=recompute)
+        assert step(plan, c) == step(plan, unpriced)
 
 
 def test_zero_overhead_changes_nothing_and_counts_nothing(monkeypatch):

@@ -164,3 +164,27 @@ def test_the_packaged_table_matches_a_fresh_count(name, optimizer):
     packed = oc._table()[oc.cache_key(spec, optimizer)]
     drop = ("model", "torch")
     assert {k: v for k, v in packed.items() if k not in drop} == {k: v for k, v in fresh.items() if k not in drop}
+
+
+def test_the_expert_parallel_path_adds_the_same_ops_at_any_expert_degree_and_local_experts():
+    """backend.opcount.count_ep_dispatch on the real ExpertParallelMoE (collectives looped back): the ops it adds
+    over the one-process MoE do not depend on ep (2, 4, 8: 4, 2, 1 local experts) nor on the tokens, nor capacity
+    mode's (ep 1 too), so the table stores one forward and one backward count of each per model (count_ops:
+    simulator.op_counts.DISPATCH_KEYS); a dense model adds none."""
+    import torch.distributed as dist
+
+    from rackcast.backend.opcount import count_ep_dispatch
+
+    real = dist.all_to_all_single
+    spec = oc.structural_twin(load_model("tiny-moe"))
+    counts = {(ep, tokens): count_ep_dispatch(spec, ep, tokens) for ep in (2, 4, 8) for tokens in (32, 64)}
+    assert dist.all_to_all_single is real  # the loopback is gone after the count
+    first = counts[2, 32]
+    assert first["ep_fwd"] > 0 and first["ep_bwd"] > 0 and first["capacity_fwd"] > 0
+    assert all(c == first for c in counts.values())
+    one = count_ep_dispatch(spec, 1, 32)
+    assert one == {**first, "ep_fwd": 0, "ep_bwd": 0}  # ep 1: the capacity cut alone
+    counted = count_ops(spec, "muonh")
+    assert {k: counted[k] for k in oc.DISPATCH_KEYS} == first
+    dense = count_ops(load_model("tiny-dense"), "muonh")
+    assert {k: dense[k] for k in oc.DISPATCH_KEYS} == dict.fromkeys(oc.DISPATCH_KEYS, 0)
