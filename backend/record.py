@@ -5,9 +5,10 @@ Files in the run folder:
   step_time_s, tokens_per_s, mfu, step_cpu_s (the step's process CPU time, time.process_time, all threads) and
   core_share (step_cpu_s / step_time_s: below 1 the process waited for a core on a shared machine, above 1 it ran
   more than one thread), probe_s (backend.speed_probe: the reference kernel's seconds, timed by every rank just
-  before the step, outside its timing; mean over ranks) and probe_slowest_s (the slowest rank's), phase_<name>_s for every simulator phase (rackcast.vocab.MEASURED_PHASES:
-  the simulator's phases plus "other"), peak_memory_bytes (largest over ranks so far; NaN on CPU until the measured step), peak_rss_bytes,
-  memory_profiled (the step whose memory the profiler measured, slowed down by it), drop_fraction, plan_hash
+  before the step, outside its timing; mean over ranks; NaN off the CPU) and probe_slowest_s (the slowest rank's),
+  phase_<name>_s for every simulator phase (rackcast.vocab.MEASURED_PHASES: the simulator's phases plus "other"),
+  peak_memory_bytes (largest over ranks so far; NaN on CPU until the measured step), peak_rss_bytes, memory_profiled
+  (the step whose memory the profiler measured, slowed down by it), drop_fraction, plan_hash
   (rackcast.plan.inputs_hash). step_time_s and the phases are means over ranks; slowest_rank is the rank whose step
   took longest, step_time_slowest_s its step time and phase_<name>_slowest_s its phases (the critical path).
 - record.json: the summary: plan, plan_hash, layout, device, steps, tokens_per_step, and the medians over steps after

@@ -108,7 +108,7 @@ class Trainer:
         self.layout = lay = Layout.of(self.plan, self.rank)
         self.groups = Groups(lay, self.device) if self.world > 1 else None
         self.timer = PhaseTimer(self.cuda)
-        self.probe = speed_probe.SpeedProbe(self.device)
+        self.probe = speed_probe.SpeedProbe(self.device, dist.barrier if self.world > 1 else None)
         self.spec = spec = self.plan.model_spec()
         self.out = Path(args.out)
         self.plan_hash = inputs_hash(self.plan)

@@ -132,8 +132,9 @@ def leave_one_out_error(values) -> float:
     errors = []
     for i, x in enumerate(v):
         centre = statistics.median(v[:i] + v[i + 1:])
-        errors.append(abs(x - centre) / centre)
-    return statistics.fmean(errors)
+        errors.append(abs(x - centre) / centre if centre else math.nan)
+    finite = [e for e in errors if not math.isnan(e)]
+    return statistics.fmean(finite) if finite else math.nan
 
 
 def slowdown(probe_s: float | None, calibrated_probe_s: float | None) -> float:

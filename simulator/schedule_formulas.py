@@ -90,10 +90,12 @@ def bubble_coefficients(
 def pacing_coefficients(name: str, stages: int, microbatches: int, virtual: int = 1) -> tuple[int, int]:
     """(forward, backward) multipliers of the first round's and the cool-down's pacing (module docstring: ranks whose
     chunks differ in cost): p-1 each way for interleaved 1F1B, p-1 forward only for ZB-H1 (its cool-down splits
-    the backward and fills the drain with weight gradients); 0 for the other schedules."""
+    the backward and fills the drain with weight gradients); 0 for the other schedules and for one chunk per rank
+    (v = 1: the derivation needs v >= 2, and there the first chunk is the whole stage, which the uniform form
+    prices)."""
     _check_covered(name, stages, microbatches, virtual)
     k = stages - 1
-    if name not in INTERLEAVED_SCHEDULES:
+    if name not in INTERLEAVED_SCHEDULES or virtual < 2:
         return 0, 0
     return (k, k) if name == "interleaved_1f1b" else (k, 0)
 

@@ -164,7 +164,8 @@ def stage_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology, per
     others = (np.arange(width) < _col(per_plan["pipeline"])) & (np.arange(width) != heavy)
     n_others = np.maximum(others.sum(axis=-1), 1)[..., None]
     features = _picked("", stage, gemm_flops, spec, heavy) | _mean("o_", stage, gemm_flops, spec, others / n_others)
-    paced = np.isin(plan.schedule, tuple(INTERLEAVED_SCHEDULES))
+    # paced at two or more chunks per rank only (schedule_formulas.pacing_coefficients)
+    paced = np.isin(plan.schedule, tuple(INTERLEAVED_SCHEDULES)) & (np.asarray(plan.parallel.virtual) >= 2)
     rows = np.flatnonzero(paced) if is_arrays(plan) else None
     if not np.any(paced):
         return features | {p + k: 0.0 for p in FIRST_CHUNK_PREFIXES for k in STAGE_KEYS} | {"paced": paced}

@@ -71,7 +71,6 @@ def test_zb_h1_bubble_with_unequal_split_matches_paper_form():
     assert all(idle == pytest.approx(3 * (3.0 + 2.0 - 1.0)) for idle in res.idle_s)
 
 
-
 @pytest.mark.parametrize("stages,microbatches", SHAPES)
 @pytest.mark.parametrize("virtual", [2, 4])
 def test_interleaved_bubble_with_heavier_end_chunks_matches_the_paced_form(stages, microbatches, virtual):

@@ -183,7 +183,8 @@ class PlanResult:
 
     @property
     def machine_slowdown(self) -> float:
-        """The median over repeats of the runs' slowdowns (the plan's figure is the median run's); NaN unknown."""
+        """The median over repeats of the runs' slowdowns, as the plan's figure is the median of its runs' figures
+        (the two medians may come from different runs); NaN where unknown."""
         return spread_of(self.run_slowdowns).centre
 
     @property
