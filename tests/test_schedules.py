@@ -369,3 +369,12 @@ def test_simulator_schedules_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_pacing_is_only_for_two_or_more_chunks_per_rank():
+    # the first-chunk pacing's derivation needs v >= 2 (schedule_formulas docstring); at v = 1 the first chunk is the
+    # whole stage, priced by the uniform form
+    for name in ("interleaved_1f1b", "zb_h1"):
+        assert formulas.pacing_coefficients(name, 4, 8, 1) == (0, 0)
+    assert formulas.pacing_coefficients("interleaved_1f1b", 4, 8, 2) == (3, 3)
+    assert formulas.pacing_coefficients("zb_h1", 4, 8, 2) == (3, 0)
