@@ -37,11 +37,12 @@ SPREAD_LIMIT = 0.15
 # A CPU run whose steps got less than this share of a core per process (process CPU time / wall time, record.json's
 # core_share) spent the rest waiting for a core: its wall times measure the machine's other load as much as the run.
 CORE_SHARE_FLOOR = 0.8
-# A run whose speed probe (backend.speed_probe, at the steps its figure comes from) took more than this much longer
-# than the calibration's ran on a slower machine than the one the prediction describes: on this 2-vCPU VM the host
+# A run whose speed probe (backend.speed_probe, at the steps its figure comes from) differs by more than this share,
+# either way, from the calibration's ran on another machine than the one the prediction describes (slower: the
+# prediction is too fast; faster, e.g. a calibration taken in a slow spell: too slow): on this 2-vCPU VM the host
 # moves the vCPUs' speed by 10-40% for minutes at a time, invisibly to the guest (core_share 1.00, no steal), and the
 # calibration's own probe samples vary by a few percent, so 10% is past that noise and below the 15% scoring target.
-SLOW_MACHINE_LIMIT = 0.10
+MACHINE_MISMATCH_LIMIT = 0.10
 # The share of a run's steady steps whose mean is its measured figure (`fastest`): a fifth (four of 19 steps, one of
 # seven) keeps a few steps against one lucky one, and leaves out the steps a shared machine slowed down.
 FASTEST_SHARE = 0.2

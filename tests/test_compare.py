@@ -113,7 +113,7 @@ def test_validate_suite_plans_and_summary(tmp_path):
     assert s["memory_mape"] == pytest.approx(0.5) and s["memory_max_abs_error"] == pytest.approx(0.5)
 
 
-def test_validate_summary_lists_slow_machine_plans_and_scores_the_matched_ones_apart():
+def test_validate_summary_lists_plans_on_a_slower_or_faster_machine_and_scores_the_matched_ones_apart():
     from rackcast.cli.validate import machine_line
     from rackcast.validation.validate import PlanResult, machine_check, matched_summaries
 
@@ -124,11 +124,13 @@ def test_validate_summary_lists_slow_machine_plans_and_scores_the_matched_ones_a
     results = [result("fast", 1.0, 1.1, [0.01, 0.02]), result("slow", 2.0, 1.0, [0.3, 0.25]),
                result("same", 3.0, 3.0, [-0.02])]
     s = machine_check(results, 2e-3)
-    assert s["slow_machine_plans"] == ["slow"] and s["machine_slowdown"]["slow"] == pytest.approx(0.275)
+    assert s["machine_mismatch_plans"] == ["slow"] and s["machine_slowdown"]["slow"] == pytest.approx(0.275)
     [matched] = matched_summaries(results)
     assert matched["profile"] == "sim (machine-matched plans)" and matched["plans"] == 2
     assert matched["step_mape"] == pytest.approx(0.1 / 2)  # fast's 10% and same's 0%; slow's 50% left out
-    assert "slow ran on a machine slower than calibrated" in machine_line(s)
+    assert "slow ran on a machine more than 10.0% slower than calibrated" in machine_line(s)
+    quicker = machine_check(results[:1] + [result("quick", 2.0, 3.0, [-0.3])], 2e-3)  # a calibration in a slow spell
+    assert quicker["machine_mismatch_plans"] == ["quick"] and "more than 10.0% faster" in machine_line(quicker)
     assert matched_summaries(results[::2]) == []  # every machine matched: the rows over all plans say it
     assert machine_line(machine_check(results[::2], 2e-3)).startswith("machine speed: every plan ran within")
     assert "not checked" in machine_line(machine_check(results, 0.0))

@@ -216,8 +216,8 @@ def test_slowdown_is_the_probes_ratio_less_one_and_unknown_without_either_probe(
     assert all(math.isnan(slowdown(p, c)) for p, c in ((None, 2e-3), (2e-3, 0.0), (float("nan"), 2e-3)))
 
 
-def test_validate_flags_a_plan_whose_median_run_had_a_slower_machine_than_calibrated():
-    from rackcast.spread import SLOW_MACHINE_LIMIT
+def test_validate_flags_a_plan_whose_median_run_had_a_slower_or_faster_machine_than_calibrated():
+    from rackcast.spread import MACHINE_MISMATCH_LIMIT
     from rackcast.validation.validate import plan_result
 
     def record(probe):
@@ -225,10 +225,12 @@ def test_validate_flags_a_plan_whose_median_run_had_a_slower_machine_than_calibr
         return {"peak_memory_bytes": 1.0, "fastest": fast if probe is None else dict(fast, probe_s=probe)}
 
     calibrated = 2.0e-3
-    slow = calibrated * (1 + 2 * SLOW_MACHINE_LIMIT)
+    slow = calibrated * (1 + 2 * MACHINE_MISMATCH_LIMIT)
     one_slow = plan_result("p", "", [record(calibrated), record(slow), record(calibrated)], calibrated)
-    assert one_slow.run_slowdowns[1] == pytest.approx(2 * SLOW_MACHINE_LIMIT) and not one_slow.slow_machine
+    assert one_slow.run_slowdowns[1] == pytest.approx(2 * MACHINE_MISMATCH_LIMIT) and not one_slow.machine_mismatch
     two_slow = plan_result("p", "", [record(slow), record(slow), record(calibrated)], calibrated)
-    assert two_slow.machine_slowdown == pytest.approx(2 * SLOW_MACHINE_LIMIT) and two_slow.slow_machine
-    assert not plan_result("p", "", [record(slow)], 0.0).slow_machine  # not calibrated: not checked
-    assert not plan_result("p", "", [record(None)], calibrated).slow_machine  # no probe recorded: not checked
+    assert two_slow.machine_slowdown == pytest.approx(2 * MACHINE_MISMATCH_LIMIT) and two_slow.machine_mismatch
+    fast = calibrated * (1 - 2 * MACHINE_MISMATCH_LIMIT)
+    assert plan_result("p", "", [record(fast)], calibrated).machine_mismatch  # a calibration in a slow spell
+    assert not plan_result("p", "", [record(slow)], 0.0).machine_mismatch  # not calibrated: not checked
+    assert not plan_result("p", "", [record(None)], calibrated).machine_mismatch  # no probe recorded: not checked

@@ -158,7 +158,7 @@ class EfficiencyProfile:
     # 1: an eager op's tensors are often resident in cache, where they move faster than the out-of-cache copy.
     eager_bandwidth: Annotated[float, Range(0, EAGER_BANDWIDTH_MAX, above=True)] = 1.0
     # Seconds of the machine-speed probe (backend.speed_probe) when `rackcast calibrate` measured this machine, all
-    # ranks at once: validate sets each training run's probe beside it (rackcast.spread.SLOW_MACHINE_LIMIT); zero
+    # ranks at once: validate sets each training run's probe beside it (rackcast.spread.MACHINE_MISMATCH_LIMIT); zero
     # where not measured (presets, calibrations from before the probe).
     speed_probe_s: Annotated[float, Range(0, 1)] = 0.0
     # measured efficiency by FLOPs of one GEMM (size) / of one expert's GEMM in a grouped GEMM; empty: shape model

@@ -28,9 +28,10 @@ the range over repeats, and within a run the figure's difference between its eve
 plan whose spread exceeds rackcast.spread.SPREAD_LIMIT is flagged too noisy to score, and the summary says whether
 the suite could be scored (`noisy_plans`, `scorable`): a MAPE taken over noisy measurements measures the machine,
 not the model. Each run also measured the machine's speed (backend.speed_probe, at its figure's steps): a plan whose
-median run's probe is more than rackcast.spread.SLOW_MACHINE_LIMIT slower than the calibrated topology's
-(`efficiency.speed_probe_s`) ran on a slower machine than the prediction describes (`slow_machine_plans`); it stays in
-the MAPE over all plans, and the unfitted figures are given again over the machine-matched plans.
+median run's probe differs by more than rackcast.spread.MACHINE_MISMATCH_LIMIT, either way, from the calibrated
+topology's (`efficiency.speed_probe_s`) ran on another machine than the prediction describes
+(`machine_mismatch_plans`); it stays in the MAPE over all plans, and the unfitted figures are given again over the
+machine-matched plans.
 
 Predictions: the simulator (simulator.step.simulate) with the calibrated topology less its host per-op overhead
 ("microbenchmarks"); with the calibrated topology as it is, which includes the overhead (simulator.host_overhead:
@@ -64,7 +65,7 @@ from rackcast.backend.launch import torchrun_command, worker_env
 from rackcast.backend.record import measured_figure, with_fastest
 from rackcast.errors import RackcastError
 from rackcast.plan import load_plan
-from rackcast.spread import (FASTEST_SHARE, SLOW_MACHINE_LIMIT, SPREAD_LIMIT, leave_one_out_error, slowdown,
+from rackcast.spread import (FASTEST_SHARE, MACHINE_MISMATCH_LIMIT, SPREAD_LIMIT, leave_one_out_error, slowdown,
                              spread_of)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,9 +189,10 @@ class PlanResult:
         return spread_of(self.run_slowdowns).centre
 
     @property
-    def slow_machine(self) -> bool:
-        """Its runs ran on a machine more than rackcast.spread.SLOW_MACHINE_LIMIT slower than the calibrated one."""
-        return self.machine_slowdown > SLOW_MACHINE_LIMIT
+    def machine_mismatch(self) -> bool:
+        """Its runs ran on a machine more than rackcast.spread.MACHINE_MISMATCH_LIMIT slower or faster than the
+        calibrated one (unknown: not a mismatch)."""
+        return abs(self.machine_slowdown) > MACHINE_MISMATCH_LIMIT
 
 
 def plan_result(name: str, plan_path: str, records: list[dict], calibrated_probe_s: float = 0.0) -> PlanResult:
@@ -236,17 +238,17 @@ def summarise(results: list[PlanResult], label: str, held_out: set[str] | None =
 
 def machine_check(results: list[PlanResult], calibrated_probe_s: float) -> dict:
     """The summary's speed-probe check: the calibrated probe, the limit, each plan's machine slowdown, and the plans
-    whose machine was slower than the calibrated one by more than the limit (`slow_machine_plans`)."""
-    return {"calibrated_probe_s": calibrated_probe_s or None, "slow_machine_limit": SLOW_MACHINE_LIMIT,
+    whose machine was slower or faster than the calibrated one by more than the limit (`machine_mismatch_plans`)."""
+    return {"calibrated_probe_s": calibrated_probe_s or None, "machine_mismatch_limit": MACHINE_MISMATCH_LIMIT,
             "machine_slowdown": {r.name: None if math.isnan(r.machine_slowdown) else r.machine_slowdown
                                  for r in results},
-            "slow_machine_plans": [r.name for r in results if r.slow_machine]}
+            "machine_mismatch_plans": [r.name for r in results if r.machine_mismatch]}
 
 
 def matched_summaries(results: list[PlanResult]) -> list[dict]:
     """Each unfitted profile's figures again over the plans whose machine matched the calibrated one, where some plan's
     did not (and some did): the error the model makes on the machine it describes, beside the error over all."""
-    matched = {r.name for r in results if not r.slow_machine}
+    matched = {r.name for r in results if not r.machine_mismatch}
     if len(matched) in (0, len(results)):
         return []
     return [dict(summarise(results, label, matched), profile=f"{label} (machine-matched plans)")
@@ -355,7 +357,7 @@ def _write_results(out_dir: Path, results: list[PlanResult]) -> None:
                              "measured_runs_s": [], "predicted_step_s": [], "step_error": [],
                              "measured_peak_memory_bytes": [], "predicted_peak_memory_bytes": [],
                              "measured_compute_s": [], "predicted_compute_s": [], "repeat_spread": [],
-                             "step_spread": [], "too_noisy": [], "machine_slowdown": [], "slow_machine": []}
+                             "step_spread": [], "too_noisy": [], "machine_slowdown": [], "machine_mismatch": []}
     for r in results:
         for label, p in r.predicted.items():
             cols["plan"].append(r.name)
@@ -373,6 +375,6 @@ def _write_results(out_dir: Path, results: list[PlanResult]) -> None:
             cols["step_spread"].append(r.step_spread)
             cols["too_noisy"].append(r.too_noisy)
             cols["machine_slowdown"].append(r.machine_slowdown)
-            cols["slow_machine"].append(r.slow_machine)
+            cols["machine_mismatch"].append(r.machine_mismatch)
     with atomic_path(out_dir / "results.parquet") as tmp:
         pq.write_table(pa.table(cols), tmp)

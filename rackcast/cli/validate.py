@@ -130,11 +130,15 @@ def machine_line(s: dict) -> str:
     known = {k: v for k, v in s["machine_slowdown"].items() if v is not None}
     if not known:
         return "machine speed: not checked (the runs recorded no speed probe)"
-    worst = max(known, key=known.get)
-    if not s["slow_machine_plans"]:
-        return (f"machine speed: every plan ran within {_pct(s['slow_machine_limit'])} of the calibrated speed probe "
-                f"({s['calibrated_probe_s'] * 1e3:.3g} ms; slowest {worst} {known[worst]:+.1%})")
-    return (f"machine speed: {', '.join(s['slow_machine_plans'])} ran on a machine slower than calibrated (speed "
-            f"probe more than {_pct(s['slow_machine_limit'])} above {s['calibrated_probe_s'] * 1e3:.3g} ms; slowest "
-            f"{worst} {known[worst]:+.1%}): their errors include the machine's; the (machine-matched plans) rows "
-            "score the others")
+    furthest = max(known, key=lambda k: abs(known[k]))
+    limit, probe = _pct(s["machine_mismatch_limit"]), f"{s['calibrated_probe_s'] * 1e3:.3g} ms"
+    if not s["machine_mismatch_plans"]:
+        return (f"machine speed: every plan ran within {limit} of the calibrated speed probe ({probe}; furthest "
+                f"{furthest} {known[furthest]:+.1%})")
+    plans = s["machine_mismatch_plans"]
+    slower = sum(known.get(p, 0.0) > 0 for p in plans)
+    way = "slower" if slower == len(plans) else "faster" if not slower else "slower or faster"
+    return (f"machine speed: {', '.join(plans)} ran on a machine more than {limit} {way} than calibrated (speed "
+            f"probe {probe}; furthest {furthest} {known[furthest]:+.1%}): their errors include the machine's (a "
+            "calibration taken in a slower spell over-predicts, in a faster one under-predicts); the (machine-matched "
+            "plans) rows score the others")
