@@ -3,7 +3,7 @@ and across two racks (32 GPUs in each), uniform and with uneven (all-to-allv) co
 
     .venv/bin/python benchmarks/bench_network.py
 
-Prints flows/s (flows simulated per wall-clock second, start to delivery; "cold" includes computing the routes in a
+Prints the time to build the 11-rack (704-GPU) graph, then flows/s (flows simulated per wall-clock second, start to delivery; "cold" includes computing the routes in a
 fresh Network, "warm" is the median of later repeats), rate solves/s inside the simulation, and the numba kernel
 alone on the full 4032-flow instance (solves/s) against the numpy reference.
 """
@@ -73,6 +73,10 @@ def _kernel(graph, group) -> None:
 def main() -> None:
     rng = np.random.default_rng(0)
     maxmin_rates(np.zeros(1, np.int64), np.zeros(0, np.int64), np.ones(1), np.ones(0))  # load the compiled kernel
+    start = time.perf_counter()
+    big = build_graph(load_topology("gb200-nvl72", domains=11))
+    print(f"build_graph, 11 x GB200 NVL72 ({big.number_of_nodes()} nodes, {big.number_of_edges()} links): "
+          f"{(time.perf_counter() - start) * 1e3:.0f} ms")
     for domains in (1, 2):
         topo = load_topology("gb200-nvl72", domains=domains)
         graph = build_graph(topo)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -157,13 +156,6 @@ def test_gb300_keeps_gb200_fabric_and_differs_in_memory_fp4_and_nic():
     assert gb300.peak_flops("fp4") == 1.5 * gb200.peak_flops("fp4")
     assert gb300.accelerator.hbm_bytes > gb200.accelerator.hbm_bytes
     assert gb300.scale_out.nic_bandwidth_Bps == 2 * gb200.scale_out.nic_bandwidth_Bps
-
-
-def test_704_gpu_graph_builds_in_well_under_a_second():
-    topo = load_topology("gb200-nvl72", domains=11)
-    start = time.perf_counter()
-    build_graph(topo)
-    assert time.perf_counter() - start < 0.5
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
