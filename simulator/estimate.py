@@ -315,6 +315,9 @@ def step_time(f: dict, topo: Topology) -> dict[str, np.ndarray]:
         each = each._replace(layers=each.layers[:, None], ends=each.ends[:, None])  # against (chunk, plan)
         first = _stage_time(_FirstChunks(f, rows), "", topo, slow, each, chunks=1)
         units = {k: tuple(first[u][i] for u in "FBW") for i, k in enumerate(FIRST_CHUNK_PREFIXES)}
+        # the first round runs at the slowest first-chunk forward, the cool-down at the slowest backward: each taken
+        # apart over the first chunk of most compute (x1_) and the embedding's (e1_); B and W from different chunks
+        # can overstate a full backward (B + W) slightly, where x1_ and e1_ differ
         slowest = tuple(np.maximum(a, b) for a, b in zip(units["x1_"], units["e1_"]))
         take = lambda x: np.reshape(x, -1)[rows]  # noqa: E731
         paced_t = paced_bubble_time_s((take(f["bubble_f"]), take(f["bubble_b"]), take(f["bubble_w"])),
