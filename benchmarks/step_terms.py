@@ -22,7 +22,8 @@ calibrated-r5 topology), figures as ranges over the runs:
   (11942 ops, mix 4.71 us/op). Measured unprofiled median 104-144 ms (the machine drifts that much between runs a
   minute apart). (a) GEMM+attention self 37-42 ms: aten::mm 22-24 ms (simulator 14.3), attention core fwd+bwd
   9.5-11 ms (simulator 3.8: the topology's one attention efficiency comes from the 2x8x512x64 shape, 31 GFLOP/s;
-  tiny-moe's 2x4x128x16 runs at about 10), grouped_mm 2.0-2.5, optimizer bmm/baddbmm 3.4-4.5. (b) 34-43 ms (fit;
+  tiny-moe's 2x4x128x16 runs at about 10; F.scaled_dot_product_attention at 2x4x128x16, causal, fwd+bwd, timed
+  alone unprofiled: 683 us a call, 10.9 ms for the step's 16), grouped_mm 2.0-2.5, optimizer bmm/baddbmm 3.4-4.5. (b) 34-43 ms (fit;
   the simulator's 32.5 agrees within the crude byte estimate). (c) residual host 2.4-4.3 us/op over 12516 ops
   actually run (the counted model step has 11942: +4.8%). So the per-op host time at real shapes is NOT larger
   than the 8-token figure; the underpriced term is (a), attention first, then the GEMMs in the step.
