@@ -23,7 +23,8 @@ calibrated-r5 topology), figures as ranges over the runs:
   minute apart). (a) GEMM+attention self 37-42 ms: aten::mm 22-24 ms (simulator 14.3), attention core fwd+bwd
   9.5-11 ms (simulator 3.8: the topology's one attention efficiency comes from the 2x8x512x64 shape, 31 GFLOP/s;
   tiny-moe's 2x4x128x16 runs at about 10; F.scaled_dot_product_attention at 2x4x128x16, causal, fwd+bwd, timed
-  alone unprofiled: 683 us a call, 10.9 ms for the step's 16), grouped_mm 2.0-2.5, optimizer bmm/baddbmm 3.4-4.5. (b) 34-43 ms (fit;
+  alone unprofiled: 683 us a call, 10.9 ms for the step's 16), grouped_mm 2.0-2.5, optimizer bmm/baddbmm 3.4-4.5.
+  (b) 34-43 ms (fit;
   the simulator's 32.5 agrees within the crude byte estimate). (c) residual host 2.4-4.3 us/op over 12516 ops
   actually run (the counted model step has 11942: +4.8%). So the per-op host time at real shapes is NOT larger
   than the 8-token figure; the underpriced term is (a), attention first, then the GEMMs in the step.
@@ -91,7 +92,8 @@ def predicted(plan_path: str, topology: str) -> dict:
     return {"step_s": float(res.step_time_s), "bare_step_s": float(bare.step_time_s), "host_ops_s": ops_s,
             "ops": o.forward + o.backward + o.optimizer, "eager_bytes": bytes_total,
             "eager_s": float(eager_bytes_time(bytes_total, topo)), "comm_s": float(comm),
-            "opt_kernels_s": opt_kernels, "attention_s": attention, "times_us": [t.forward * 1e6, t.backward * 1e6, t.optimizer * 1e6]}
+            "opt_kernels_s": opt_kernels, "attention_s": attention,
+            "times_us": [t.forward * 1e6, t.backward * 1e6, t.optimizer * 1e6]}
 
 
 def _bytes(shapes) -> int:
@@ -145,8 +147,11 @@ def _split(prof) -> dict:
     slope, intercept = np.polyfit(x, y, 1)
     moved = x.sum()
     viewless = [yy for xx, yy in zip(xs, ys) if xx > 0]
-    return {"wall_s": wall, "kinds": kinds, "gemm_calls": gemm_calls, "gemms": {n: [c, round(ms, 2)] for n, (c, ms) in gemms.items()},
-            "framework_top": {f"{n} x{framework_calls[n]}": round(v * 1e3, 2) for n, v in sorted(framework.items(), key=lambda x: -x[1])[:TOP]}, "aten_other_calls": len(ys), "host_per_op_us": intercept * 1e6,
+    top = sorted(framework.items(), key=lambda x: -x[1])[:TOP]
+    return {"wall_s": wall, "kinds": kinds, "gemm_calls": gemm_calls,
+            "gemms": {n: [c, round(ms, 2)] for n, (c, ms) in gemms.items()},
+            "framework_top": {f"{n} x{framework_calls[n]}": round(v * 1e3, 2) for n, v in top},
+            "aten_other_calls": len(ys), "host_per_op_us": intercept * 1e6,
             "fit_bandwidth_GBps": 1 / slope / 1e9 if slope > 0 else float("inf"), "bytes": moved,
             "bytes_s": moved * slope, "median_nonview_us": statistics.median(viewless) * 1e6 if viewless else 0,
             "median_view_us": statistics.median([yy for xx, yy in zip(xs, ys) if xx == 0] or [0]) * 1e6}
@@ -212,12 +217,13 @@ def child(plan: str, out: str, topology: str) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     if rank == 0:
+        Path(out).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(out, "trace.json")))
         calib = {seq: opcount.host_seconds_per_op(seq=seq, samples=5) for seq in CALIB_SEQS}
         result = {"step_wall_s": wall[WARMUP_STEPS:], "load": os.getloadavg(), "profiled": _split(prof),
                   "real_ops": sum(counter.counts.values()), "mm": mm_shapes(prof, topology, plan),
-                  "calib_us": {seq: {k: round(v * 1e6, 2) for k, v in c["host_op_s"].items()} for seq, c in calib.items()}}
-        Path(out).mkdir(parents=True, exist_ok=True)
+                  "calib_us": {seq: {k: round(v * 1e6, 2) for k, v in c["host_op_s"].items()}
+                               for seq, c in calib.items()}}
         Path(out, "step_terms.json").write_text(json.dumps(result, default=str))
 
 
@@ -252,8 +258,9 @@ def main() -> int:
     w = sorted(m["step_wall_s"])
     print(f"measured step wall (rank 0, unprofiled) min {w[0] * 1e3:.1f} median {statistics.median(w) * 1e3:.1f} "
           f"max {w[-1] * 1e3:.1f} ms; profiled step {p['wall_s'] * 1e3:.1f} ms")
-    print(f"  (a) GEMM+attention self {k['gemm_attention'] * 1e3:.1f} ms in {p['gemm_calls']} calls; other aten self {k['other_aten'] * 1e3:.1f} "
-          f"ms over {p['aten_other_calls']} calls = (b) bytes {p['bytes'] / 1e6:.1f} MB at fitted "
+    print(f"  (a) GEMM+attention self {k['gemm_attention'] * 1e3:.1f} ms in {p['gemm_calls']} calls; "
+          f"other aten self {k['other_aten'] * 1e3:.1f} ms over {p['aten_other_calls']} calls = "
+          f"(b) bytes {p['bytes'] / 1e6:.1f} MB at fitted "
           f"{p['fit_bandwidth_GBps']:.1f} GB/s = {p['bytes_s'] * 1e3:.1f} ms + (c) {p['host_per_op_us']:.2f} us/op "
           f"(median call {p['median_nonview_us']:.1f} us, views {p['median_view_us']:.1f} us)")
     print(f"  (c') framework self (Python, autograd, optimizer loop) {k['framework'] * 1e3:.1f} ms; (d) comm self "
