@@ -54,7 +54,7 @@ the analytic terms stand.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from rackcast.layout import ParallelSpec
 from rackcast.modelspec import ModelSpec
@@ -336,9 +336,8 @@ def host_costs(spec: ModelSpec, plan: Plan, topo: Topology) -> HostCosts:
     return HostCosts(counts, eager_bytes(counted, spec, plan) if counted else None, times, topo)
 
 
-HOST_OP_FEATURES = ("op_forward", "op_backward", "op_bubble_forward", "op_bubble_backward", "op_optimizer",
-                    "eager_forward", "eager_backward", "eager_bubble_forward", "eager_bubble_backward",
-                    "eager_optimizer")
+# each HostOps field of the ops ("op_") and of their counted eager bytes ("eager_")
+HOST_OP_FEATURES = tuple(f"{kind}_{f.name}" for kind in ("op", "eager") for f in fields(HostOps))
 
 
 def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, float]:
@@ -349,11 +348,8 @@ def host_op_features(spec: ModelSpec, plan: Plan, topo: Topology) -> dict[str, f
         return dict.fromkeys(HOST_OP_FEATURES, 0.0)
     from rackcast.simulator import op_counts
 
-    o = host_ops(op_counts.op_counts(spec, plan.optimizer.name), spec, plan)
+    ops = host_ops(op_counts.op_counts(spec, plan.optimizer.name), spec, plan)
     counted = counted_bytes(spec, plan, topo)
-    b = host_bytes(eager_bytes(counted, spec, plan), spec, plan) if counted else None
-    return {"op_forward": o.forward, "op_backward": o.backward, "op_bubble_forward": o.bubble_forward,
-            "op_bubble_backward": o.bubble_backward, "op_optimizer": o.optimizer,
-            "eager_forward": b.forward if b else 0.0, "eager_backward": b.backward if b else 0.0,
-            "eager_bubble_forward": b.bubble_forward if b else 0.0,
-            "eager_bubble_backward": b.bubble_backward if b else 0.0, "eager_optimizer": b.optimizer if b else 0.0}
+    moved = host_bytes(eager_bytes(counted, spec, plan), spec, plan) if counted else HostOps(0.0, 0.0, 0.0, 0.0, 0.0)
+    return {f"{kind}_{f.name}": getattr(amounts, f.name) for kind, amounts in (("op", ops), ("eager", moved))
+            for f in fields(HostOps)}
