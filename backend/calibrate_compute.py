@@ -18,8 +18,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from rackcast.backend.attention import banded_attention
 from rackcast.backend.moe import grouped_matmul
 from rackcast.presets import load_model
+from rackcast.simulator.attention_cost import executed_flops
 from rackcast.simulator.op_counts import TABLE_MODELS
 from rackcast.spread import undisturbed
 from rackcast.units import MIB
@@ -80,6 +82,7 @@ def _shapes(device: torch.device, quick: bool) -> dict:
         peak_n = (4096, 8192)
         grouped = ((128, 1024), (8, 1024, 2048)) if quick else ((64, 256, 1024, 4096), (8, 64, 512, 2048, 4096))
         attn = [(1, 16, 2048, 128)] if quick else [(4, 16, 1024, 128), (1, 32, 4096, 128), (1, 16, 8192, 128)]
+        surface = ((64,), (2048,), (1024,), (128,)) if quick else ((16, 64), (2048, 8192), (512, 2048), (128,))
         mem = (1 << 24,) if quick else (1 << 20, 1 << 24, 1 << 28)
         stream = 1 << 28
     else:
@@ -91,10 +94,23 @@ def _shapes(device: torch.device, quick: bool) -> dict:
         peak_n = (512,) if quick else (256, 512, 1024)
         grouped = ((32, 256), (8, 32, 128)) if quick else ((16, 64, 256, 1024), (8, 32, 128, 512))
         attn = [(4, 4, 128, 16)] if quick else [(4, 4, 128, 16), (2, 8, 512, 64), (1, 8, 1024, 64)]
+        # The attention surface's rows (batch x heads), queries, banded keys (windows) and head widths: the tiny
+        # presets' (tests/test_calibrate.py checks the grid brackets them) and one larger value on each axis
+        surface = ((8, 32), (128,), (32,), (16,)) if quick else ((8, 32), (128, 512), (32, 64), (16, 64))
         mem = (1 << 18,) if quick else (1 << 16, 1 << 18, 1 << 22)
         stream = 1 << 22 if quick else 1 << 24  # out of cache: the memory figure, not a cache figure
     return {"gemm_m": gemm_m, "gemm_nk": gemm_nk, "peak_n": peak_n, "grouped": grouped, "attn": attn, "mem": mem,
-            "stream": stream}
+            "stream": stream, "attention_surface": surface}
+
+
+def attention_surface_shapes(device: torch.device, quick: bool) -> list[tuple[str, int, int, int, int]]:
+    """(kind, rows, queries, keys, head_dim) of every call the attention surface measures: causal calls (keys =
+    queries) on the grid rows x queries x head_dim, banded on rows x queries x windows x head_dim (windows shorter
+    than the queries only: a longer one is a causal call, backend.attention)."""
+    rows, queries, windows, dims = _shapes(device, quick)["attention_surface"]
+    causal = [("causal", r, q, q, d) for r in rows for q in queries for d in dims]
+    banded = [("banded", r, q, w, d) for r in rows for q in queries for w in windows for d in dims]
+    return causal + banded if all(w < min(queries) for w in windows) else causal
 
 
 def surface_experts() -> int:
@@ -109,7 +125,7 @@ def task_count(device: torch.device, quick: bool) -> int:
     s = _shapes(device, quick)
     peak = len(s["peak_n"]) * (1 if device.type == "cuda" else 2)
     return (len(s["gemm_m"]) * len(s["gemm_nk"]) ** 2 + peak + len(s["grouped"][0]) * len(s["grouped"][1]) ** 2
-            + len(s["attn"]) + len(s["mem"]) + 2)
+            + len(s["attn"]) + len(attention_surface_shapes(device, quick)) + len(s["mem"]) + 2)
 
 
 def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -> dict:
@@ -122,7 +138,7 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
     dt = compute_dtype(device)
     s = _shapes(device, quick)
     out = {"dtype": str(dt).replace("torch.", ""), "gemm": [], "peak": [], "grouped_gemm": [], "attention": [],
-           "memory": []}
+           "attention_surface": [], "memory": []}
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape, dtype=dt, grad=False):
@@ -181,6 +197,13 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
         out["attention"].append({"batch": b, "heads": h, "seq": seq, "head_dim": d, "train_flops": 3 * fwd,
                                  "seconds": t})
         tick(f"attention {b}x{h}x{seq}x{d}")
+    for kind, rows, queries, keys, d in attention_surface_shapes(device, quick):
+        barrier()
+        t = timer(_attention_call(kind, rows, queries, keys, d, rand))
+        out["attention_surface"].append({"kind": kind, "rows": rows, "queries": queries, "keys": keys, "head_dim": d,
+                                         "train_flops": 3 * executed_flops(kind, rows, queries, keys, d),
+                                         "seconds": t})
+        tick(f"attention {kind} {rows}x{queries}x{keys}x{d}")
     for elems in s["mem"]:
         out["memory"].append(_memory(timer, rand, elems, barrier))
         tick(f"memory {elems * torch.tensor([], dtype=dt).element_size() / MIB:.2f} MiB")
@@ -190,6 +213,23 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
     out["op_overhead"] = _op_overhead(device, quick)
     tick("per-op overhead")
     return out
+
+
+def _attention_call(kind: str, rows: int, queries: int, keys: int, head_dim: int, rand):
+    """Forward and backward of one attention core as the trainer calls it (backend.attention.Attention._attention):
+    q, k, v the [1, rows, queries, head_dim] transposed views of [1, queries, rows, head_dim] projections (the batch
+    folds into rows: the kernels see batch x heads), causal SDPA or banded_attention with a window of `keys`."""
+    q, k, v = (rand(1, queries, rows, head_dim, grad=True) for _ in range(3))
+
+    def call():
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if kind == "causal":
+            y = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        else:
+            y = banded_attention(qt, kt, vt, keys)
+        y.sum().backward()
+
+    return call
 
 
 def _op_overhead(device: torch.device, quick: bool) -> dict:

@@ -6,8 +6,9 @@ copies, collectives, the optimizer step). Every function takes plain numbers or 
 planner can price many layouts at once.
 
 Conventions:
-- hardware work (`HW`): the FLOPs kernels really execute — attention counted causally over its window, the output
-  head included — which prices compute time; model FLOPs (the MFU numerator, simulator.metrics) follow the plan's
+- hardware work (`HW`, simulator.attention_cost): the FLOPs kernels really execute — attention counted causally
+  over its window (a banded call's masked excess added where it is priced), the output head included — which
+  prices compute time; model FLOPs (the MFU numerator, simulator.metrics) follow the plan's
   FlopsConvention instead;
 - compute time = FLOPs / (compute peak x efficiency): the peak of the dtype the plan's matrix products run in
   (compute_peak: bf16, fp32 without autocast, fp8 where the topology lists it), the efficiency a fraction of that
@@ -16,7 +17,9 @@ Conventions:
   x expert width x input width. Where the topology has measured curves (`rackcast calibrate`) the efficiency is
   the measured surface's at the shape (simulator.gemm_surface), else the curve's at one group's FLOPs; otherwise
   the shape model (gemm_seconds): output tiles in waves over the SMs under the kernel-level ceiling, the HBM
-  roofline, the launch floor. Attention cores at the attention fraction; backward = 2 x forward;
+  roofline, the launch floor. Attention cores at the efficiency of their call's kind and shape where the topology
+  has a measured attention surface, else at the attention fraction, on the work their kernel executes
+  (simulator.attention_cost); backward = 2 x forward;
 - memory-bound work (elementwise ops, the optimizer's state update) = bytes / (HBM bandwidth x memory_bound);
   eager ops' counted bytes (simulator.op_bytes), where they replace that term = bytes / (HBM bandwidth x
   eager_bandwidth);
@@ -33,15 +36,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rackcast.modelspec import FlopsConvention, ModelSpec
+from rackcast.modelspec import ModelSpec
 from rackcast.simulator import collective_formulas as formulas
 from rackcast.simulator.activations import BYTES, INDEX_BYTES
+from rackcast.simulator.attention_cost import HW, Core, core_efficiency
 from rackcast.simulator.gemm_surface import surface_efficiency
 from rackcast.topologies import PRESET_DIR
 from rackcast.topologies.spec import Topology
 from rackcast.vocab import PRECISIONS
 
-HW = FlopsConvention(attention="causal", window="window", head=True)  # the work kernels really do
 W_BYTES = BYTES["bf16"]  # activations and gathered weights on the wire
 
 
@@ -336,10 +339,13 @@ def grouped_gemm_time(flops, shape: GemmShape, topo: Topology, precision):
     return flops / (compute_peak(topo, precision) * grouped_gemm_efficiency(shape, topo, precision))
 
 
-def attention_time(flops, topo: Topology, precision):
-    """Attention-core work (scores and values) at the attention fraction of the compute peak of `precision`
-    (unquantised: fp8 plans run it in bf16)."""
-    return flops / (compute_peak(topo, unquantised(precision)) * topo.efficiency.attention)
+def attention_time(flops, topo: Topology, precision, core: Core | None = None):
+    """Attention-core work of `flops` (scores and values, counted in HW) run as calls of `core`'s kind and shape
+    (simulator.attention_cost: the work its kernel executes, core.ratio x flops, at the measured efficiency of that
+    shape, else at the attention fraction) of the compute peak of `precision` (unquantised: fp8 plans run it in
+    bf16). Without `core`: the attention fraction, as counted."""
+    ratio = 1.0 if core is None else core.ratio
+    return flops * ratio / (compute_peak(topo, unquantised(precision)) * core_efficiency(core, topo))
 
 
 def memory_bound_time(nbytes, topo: Topology):

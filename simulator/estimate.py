@@ -44,6 +44,7 @@ import numpy as np
 from rackcast.modelspec import FlopsConvention, ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs, metrics
+from rackcast.simulator.attention_cost import CORE_FIELDS, Core, kind_cores
 from rackcast.simulator.costs import balancing_time, collective_time, group_per_domain, reduction_groups
 from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, rank_shape, shapes_by_name, \
     tail_expert_shape
@@ -56,7 +57,7 @@ from rackcast.simulator.placement import place
 from rackcast.simulator.routing import expected_max_load_factor
 from rackcast.simulator.schedule_formulas import bubble_coefficients, paced_bubble_time_s, pacing_coefficients
 from rackcast.simulator.stage_features import FIRST_CHUNK_PREFIXES, STAGE_KEYS, stage_compute_s, stage_features
-from rackcast.topologies.spec import Topology
+from rackcast.topologies.spec import ATTENTION_KINDS, Topology
 from rackcast.vocab import PHASES, PRECISIONS
 
 def eager_bytes_counted(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> bool:
@@ -87,6 +88,11 @@ def _shapes(f: dict, col=lambda x: x) -> tuple[dict, costs.GemmShape, costs.Gemm
              for name in GEMM_NAMES}
     grouped = (col(f["expert_m"]), col(f["expert_n"]), col(f["expert_k"]), col(f["expert_groups"]))
     return dense, costs.GemmShape(*grouped), costs.GemmShape(col(f["tail_expert_m"]), *grouped[1:])
+
+
+def _cores(f: dict) -> tuple[Core, ...]:
+    """The attention cores of each kind (simulator.attention_cost.kind_cores) of a features dict (plan_features)."""
+    return tuple(Core(kind, *(f[f"core_{kind}_{name}"] for name in CORE_FIELDS)) for kind in ATTENTION_KINDS)
 
 
 def _mean_context_layer_s(spec: ModelSpec, topo: Topology, tokens_mb, tensor, context, across):
@@ -166,6 +172,8 @@ def plan_features(spec: ModelSpec, plan: Plan | PlanArrays, topo: Topology) -> d
         **{f"gemm_{d}:{n}": getattr(dense_shapes[n], d) if n in dense_shapes else 1.0 for n in GEMM_NAMES
            for d in "mnk"},
         "tail_expert_m": tail_grouped.m,
+        **{f"core_{c.kind}_{name}": getattr(c, name) for c in kind_cores(spec, tokens_mb, t, cp)
+           for name in CORE_FIELDS},
         "expert_m": expert_shape.m, "expert_n": expert_shape.n, "expert_k": expert_shape.k,
         "expert_groups": expert_shape.groups,
         "recompute_full": full, "overlap_grad_reduce": float(plan.overlap_grad_reduce),
@@ -217,7 +225,7 @@ def _stage_time(f: dict, pre: str, topo: Topology, slow, rates, chunks=None) -> 
     g = lambda k: f[pre + k]  # noqa: E731
     full = f["recompute_full"]
     fwd, rec, elem, shared = stage_compute_s(g, gemm_seconds(rates, *_stage_gemm_flops(f, pre, rates)),
-                                             *_shapes(f)[1:], full, topo, f["precision"])
+                                             *_shapes(f)[1:], _cores(f), full, topo, f["precision"])
     layers, moe = g("layers"), g("moe_layers")
     tp_one = collective_time(topo, "all_reduce", f["tp_n"], f["tp_bytes"], f["tp_out"], f["tp_pd"])
     tp_t = (4 + 2 * full) * layers * tp_one

@@ -42,6 +42,7 @@ import numpy as np
 
 from rackcast.modelspec import ModelSpec
 from rackcast.simulator import costs
+from rackcast.simulator.attention_cost import layer_core
 
 # Every GEMM name a model can have (layers, then the ends): fixed, so features of different models stack.
 LAYER_GEMMS = ("attn_gated_norm_down", "attn_gated_norm_up", "attn_qkv_local", "attn_qkv_global", "mla_q",
@@ -231,12 +232,13 @@ def tail_expert_shape(spec: ModelSpec, routed_mb, par) -> costs.GemmShape:
 
 def tail_seconds(spec: ModelSpec, tokens_mb: float, routed_mb: float, par, topo, precision: str) -> float:
     """One rank's tail per micro-batch (tail_work), all in costs.unquantised(precision): its GEMMs each at its own
-    shape, the MTP blocks' attention core at the attention efficiency and their routed experts at the grouped-GEMM
+    shape, the MTP blocks' attention core as the last layer's (simulator.attention_cost) and their routed experts at the grouped-GEMM
     efficiency of tail_expert_shape."""
     tail, unq = tail_work(spec), costs.unquantised(precision)
     experts = costs.grouped_gemm_time(tail.experts * routed_mb, tail_expert_shape(spec, routed_mb, par), topo, unq)
     return gemms_seconds(tail.gemms, tokens_mb, par.tensor, topo, unq) + float(experts) + \
-        float(costs.attention_time(tail.attn * tokens_mb / par.tensor, topo, precision))
+        float(costs.attention_time(tail.attn * tokens_mb / par.tensor, topo, precision,
+                                   layer_core(spec, spec.layers - 1, tokens_mb, par.tensor, par.context)))
 
 
 def names_used(spec: ModelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:

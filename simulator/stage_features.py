@@ -18,37 +18,43 @@ import numpy as np
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs
+from rackcast.simulator.attention_cost import kind_cores
 from rackcast.simulator.gemms import GEMM_NAMES, gemm_rates, gemm_seconds, names_used
 from rackcast.simulator.plan_arrays import LAYER_SET, PlanArrays, is_arrays, per_key_table
 from rackcast.simulator.stage_work import stage_work
 from rackcast.topologies.spec import Topology
 from rackcast.vocab import INTERLEAVED_SCHEDULES
 
-STAGE_KEYS = ("attn_flops", "expert_flops", "tail_attn_flops", "tail_expert_flops", "rec_attn_flops",
-              "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes", "fsdp_embed_bytes",
+STAGE_KEYS = ("attn_flops", "band_attn_flops", "expert_flops", "tail_attn_flops", "tail_band_attn_flops",
+              "tail_expert_flops", "rec_attn_flops", "rec_band_attn_flops", "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes", "fsdp_embed_bytes",
               "fsdp_head_bytes", "expert_fsdp_bytes", "mtp_cp_bytes", "mtp_cp_grad_bytes") + \
     tuple("gemm:" + n for n in GEMM_NAMES) + tuple("gemm_end:" + n for n in GEMM_NAMES)  # ... and each GEMM's
 FIRST_CHUNK_PREFIXES = ("h1_", "o1_", "x1_", "e1_")
-_STAGE_ROWS = ("attn", "experts", "tail_attn", "tail_experts", "elem_bytes", "layers", "moe_layers", "dense_params",
+_STAGE_ROWS = ("attn", "band_attn", "experts", "tail_attn", "tail_band_attn", "tail_experts", "elem_bytes", "layers", "moe_layers", "dense_params",
                "expert_params", "first", "last")
 _STAGE_FIELDS = LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor")  # what stage_work reads
 
 
-def stage_compute_s(g, gemm_s: tuple, grouped: costs.GemmShape, tail_grouped: costs.GemmShape, full,
-                    topo: Topology, precision) -> tuple:
+def stage_compute_s(g, gemm_s: tuple, grouped: costs.GemmShape, tail_grouped: costs.GemmShape, cores: tuple,
+                    full, topo: Topology, precision) -> tuple:
     """(forward, recomputation, elementwise, shared-expert) seconds of one stage's micro-batch from its FLOPs and
     bytes (g: feature name -> value; gemm_s its GEMMs' simulator.gemms.gemm_seconds; costs), in the plan's
     `precision` (costs.compute_peak; the ends and the attention core costs.unquantised): dense GEMMs each at its
-    own shape (gemm_s), the attention core at the attention efficiency, routed experts at the grouped-GEMM
+    own shape (gemm_s), the attention cores of causal and banded calls each at its kind's core (`cores`:
+    simulator.attention_cost.kind_cores), routed experts at the grouped-GEMM
     efficiency of the `grouped` shape (the multi-token prediction blocks' at the balanced `tail_grouped`),
     elementwise traffic memory-bound; full recomputation (`full` 1) redoes the layers' GEMMs."""
     layers, ends, shared = gemm_s
-    tail = costs.attention_time(g("tail_attn_flops"), topo, precision) + \
+    causal, banded = cores
+
+    def attention(prefix: str):
+        return costs.attention_time(g(prefix + "attn_flops"), topo, precision, causal) + \
+            costs.attention_time(g(prefix + "band_attn_flops"), topo, precision, banded)
+
+    tail = attention("tail_") + \
         costs.grouped_gemm_time(g("tail_expert_flops"), tail_grouped, topo, costs.unquantised(precision))
-    fwd = layers + ends + tail + costs.attention_time(g("attn_flops"), topo, precision) + \
-        costs.grouped_gemm_time(g("expert_flops"), grouped, topo, precision)
-    rec = full * layers + costs.attention_time(g("rec_attn_flops"), topo, precision) + \
-        costs.grouped_gemm_time(g("rec_expert_flops"), grouped, topo, precision)
+    fwd = layers + ends + tail + attention("") + costs.grouped_gemm_time(g("expert_flops"), grouped, topo, precision)
+    rec = full * layers + attention("rec_") + costs.grouped_gemm_time(g("rec_expert_flops"), grouped, topo, precision)
     return fwd, rec, costs.memory_bound_time(g("elementwise_bytes"), topo), shared
 
 
@@ -95,9 +101,12 @@ def _priced_columns(spec: ModelSpec, flat: np.ndarray, per_plan: dict, rates, sh
     gemm_flops = (every[first_gemm:first_gemm + len(layer_names)] * tok / tt,
                   every[first_gemm + len(layer_names):] * tok / tt)
     stage = {
-        "attn_flops": rows["attn"] * tok / tt, "expert_flops": rows["experts"] * routed * imb,
-        "tail_attn_flops": rows["tail_attn"] * tok / tt, "tail_expert_flops": rows["tail_experts"] * routed,
+        "attn_flops": rows["attn"] * tok / tt, "band_attn_flops": rows["band_attn"] * tok / tt,
+        "expert_flops": rows["experts"] * routed * imb,
+        "tail_attn_flops": rows["tail_attn"] * tok / tt, "tail_band_attn_flops": rows["tail_band_attn"] * tok / tt,
+        "tail_expert_flops": rows["tail_experts"] * routed,
         "rec_attn_flops": rows["attn"] * tok / tt * v["recomputed_attn"],
+        "rec_band_attn_flops": rows["band_attn"] * tok / tt * v["recomputed_attn"],
         "rec_expert_flops": rows["experts"] * routed * imb * full,
         "elementwise_bytes": rows["elem_bytes"] * tok * (0.0 if per_plan["counted"] else 1.0),
         "layers": rows["layers"], "moe_layers": rows["moe_layers"],
@@ -109,8 +118,8 @@ def _priced_columns(spec: ModelSpec, flat: np.ndarray, per_plan: dict, rates, sh
         "mtp_cp_grad_bytes": rows["last"] * costs.mtp_context_bytes(tok, spec, tt, v["context"], backward=True),
     }
     grouped, tail_grouped = (costs.GemmShape(*(_col(x) for x in s)) for s in shapes)
-    fwd, rec, elem, _ = stage_compute_s(stage.get, gemm_seconds(rates, *gemm_flops), grouped, tail_grouped, full,
-                                        topo, precision)
+    fwd, rec, elem, _ = stage_compute_s(stage.get, gemm_seconds(rates, *gemm_flops), grouped, tail_grouped,
+                                        kind_cores(spec, tok, tt, v["context"]), full, topo, precision)
     return stage, gemm_flops, np.where(np.arange(width) < v["pipeline"], 3 * fwd + rec + elem, -np.inf)
 
 

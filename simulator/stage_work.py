@@ -23,7 +23,7 @@ import numpy as np
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator.activations import layer_activation_bytes_per_token
-from rackcast.simulator.costs import HW
+from rackcast.simulator.attention_cost import HW, layer_kind
 from rackcast.simulator.gemms import embed_gemms, flops_by_name, layer_gemms, tail_work
 
 _KINDS: dict[int, tuple] = {}  # id(spec) -> (spec, kind of each layer, representative layer of each kind, table)
@@ -32,7 +32,8 @@ _KINDS: dict[int, tuple] = {}  # id(spec) -> (spec, kind of each layer, represen
 @dataclass(frozen=True)
 class StageWork:
     """Forward work per token of one micro-batch on each pipeline stage (arrays of length pipeline), before the
-    tensor split and expert imbalance: `attn` attention-core FLOPs, `experts` routed-expert FLOPs (balanced
+    tensor split and expert imbalance: `attn` and `band_attn` attention-core FLOPs of the layers whose core is a
+    causal and a banded call (simulator.attention_cost, each priced at its own shape), `experts` routed-expert FLOPs (balanced
     routing), `elem_bytes` the elementwise traffic (activations written in forward and read in backward), `layers`
     and `moe_layers` counts, `dense_params` and `expert_params` the layers' parameters before any split; `first` and
     `last` mark the stages holding the first and the last chunk. Dense GEMMs by name (simulator.gemms, columns in
@@ -40,7 +41,8 @@ class StageWork:
     convolutions, router, latent projections, shared experts, dense MLP), `gemm_ends[s]` those of the ends (the
     output head, final gated norm and multi-token-prediction modules on the stage holding the last chunk, the
     embedding's gated norm on the one holding the first); `tail_attn` and `tail_experts` the rest of the tail
-    (ModelSpec.tail_flops_fwd: the multi-token-prediction blocks' attention core and routed experts)."""
+    (ModelSpec.tail_flops_fwd: the multi-token-prediction blocks' attention core, in `tail_band_attn` where the last
+    layer's core is banded, and routed experts)."""
 
     attn: np.ndarray
     experts: np.ndarray
@@ -55,10 +57,12 @@ class StageWork:
     gemm_ends: np.ndarray
     tail_attn: np.ndarray
     tail_experts: np.ndarray
+    band_attn: np.ndarray
+    tail_band_attn: np.ndarray
 
 
 def layer_kinds(spec: ModelSpec) -> tuple[np.ndarray, list[int], np.ndarray]:
-    """(kind of each layer, a representative layer of each kind, per-kind rows attn, experts, moe, dense
+    """(kind of each layer, a representative layer of each kind, per-kind rows attn, band_attn, experts, moe, dense
     parameters, routed-expert parameters, then the GEMM FLOPs by name (simulator.gemms.flops_by_name)):
     layers with the same FLOPs by component are one kind. Cached per model object."""
     hit = _KINDS.get(id(spec))
@@ -68,12 +72,14 @@ def layer_kinds(spec: ModelSpec) -> tuple[np.ndarray, list[int], np.ndarray]:
     kind, reps, rows = [], [], []
     for i in range(spec.layers):
         parts = spec.layer_flops_breakdown(i, HW)
-        key = (spec.is_global(i), spec.is_moe(i), tuple(sorted(parts.items())))
+        key = (spec.is_global(i), layer_kind(spec, i), spec.is_moe(i), tuple(sorted(parts.items())))
         if key not in keys:
             keys[key] = len(reps)
             reps.append(i)
             expert_params = spec.layer_param_breakdown(i).get("experts", 0)
-            rows.append((parts.get("attn_scores_values", 0.0), parts.get("experts", 0.0), float(spec.is_moe(i)),
+            attn, banded = parts.get("attn_scores_values", 0.0), layer_kind(spec, i) == "banded"
+            rows.append((0.0 if banded else attn, attn if banded else 0.0, parts.get("experts", 0.0),
+                         float(spec.is_moe(i)),
                          float(spec.layer_params(i) - expert_params), float(expert_params),
                          *flops_by_name(layer_gemms(spec, i))))
         kind.append(keys[key])
@@ -101,7 +107,10 @@ def stage_work(spec: ModelSpec, plan: Plan, first_chunks: bool = False) -> Stage
     last = (np.arange(p) == owner[-1]) & (len(owner) - 1 in leads)
     tail = tail_work(spec)
     ends = last[:, None] * flops_by_name(tail.gemms) + first[:, None] * flops_by_name(embed_gemms(spec))
-    return StageWork(attn=sums[:, 0], experts=sums[:, 1], elem_bytes=counts @ elem, layers=counts.sum(axis=1),
-                     moe_layers=sums[:, 2], dense_params=sums[:, 3], expert_params=sums[:, 4], first=first,
-                     last=last, gemm_layers=sums[:, 5:], gemm_ends=ends,
-                     tail_attn=np.where(last, tail.attn, 0.0), tail_experts=np.where(last, tail.experts, 0.0))
+    tail_banded = layer_kind(spec, spec.layers - 1) == "banded"  # the MTP blocks are shaped like the last layer
+    return StageWork(attn=sums[:, 0], band_attn=sums[:, 1], experts=sums[:, 2], elem_bytes=counts @ elem,
+                     layers=counts.sum(axis=1), moe_layers=sums[:, 3], dense_params=sums[:, 4],
+                     expert_params=sums[:, 5], first=first, last=last, gemm_layers=sums[:, 6:], gemm_ends=ends,
+                     tail_attn=np.where(last & (not tail_banded), tail.attn, 0.0),
+                     tail_band_attn=np.where(last & tail_banded, tail.attn, 0.0),
+                     tail_experts=np.where(last, tail.experts, 0.0))

@@ -35,6 +35,7 @@ import numpy as np
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
 from rackcast.simulator import costs
+from rackcast.simulator.attention_cost import HW, layer_core
 from rackcast.simulator.gemms import MLP_PARTS, embed_gemms, gemms_seconds, layer_gemms, tail_seconds
 from rackcast.simulator.host_overhead import ep_dispatch_ops, host_costs, layer_forward_ops, recompute_share
 from rackcast.simulator.activations import mtp_activation_bytes_per_token
@@ -46,7 +47,6 @@ from rackcast.simulator.optimizer_cost import (balancing_reductions, muon_gather
 from rackcast.simulator.routing import balanced_counts, capacity_rows, expert_probabilities
 from rackcast.topologies.spec import Topology
 
-HW = costs.HW
 W_BYTES = costs.W_BYTES
 
 
@@ -126,7 +126,7 @@ class Workload:
         spec, plan, par = self.spec, self.plan, self.plan.parallel
         parts = spec.layer_flops_breakdown(i, HW)
         core = costs.attention_time(parts.get("attn_scores_values", 0.0) * self.tokens_mb / par.tensor, self.topo,
-                                    plan.precision)
+                                    plan.precision, layer_core(spec, i, self.tokens_mb, par.tensor, par.context))
         gemms = layer_gemms(spec, i)
         per_row = 0.0
         if spec.is_moe(i):  # a rank computes its 1/expert_tensor slice of every row routed to its block

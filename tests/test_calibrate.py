@@ -101,6 +101,7 @@ def _fake_measurements() -> dict:
                                          for r in (16, 256) for n in (8, 64) for k in (8, 64)],
                         "attention": [{"batch": 1, "heads": 4, "seq": 128, "head_dim": 16, "train_flops": 1e7,
                                        "seconds": 1e-3}],
+                        "attention_surface": _fake_attention_surface(),
                         "memory": [{"elements": 1 << 18, "bytes": 1 << 20, "copy_Bps": 20e9, "add_Bps": 20e9,
                                     "mix_Bps": 5e9}],
                         "memory_stream": {"elements": 1 << 24, "bytes": 1 << 26, "copy_Bps": 10e9, "add_Bps": 12e9},
@@ -109,6 +110,18 @@ def _fake_measurements() -> dict:
             "collectives": coll, "world": 2, "quick": True, "device": "cpu", "started_utc": "2026-11-29T00:00:00+00:00",
             "wall_s": 1.0, "machine": {"torch": "x", "python": "3", "platform": "p", "cpu_count": 2,
                                        "device_name": "CPU process", "host_memory_bytes": 8 << 30}}
+
+
+def _fake_attention_surface() -> list[dict]:
+    """Calls on a full grid of each kind, banded ones slower per executed FLOP than causal ones (as measured here)."""
+    from rackcast.simulator.attention_cost import executed_flops
+
+    shapes = [("causal", r, q, q, d) for r in (8, 32) for q in (128, 512) for d in (16, 64)] + \
+        [("banded", r, q, w, d) for r in (8, 32) for q in (128, 512) for w in (32, 64) for d in (16, 64)]
+    return [{"kind": kind, "rows": r, "queries": q, "keys": w, "head_dim": d,
+             "train_flops": 3 * executed_flops(kind, r, q, w, d),
+             "seconds": 3 * executed_flops(kind, r, q, w, d) / ((8e9 if kind == "banded" else 20e9) * (q / 128) ** .3)}
+            for kind, r, q, w, d in shapes]
 
 
 def test_topology_from_measurements_round_trips(tmp_path):
@@ -126,6 +139,7 @@ def test_topology_from_measurements_round_trips(tmp_path):
     assert back.scale_up.bandwidth_Bps == pytest.approx((1 << 23) / ((1e-4 + (1 << 23) / 2e9) / 2), rel=1e-3)
     assert all(0 < p.value <= 1 for p in back.efficiency.gemm)
     assert back.efficiency.speed_probe_s == 2.5e-3  # the machine-speed probe validate checks runs against
+    assert len(back.efficiency.attention_surface) == len(meas["compute"]["attention_surface"])
 
 
 def test_measurements_from_before_the_speed_probe_give_a_topology_without_one():
@@ -220,6 +234,25 @@ def load_model_spec(name):
     from rackcast.presets import load_model
 
     return load_model(name)
+
+
+def test_the_cpu_attention_surface_grid_brackets_every_tiny_presets_attention_core():
+    import torch
+
+    from rackcast.backend.calibrate_compute import attention_surface_shapes
+    from rackcast.presets import load_model
+    from rackcast.simulator.attention_cost import layer_core
+    from rackcast.simulator.op_counts import TABLE_MODELS
+
+    grid = attention_surface_shapes(torch.device("cpu"), quick=False)
+    for name in TABLE_MODELS:
+        spec = load_model(name)
+        for micro_batch in (2, 8):  # the validation plans' micro-batches, one process
+            for i in range(spec.layers):
+                core = layer_core(spec, i, micro_batch * spec.seq_len, 1)
+                mine = [g for g in grid if g[0] == core.kind]
+                for axis, value in zip(range(1, 5), (core.rows, core.queries, core.keys, core.head_dim)):
+                    assert min(g[axis] for g in mine) <= value <= max(g[axis] for g in mine), (name, i, axis)
 
 
 def test_the_cpu_gemm_grids_span_the_tiny_presets_widths_and_the_grouped_grid_runs_tiny_moes_experts():

@@ -98,6 +98,57 @@ def _check_surface(name: str, points: list[SurfacePoint]) -> None:
                          f"got {len(points)}")
 
 
+ATTENTION_KINDS = ("causal", "banded")  # simulator.attention_cost: how a layer's attention core is called
+
+
+@dataclass(frozen=True)
+class AttentionPoint:
+    """One measured point of the attention efficiency surface: one forward + backward call of `kind` (causal: SDPA
+    over the whole sequence, keys = queries; banded: backend.attention.banded_attention with a window of `keys`) on
+    `rows` (batch x heads) sequences of `queries` positions and head width `head_dim` reached `efficiency` of the
+    peak, its FLOPs counted as the kernel executes them (simulator.attention_cost.executed_flops)."""
+
+    kind: Literal["causal", "banded"]
+    rows: Annotated[float, Range(0, 1e12, above=True)]
+    queries: Annotated[float, Range(0, 1e12, above=True)]
+    keys: Annotated[float, Range(0, 1e12, above=True)]
+    head_dim: Annotated[float, Range(0, 1e6, above=True)]
+    efficiency: Annotated[float, Range(0, 1, above=True)]
+
+    def __post_init__(self):
+        if self.kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention surface point kind must be one of {ATTENTION_KINDS}, got {self.kind!r}")
+        if min(self.rows, self.queries, self.keys, self.head_dim) <= 0:
+            raise ValueError("attention surface point rows, queries, keys, head_dim must be positive, got "
+                             f"{self.rows}, {self.queries}, {self.keys}, {self.head_dim}")
+        if self.kind == "causal" and self.keys != self.queries:
+            raise ValueError(f"a causal attention surface point has keys = queries, got {self.keys} != {self.queries}")
+        if not 0.0 < self.efficiency <= 1.0:
+            raise ValueError(f"attention surface point efficiency must lie in (0, 1], got {self.efficiency}")
+
+    def scaled(self, factor: float, floor: float) -> "AttentionPoint":
+        """This point with its efficiency times `factor`, kept in [floor, 1]."""
+        return replace(self, efficiency=min(1.0, max(floor, self.efficiency * factor)))
+
+
+def attention_axes(kind: str) -> tuple[str, ...]:
+    """The axes a surface of `kind` spans (a causal call's keys are its queries)."""
+    return ("rows", "queries", "head_dim") if kind == "causal" else ("rows", "queries", "keys", "head_dim")
+
+
+def _check_attention_surface(points: list[AttentionPoint]) -> None:
+    """Each kind's points are interpolated on their grid (simulator.attention_cost), so they must form one."""
+    for kind in ATTENTION_KINDS:
+        mine, axes = [p for p in points if p.kind == kind], attention_axes(kind)
+        sizes = [len({getattr(p, a) for p in mine}) for a in axes]
+        if len({tuple(getattr(p, a) for a in axes) for p in mine}) != len(mine):
+            raise ValueError(f"efficiency.attention_surface: a {kind} shape appears twice")
+        if mine and math.prod(sizes) != len(mine):
+            raise ValueError(f"efficiency.attention_surface: the {kind} points must form a full grid over their "
+                             f"{', '.join(axes)} values ({' x '.join(map(str, sizes))} = {math.prod(sizes)} shapes), "
+                             f"got {len(mine)}")
+
+
 @dataclass(frozen=True)
 class CollectiveCurves:
     """Achieved bus-bandwidth fraction of the slowest hop, by message size, inside and across scale-up domains."""
@@ -168,6 +219,9 @@ class EfficiencyProfile:
     # group), beside the curve above; where present it wins over the curve (simulator.gemm_surface); empty: none
     gemm_surface: Annotated[list[SurfacePoint], Items(4096)] = field(default_factory=list)
     grouped_gemm_surface: Annotated[list[SurfacePoint], Items(4096)] = field(default_factory=list)
+    # measured attention-core efficiency by call kind and shape (`rackcast calibrate`); where it holds points of a
+    # layer's kind it wins over `attention` (simulator.attention_cost); empty: `attention` for every core
+    attention_surface: Annotated[list[AttentionPoint], Items(4096)] = field(default_factory=list)
     # fraction of dense peak a large, well-shaped (grouped) GEMM reaches: the shape model's ceiling
     gemm_ceiling: Annotated[float, Range(0, 1)] = 0.0
     grouped_gemm_ceiling: Annotated[float, Range(0, 1)] = 0.0
@@ -187,6 +241,7 @@ class EfficiencyProfile:
             elif not 0.0 < getattr(self, name + "_ceiling") <= 1.0:
                 raise ValueError(f"efficiency.{name}_ceiling must lie in (0, 1] where efficiency.{name} has no "
                                  "measured curve")
+        _check_attention_surface(self.attention_surface)
         for name in ("attention", "memory_bound", "host_link"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"efficiency.{name} must lie in (0, 1], got {getattr(self, name)}")

@@ -10,7 +10,9 @@ Conventions (they are the simulator's, topologies/spec.py):
   rows per expert) at its efficiency; the FLOPs curves beside them (what older calibrated files hold, and what a
   topology without a surface is priced by) are indexed by FLOPs of one GEMM (one expert's GEMM) over the
   square-weight shapes (n = k); points within a factor 1.6 of FLOPs are merged (median). Attention is the median
-  over shapes of forward + backward at 3 x causal forward FLOPs.
+  over shapes of forward + backward at 3 x causal forward FLOPs; the attention surface holds every measured call
+  (causal and banded, as the trainer makes them) at 3 x the forward FLOPs its kernel executes
+  (simulator.attention_cost.executed_flops), the efficiency of that kind and shape.
 - hbm_bandwidth_Bps is the best out-of-cache copy/add (bytes read + written); memory_bound the median over sizes of
   the trainer's elementwise mix (RMSNorm, SiLU gate, residual add) over that bandwidth.
 - collectives: nccl-tests bus bandwidth over the link bandwidth, where the link bandwidth is the best one-way
@@ -32,8 +34,8 @@ from pathlib import Path
 from rackcast.atomic import write_text_atomic
 from rackcast.strict import dump_yaml, to_data
 from rackcast.topologies import load_topology
-from rackcast.topologies.spec import (COLLECTIVE_KINDS, CollectiveCurves, CurvePoint, EfficiencyProfile, HostOpTimes,
-                                      SurfacePoint, Topology)
+from rackcast.topologies.spec import (COLLECTIVE_KINDS, AttentionPoint, CollectiveCurves, CurvePoint,
+                                      EfficiencyProfile, HostOpTimes, SurfacePoint, Topology)
 from rackcast.units import KIB, MIB
 
 MERGE_RATIO = 1.6
@@ -127,6 +129,15 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
     notes.append("attention (SDPA causal fwd+bwd, batch x heads x seq x head_dim: GFLOP/s): " + ", ".join(
         f"{e['batch']}x{e['heads']}x{e['seq']}x{e['head_dim']}: {r / 1e9:.3g}"
         for e, r in zip(comp["attention"], attn_rates)))
+    # calibrations from before the attention surface have none (the `attention` figure prices every core)
+    surface_calls = comp.get("attention_surface", [])
+    attention_surface = [AttentionPoint(e["kind"], e["rows"], e["queries"], e["keys"], e["head_dim"],
+                                        _surface_value(rate(e, "train_flops") / peak)) for e in surface_calls]
+    if surface_calls:
+        notes.append("attention_surface (fwd+bwd as the trainer calls it, kind rows x queries x keys x head_dim: "
+                     "GFLOP/s executed): " + ", ".join(
+                         f"{e['kind']} {e['rows']}x{e['queries']}x{e['keys']}x{e['head_dim']}: "
+                         f"{rate(e, 'train_flops') / 1e9:.3g}" for e in surface_calls))
     stream = comp["memory_stream"]
     hbm_bw = max(stream["copy_Bps"], stream["add_Bps"])
     mix = statistics.median(e["mix_Bps"] for e in comp["memory"])
@@ -189,6 +200,7 @@ def build_topology(meas: dict, base: Topology, name: str) -> tuple[Topology, lis
               f"{m.get('cpu_count')} CPUs); base preset {base.name} for what was not measured")
     eff = EfficiencyProfile(gemm=gemm, grouped_gemm=grouped, gemm_surface=gemm_surface,
                             grouped_gemm_surface=grouped_surface, attention=round(attention, 4),
+                            attention_surface=attention_surface,
                             memory_bound=round(memory_bound, 4), host_link=1.0, collectives=collectives,
                             comm_compute_slowdown=base.efficiency.comm_compute_slowdown, source=source,
                             host_op_s=HostOpTimes(*(float(f"{op['host_op_s'][part]:.3g}")

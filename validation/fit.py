@@ -123,6 +123,8 @@ def apply_factors(topo: Topology, factors: dict[str, float]) -> Topology:
                   gemm_ceiling=min(1.0, e.gemm_ceiling * g), grouped_gemm_ceiling=min(1.0, e.grouped_gemm_ceiling * g),
                   host_op_s=e.host_op_s.scaled(factors.get("op_overhead", 1.0)),
                   attention=_bounded(e.attention * factors.get("attention", 1.0)),
+                  attention_surface=[p.scaled(factors.get("attention", 1.0), EFFICIENCY_FLOOR)
+                                     for p in e.attention_surface],
                   memory_bound=_bounded(e.memory_bound * factors.get("memory_bound", 1.0)),
                   eager_bandwidth=min(EAGER_BANDWIDTH_MAX, max(EFFICIENCY_FLOOR, e.eager_bandwidth
                                                                 * factors.get("memory_bound", 1.0))),
