@@ -65,12 +65,10 @@ def band_mask(blocks: int, block: int, window: int, device: torch.device) -> Ten
     return _BAND_CACHE[key]
 
 
-def banded_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
-    """Sliding-window causal attention (query i sees keys j with 0 <= i - j < window) of q, k, v [B, H, S, D] that
-    does window-sized work: queries in blocks of window_query_block(window) (rackcast.simulator.activations, whose
-    eager memory count follows these tensors), each block against only the window + block - 1
-    keys it can see (an unfold of the left-padded keys), as one SDPA call with the blocks as its batch; a layer
-    costs S x (window + block - 1) scores instead of S x S."""
+def banded_operands(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The operands of banded_attention's one SDPA call for q, k, v [B, H, S, D]: queries [blocks, B*H, block, D]
+    (the last block zero-padded), each block's window + block - 1 keys and values [blocks, B*H, span, D] (an unfold
+    of the left-padded keys) and band_mask. `rackcast calibrate` times that call on these."""
     b, h, s, d = q.shape
     block = window_query_block(window)
     blocks = -(-s // block)
@@ -84,10 +82,22 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
         return t.permute(2, 0, 1, 4, 3).reshape(blocks, b * h, span, d)
 
     qb = q.view(b, h, blocks, block, d).permute(2, 0, 1, 3, 4).reshape(blocks, b * h, block, d)
-    y = F.scaled_dot_product_attention(qb, windows(k), windows(v), attn_mask=band_mask(blocks, block, window, q.device))
+    return qb, windows(k), windows(v), band_mask(blocks, block, window, q.device)
+
+
+def banded_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    """Sliding-window causal attention (query i sees keys j with 0 <= i - j < window) of q, k, v [B, H, S, D] that
+    does window-sized work: queries in blocks of window_query_block(window) (rackcast.simulator.activations, whose
+    eager memory count follows these tensors), each block against only the window + block - 1
+    keys it can see, as one SDPA call with the blocks as its batch (banded_operands); a layer
+    costs S x (window + block - 1) scores instead of S x S."""
+    b, h, s, d = q.shape
+    qb, kb, vb, mask = banded_operands(q, k, v, window)
+    blocks, _, block, _ = qb.shape
+    y = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)
     # One copy into [B, S, H, D] (what the output projection reads), returned as the [B, H, S, D] view SDPA gives.
     y = y.view(blocks, b, h, block, d).permute(1, 0, 3, 2, 4).reshape(b, blocks * block, h, d)
-    return (y[:, :s] if tail else y).transpose(1, 2)
+    return (y[:, :s] if blocks * block > s else y).transpose(1, 2)
 
 
 def context_attention(q: Tensor, k: Tensor, v: Tensor, cp, start: int, window: int, group: int = 1,

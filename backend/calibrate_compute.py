@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rackcast.backend.attention import banded_attention
+from rackcast.backend.attention import banded_operands
 from rackcast.backend.moe import grouped_matmul
 from rackcast.presets import load_model
 from rackcast.simulator.attention_cost import executed_flops
@@ -94,9 +94,11 @@ def _shapes(device: torch.device, quick: bool) -> dict:
         peak_n = (512,) if quick else (256, 512, 1024)
         grouped = ((32, 256), (8, 32, 128)) if quick else ((16, 64, 256, 1024), (8, 32, 128, 512))
         attn = [(4, 4, 128, 16)] if quick else [(4, 4, 128, 16), (2, 8, 512, 64), (1, 8, 1024, 64)]
-        # The attention surface's rows (batch x heads), queries, banded keys (windows) and head widths: the tiny
-        # presets' (tests/test_calibrate.py checks the grid brackets them) and one larger value on each axis
-        surface = ((8, 32), (128,), (32,), (16,)) if quick else ((8, 32), (128, 512), (32, 64), (16, 64))
+        # The attention surface's rows (batch x heads), queries, banded keys (windows) and head widths, bracketing the
+        # tiny presets' calls (tests/test_calibrate.py checks): micro-batches 1 to 8 of 4 heads, the sequence and a
+        # context-parallel half of it, the window and half of it; larger shapes read its edge (a wider grid cost
+        # calibrate 35 s more than this one)
+        surface = ((4, 32), (128,), (32,), (16,)) if quick else ((4, 32), (64, 128), (16, 32), (16,))
         mem = (1 << 18,) if quick else (1 << 16, 1 << 18, 1 << 22)
         stream = 1 << 22 if quick else 1 << 24  # out of cache: the memory figure, not a cache figure
     return {"gemm_m": gemm_m, "gemm_nk": gemm_nk, "peak_n": peak_n, "grouped": grouped, "attn": attn, "mem": mem,
@@ -216,17 +218,19 @@ def run_compute(device: torch.device, quick: bool, tick, barrier=lambda: None) -
 
 
 def _attention_call(kind: str, rows: int, queries: int, keys: int, head_dim: int, rand):
-    """Forward and backward of one attention core as the trainer calls it (backend.attention.Attention._attention):
-    q, k, v the [1, rows, queries, head_dim] transposed views of [1, queries, rows, head_dim] projections (the batch
-    folds into rows: the kernels see batch x heads), causal SDPA or banded_attention with a window of `keys`."""
-    q, k, v = (rand(1, queries, rows, head_dim, grad=True) for _ in range(3))
+    """Forward and backward of one attention-core kernel call as the trainer makes it
+    (backend.attention.Attention._attention): causal SDPA on the [1, rows, queries, head_dim] transposed views of
+    [1, queries, rows, head_dim] projections (the batch folds into rows: the kernel sees batch x heads), or the SDPA
+    call of banded_attention with a window of `keys` on the operands it builds (banded_operands); the reshaping
+    around that call is eager ops, priced with the others (simulator.op_counts, op_bytes)."""
+    q, k, v = (rand(1, queries, rows, head_dim, grad=kind == "causal").transpose(1, 2) for _ in range(3))
+    mask = None
+    if kind == "banded":
+        *operands, mask = banded_operands(q, k, v, keys)
+        q, k, v = (t.requires_grad_() for t in operands)
 
     def call():
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if kind == "causal":
-            y = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-        else:
-            y = banded_attention(qt, kt, vt, keys)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=kind == "causal")
         y.sum().backward()
 
     return call

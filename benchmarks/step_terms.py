@@ -67,8 +67,8 @@ CALIB_SEQS = (8, 128)  # tokens of backend.opcount.host_seconds_per_op's step: t
 def predicted(plan_path: str, topology: str) -> dict:
     from rackcast.plan import load_plan
     from rackcast.simulator import op_counts
-    from rackcast.simulator.costs import attention_time, eager_bytes_time
-    from rackcast.simulator.stage_work import stage_work
+    from rackcast.simulator.costs import eager_bytes_time
+    from rackcast.simulator.workload import Workload
     from rackcast.simulator.host_overhead import counted_bytes, eager_bytes, host_bytes, host_ops
     from rackcast.simulator.step import simulate
     from rackcast.topologies import load_topology
@@ -84,9 +84,10 @@ def predicted(plan_path: str, topology: str) -> dict:
     ops_s = (o.forward + o.bubble_forward) * t.forward + (o.backward + o.bubble_backward) * t.backward \
         + o.optimizer * t.optimizer
     bytes_total = b.forward + b.backward + b.bubble_forward + b.bubble_backward + b.optimizer
-    # the attention core, forward + backward (simulator.workload: backward = 2 x forward), all micro-batches
-    attention = (1 + BACKWARD_OVER_FORWARD) * plan.microbatches * float(attention_time(
-        stage_work(spec, plan).attn[0] * plan.tokens_per_microbatch(spec), topo, "fp32"))
+    # the first stage's attention cores as the simulator prices them (each at its call's kind and shape), forward +
+    # backward (simulator.workload: backward = 2 x forward), all micro-batches
+    cores = sum(layer.core_s for chunk in Workload(spec, plan, topo).stages[0].chunks.values() for layer in chunk)
+    attention = (1 + BACKWARD_OVER_FORWARD) * plan.microbatches * cores
     opt_kernels = res.phases_s["optimizer"] - o.optimizer * t.optimizer - float(eager_bytes_time(b.optimizer, topo))
     comm = sum(v for k, v in res.phases_s.items() if k.startswith("exposed") or k == "pipeline_p2p")
     return {"step_s": float(res.step_time_s), "bare_step_s": float(bare.step_time_s), "host_ops_s": ops_s,

@@ -5,7 +5,8 @@
 Kinds: a global layer (and a local one whose window covers the sequence) calls causal SDPA over the whole sequence
 ("causal"); a local layer calls backend.attention.banded_attention ("banded"): one masked SDPA with the query blocks
 as its batch, every block of window_query_block(window) queries against window + block - 1 keys, masked entries
-included. Work executed, in score-value pairs (each 4 x head_dim FLOPs forward):
+included. The core is that kernel call; the reshaping around it (pad, unfold, copies) is eager ops, priced with
+the others (simulator.op_counts, op_bytes). Work executed, in score-value pairs (each 4 x head_dim FLOPs forward):
 - causal: queries x (queries + 1) / 2, the count simulator.costs.HW charges. PyTorch's fused CPU kernel skips the
   key blocks wholly above the diagonal (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: `num_keys = is_causal ?
   std::min(m + qBlockSize, kvSize) : kvSize`), so it does the triangle plus part of the diagonal blocks; that excess

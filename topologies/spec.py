@@ -103,8 +103,9 @@ ATTENTION_KINDS = ("causal", "banded")  # simulator.attention_cost: how a layer'
 
 @dataclass(frozen=True)
 class AttentionPoint:
-    """One measured point of the attention efficiency surface: one forward + backward call of `kind` (causal: SDPA
-    over the whole sequence, keys = queries; banded: backend.attention.banded_attention with a window of `keys`) on
+    """One measured point of the attention efficiency surface: one forward + backward kernel call of `kind` (causal:
+    SDPA over the whole sequence, keys = queries; banded: backend.attention.banded_attention's SDPA call with a
+    window of `keys`) on
     `rows` (batch x heads) sequences of `queries` positions and head width `head_dim` reached `efficiency` of the
     peak, its FLOPs counted as the kernel executes them (simulator.attention_cost.executed_flops)."""
 
