@@ -1,7 +1,7 @@
 """The attention efficiency surface: calibrate's calls priced back at their measured times, the scalar figure where a
 topology has no surface, a local (banded) and a global (causal) layer of one model priced each at its own kind, the
-work a banded call executes (every entry of its mask), and a malformed surface refused in one line naming the file
-and the field."""
+work a banded call executes (every entry of its mask), the estimate and the simulator moving alike when the banded
+kind is slower, and a malformed surface refused in one line naming the file and the field."""
 
 from __future__ import annotations
 
@@ -119,3 +119,16 @@ def test_a_malformed_attention_surface_is_refused_in_one_line_naming_the_file_an
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1
     assert str(path) in proc.stderr and field in proc.stderr, proc.stderr
+
+
+def test_the_estimate_and_the_simulator_price_a_slower_banded_kind_alike():
+    from rackcast.simulator.estimate import estimate
+    from rackcast.simulator.step import simulate
+
+    plan = load_plan(str(PLAN))
+    _, topo = _calibrated()
+    even, slow_band = (topo.with_efficiency(replace(topo.efficiency, attention_surface=_constant_surface(0.4, b)))
+                       for b in (0.4, 0.1))
+    d_estimate = estimate(plan, topo=slow_band).step_time_s - estimate(plan, topo=even).step_time_s
+    d_simulated = float(simulate(plan, topo=slow_band).step_time_s) - float(simulate(plan, topo=even).step_time_s)
+    assert d_estimate > 0 and d_estimate == pytest.approx(d_simulated, rel=1e-6)
