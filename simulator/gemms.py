@@ -232,8 +232,8 @@ def tail_expert_shape(spec: ModelSpec, routed_mb, par) -> costs.GemmShape:
 
 def tail_seconds(spec: ModelSpec, tokens_mb: float, routed_mb: float, par, topo, precision: str) -> float:
     """One rank's tail per micro-batch (tail_work), all in costs.unquantised(precision): its GEMMs each at its own
-    shape, the MTP blocks' attention core as the last layer's (simulator.attention_cost) and their routed experts at the grouped-GEMM
-    efficiency of tail_expert_shape."""
+    shape, the MTP blocks' attention core as the last layer's (simulator.attention_cost) and their routed experts
+    at the grouped-GEMM efficiency of tail_expert_shape."""
     tail, unq = tail_work(spec), costs.unquantised(precision)
     experts = costs.grouped_gemm_time(tail.experts * routed_mb, tail_expert_shape(spec, routed_mb, par), topo, unq)
     return gemms_seconds(tail.gemms, tokens_mb, par.tensor, topo, unq) + float(experts) + \

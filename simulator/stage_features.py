@@ -26,12 +26,13 @@ from rackcast.topologies.spec import Topology
 from rackcast.vocab import INTERLEAVED_SCHEDULES
 
 STAGE_KEYS = ("attn_flops", "band_attn_flops", "expert_flops", "tail_attn_flops", "tail_band_attn_flops",
-              "tail_expert_flops", "rec_attn_flops", "rec_band_attn_flops", "rec_expert_flops", "elementwise_bytes", "layers", "moe_layers", "fsdp_bytes", "fsdp_embed_bytes",
-              "fsdp_head_bytes", "expert_fsdp_bytes", "mtp_cp_bytes", "mtp_cp_grad_bytes") + \
+              "tail_expert_flops", "rec_attn_flops", "rec_band_attn_flops", "rec_expert_flops", "elementwise_bytes",
+              "layers", "moe_layers", "fsdp_bytes", "fsdp_embed_bytes", "fsdp_head_bytes", "expert_fsdp_bytes",
+              "mtp_cp_bytes", "mtp_cp_grad_bytes") + \
     tuple("gemm:" + n for n in GEMM_NAMES) + tuple("gemm_end:" + n for n in GEMM_NAMES)  # ... and each GEMM's
 FIRST_CHUNK_PREFIXES = ("h1_", "o1_", "x1_", "e1_")
-_STAGE_ROWS = ("attn", "band_attn", "experts", "tail_attn", "tail_band_attn", "tail_experts", "elem_bytes", "layers", "moe_layers", "dense_params",
-               "expert_params", "first", "last")
+_STAGE_ROWS = ("attn", "band_attn", "experts", "tail_attn", "tail_band_attn", "tail_experts", "elem_bytes", "layers",
+               "moe_layers", "dense_params", "expert_params", "first", "last")
 _STAGE_FIELDS = LAYER_SET + ("tensor", "sequence_parallel", "expert_tensor")  # what stage_work reads
 
 

@@ -33,10 +33,10 @@ _KINDS: dict[int, tuple] = {}  # id(spec) -> (spec, kind of each layer, represen
 class StageWork:
     """Forward work per token of one micro-batch on each pipeline stage (arrays of length pipeline), before the
     tensor split and expert imbalance: `attn` and `band_attn` attention-core FLOPs of the layers whose core is a
-    causal and a banded call (simulator.attention_cost, each priced at its own shape), `experts` routed-expert FLOPs (balanced
-    routing), `elem_bytes` the elementwise traffic (activations written in forward and read in backward), `layers`
-    and `moe_layers` counts, `dense_params` and `expert_params` the layers' parameters before any split; `first` and
-    `last` mark the stages holding the first and the last chunk. Dense GEMMs by name (simulator.gemms, columns in
+    causal and a banded call (simulator.attention_cost, each priced at its own shape), `experts` routed-expert FLOPs
+    (balanced routing), `elem_bytes` the elementwise traffic (activations written in forward and read in backward),
+    `layers` and `moe_layers` counts, `dense_params` and `expert_params` the layers' parameters before any split;
+    `first` and `last` mark the stages holding the first and the last chunk. Dense GEMMs by name (simulator.gemms, columns in
     GEMM_NAMES order, each priced at its own shape): `gemm_layers[s]` the layers' (attention projections, norms,
     convolutions, router, latent projections, shared experts, dense MLP), `gemm_ends[s]` those of the ends (the
     output head, final gated norm and multi-token-prediction modules on the stage holding the last chunk, the

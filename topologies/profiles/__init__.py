@@ -78,5 +78,6 @@ def apply_profile(topo: Topology, profile: StackProfile) -> Topology:
         e, gemm_ceiling=min(1.0, e.gemm_ceiling * f.gemm),
         grouped_gemm_ceiling=min(1.0, e.grouped_gemm_ceiling * f.grouped_gemm),
         attention=min(1.0, e.attention * f.attention),
-        attention_surface=[p.scaled(f.attention, 0.0) for p in e.attention_surface], memory_bound=min(1.0, e.memory_bound * f.memory_bound),
+        attention_surface=[p.scaled(f.attention, 0.0) for p in e.attention_surface],
+        memory_bound=min(1.0, e.memory_bound * f.memory_bound),
         collectives=coll, launch_s=f.launch_s, error_band=f.error_band, stack=f.name))
