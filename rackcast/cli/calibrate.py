@@ -157,6 +157,9 @@ def _measure(args) -> int:
                  f" to {max(p.efficiency for p in surf):.3f}"]
                 for name, surf in (("gemm", e.gemm_surface), ("grouped gemm", e.grouped_gemm_surface)) if surf]),
              ["attention / memory-bound", f"{e.attention:.3f} / {e.memory_bound:.3f}"],
+             *([[f"attention {kind} surface", f"{len(surf)} calls, efficiency {min(p.efficiency for p in surf):.3f} to "
+                 f"{max(p.efficiency for p in surf):.3f}"] for kind in ("causal", "banded")
+                if (surf := [p for p in e.attention_surface if p.kind == kind])]),
              ["host time per framework op", f"forward {e.host_op_s.forward * 1e6:.2f} us, backward "
                                             f"{e.host_op_s.backward * 1e6:.2f} us, optimizer "
                                             f"{e.host_op_s.optimizer * 1e6:.2f} us"]]
