@@ -13,9 +13,9 @@ the others (simulator.op_counts, op_bytes). Work executed, in score-value pairs 
   is part of the measured efficiency at each shape;
 - banded: blocks x block x (window + block - 1): an explicit attn_mask computes every entry (the same kernel skips
   nothing without is_causal; a profiled tiny-moe step, benchmarks/step_terms.py, runs all its calls, masked and
-  causal, through aten::_scaled_dot_product_flash_attention_for_cpu), about 1.4 x the causal-over-window count HW charges at window 32, sequence 128. The cost
-  model's FLOPs stay HW's (the MFU's numerator is another convention again); pricing multiplies them by
-  Core.ratio, executed over counted.
+  causal, through aten::_scaled_dot_product_flash_attention_for_cpu), about 1.4 x the causal-over-window count
+  HW charges at window 32, sequence 128. The cost model's FLOPs stay HW's (the MFU's numerator is another
+  convention again); pricing multiplies them by Core.ratio, executed over counted.
 Approximations: context-parallel ranks are priced as calls of their chunk's queries (ratio 1 for causal), attention
 with sinks (backend.sinks, a dense masked call) as causal.
 
