@@ -76,6 +76,9 @@ UNPRICED_OPS = frozenset({
     _aten._efficient_attention_backward,
     _aten._unsafe_view,  # a view by another name (matmul's reshape of its output): moves nothing
 })
+# Sequences per counted micro-batch, at least: at one, some reshapes are views (a size-1 dimension's stride is free)
+# that copy at two or more (tiny-moe: 8 forward ops a micro-batch fewer), and training micro-batches hold several
+MIN_SEQUENCES = 2
 GATHERS = frozenset({_aten.embedding})  # read only the rows they write: counted as indices + output, twice the rows
 
 
@@ -212,7 +215,9 @@ def count_grad_reduction(net, tokens) -> dict[str, int]:
     into its bucket and re-viewed there; per bucket the hook's average and all-reduce), after the two steps that
     build the buckets; expert_reduce_ops and dense_reduce_ops, reduce_grads' flat reduction of the expert gradients
     and (pipeline and tensor-parallel ranks, which DDP does not wrap) of the dense ones (a concatenation, the
-    average, a copy back per gradient; the all-reduce itself is not counted: no group)."""
+    average, a copy back per gradient; the all-reduce itself is not counted: no group). The twin's gradients fill
+    one bucket; a model whose dense gradients fill more (DDP's bucket_cap_mb) runs two more ops per further bucket,
+    left out: a few ops a step against the thousands counted."""
     def fwd_bwd(module, counter=None) -> int:
         with counter or contextlib.nullcontext():
             next_token_loss(module(tokens), tokens)[0].backward()
@@ -309,9 +314,9 @@ def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool 
     if twin:
         spec = structural_twin(spec, seq)
     s = spec.seq_len  # the twin's is at most `seq`; a model as given is counted on what it trains on
-    batch = 1
+    batch = MIN_SEQUENCES
     if spec.moe is not None:  # sequences enough for every expert to get a row: tokens x top_k >= experts
-        batch = -(-spec.moe.experts // (spec.moe.top_k * s))
+        batch = max(batch, -(-spec.moe.experts // (spec.moe.top_k * s)))
     net, counter, tokens = _prepared(spec, batch, s)
     fwd, bwd, opt_ops, step_ops = _step(net, counter, tokens, optimizer, "counts")
     net.zero_grad(set_to_none=True)

@@ -98,8 +98,12 @@ def test_twin_counts_what_a_medium_model_counts():
     assert twin == replace(oc.structural_twin(replace(load_model("marin-ladder-d768"), layers=4)),
                            name=spec.name)
     full = count_ops(spec, "muonh", twin=False)
-    _same_counts(count_ops(twin, "muonh", twin=False), full)
-    assert count_ops(spec, "muonh") == full
+    small = count_ops(twin, "muonh", twin=False)
+    # DDP's hook runs per bucket (two ops); the full model's dense gradients fill more buckets (DDP's bucket_cap_mb)
+    # than the twin's one: the one count that depends on bytes (backend.opcount.count_grad_reduction)
+    assert (full["ddp_ops"] - small["ddp_ops"]) % 2 == 0 and 0 <= full["ddp_ops"] - small["ddp_ops"] <= 2 * 4
+    _same_counts({**small, "ddp_ops": 0}, {**full, "ddp_ops": 0})
+    assert count_ops(spec, "muonh") == {**full, "ddp_ops": small["ddp_ops"]}
     assert len(set(full["fwd_experts"])) == 1 and full["fwd_experts"][0] > 0  # grouped GEMMs: the same in every layer
 
 
