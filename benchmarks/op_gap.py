@@ -11,6 +11,34 @@ the .item()s, the expert gradient reduction). Beside it, the model step the simu
 name the same way on the plan's own model and micro-batch (one process: forward + loss, backward, per micro-batch,
 times the micro-batches, then one optimizer step), and the simulator's own total (host_overhead.host_ops). Printed:
 the totals by tag, and the op names whose count differs, most different first.
+
+Findings (2026-12-03, torch 2.13 CPU, the round-5 plans; op counts, not timings, so the load does not matter).
+Ops of rank 0's step, simulator at main (ffde0b2) / this change / real:
+    1p-mb2        11942 / 12509 / 12516      dp2-mb2   6470 / 6991 / 7003      dp2-ep2-mb2   6726 / 7247 / 7298
+What main's count missed, by where (the tags above; model = the backend model at the plan's micro-batch):
+- the windowed attention's branch: the count ran 32 tokens, where tiny-moe's window of 32 is the whole sequence
+  (plain causal SDPA), but the plans train 128 tokens, where its three local layers take banded_attention (pad,
+  unfold, permute, mask: +18 forward ops each, +54 forward and +45 backward ops a micro-batch). The twin now keeps
+  the branches of the model at its own seq_len (simulator.op_counts.window_branches);
+- one-sequence micro-batches: the count ran one sequence, where some reshapes are views; the plans' two copy
+  (+8 forward ops a micro-batch): counted at two sequences at least (backend.opcount.MIN_SEQUENCES);
+- the router balancer: its margins in each MoE layer's forward (+3 ops per layer) and its step (77 ops), and
+  zero_grad (2): step_ops;
+- data parallel, DDP (gradient_as_bucket_view=True already): zero_grad(set_to_none=True) leaves every gradient
+  None, so on the micro-batch that syncs the reducer copies each of the 80 dense gradients into its bucket and
+  re-views it there (copy_ + as_strided: 160 ops), plus the comm hook's div_ and allreduce_ and DDP's
+  record_function (4): ddp_ops 164; the expert gradients' flat reduction (reduce_grads: cat, div_, a copy back
+  each: 34): expert_reduce_ops. Keeping the gradients (set_to_none=False) would trade the copy and re-view for a
+  zero_ and an add_ per parameter: no fewer ops, so the trainer is left as it is.
+What is left: dp2-ep2-mb2 -51 (-0.7%), the dispatch path at the real (unbalanced) routing.
+The time, not the ops: at ~4 us an op the added ops are 2.1-2.3 ms a step (predicted 1p-mb2 112.9 -> 115.8 ms,
+dp2-mb2 66.4 -> 69.7, dp2-ep2-mb2 81.0 -> 84.3; benchmarks/step_terms.py's predicted at main and here). The
+DP and DP x EP gaps are not op counts: round 5's measured phases (runs/validate-r5/runs/*/metrics.parquet, medians
+of steps 3+, 3 runs) put dp2-mb2's exposed_dp_comm at 10.1 ms against 2.6 predicted and dp2-ep2-mb2's
+exposed_expert_a2a at 34.3 ms against 15.9 (dp2-ep2-gb32-mb8 53.9 against 20.2), while the same exchanges alone
+take 7.5-7.9 ms a step (benchmarks/a2a_alone.py --rows 512 --width 32 --calls 32, load average 4.5): the rest is
+each blocking collective waiting for the other rank (the steps' wall less their CPU time: 15 ms dp2-mb2, 22 ms
+dp2-ep2-mb2), which no term prices.
 """
 
 from __future__ import annotations
