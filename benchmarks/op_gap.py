@@ -31,8 +31,8 @@ What main's count missed, by where (the tags above; model = the backend model at
   each: 34): expert_reduce_ops. Keeping the gradients (set_to_none=False) would trade the copy and re-view for a
   zero_ and an add_ per parameter: no fewer ops, so the trainer is left as it is.
 What is left: dp2-ep2-mb2 -51 (-0.7%), the dispatch path at the real (unbalanced) routing.
-The time, not the ops: at ~4 us an op the added ops are 2.1-2.3 ms a step (predicted 1p-mb2 112.9 -> 115.8 ms,
-dp2-mb2 66.4 -> 69.7, dp2-ep2-mb2 81.0 -> 84.3; benchmarks/step_terms.py's predicted at main and here). The
+The time, not the ops: the added ops are 3.1-3.5 ms a step (predicted 1p-mb2 112.9 -> 116.0 ms, dp2-mb2
+66.4 -> 69.9, dp2-ep2-mb2 81.0 -> 84.4; benchmarks/step_terms.py's predicted line at main and here). The
 DP and DP x EP gaps are not op counts: round 5's measured phases (runs/validate-r5/runs/*/metrics.parquet, medians
 of steps 3+, 3 runs) put dp2-mb2's exposed_dp_comm at 10.1 ms against 2.6 predicted and dp2-ep2-mb2's
 exposed_expert_a2a at 34.3 ms against 15.9 (dp2-ep2-gb32-mb8 53.9 against 20.2), while the same exchanges alone
