@@ -13,8 +13,12 @@ bwd_over_fwd; optimizer ops for one step with the plan's optimizer and the param
 the expert-parallel dispatch path adds per MoE layer, forward (ep_fwd) and backward (ep_bwd) apart, and those
 capacity mode adds to it (capacity_fwd, capacity_bwd) (`count_ep_dispatch`: the real backend.expert_parallel code
 against backend.moe's one-process path, the collectives looped back outside the count; the same at any expert
-degree and number of local experts, so counted at the smallest degree; no expert tensor parallelism). Op counts do not
-depend on sizes (only on the structure), so a short sequence (simulator.op_counts.COUNT_SEQ tokens) is counted on
+degree and number of local experts, so counted at the smallest degree; no expert tensor parallelism); per step, the
+step's end (step_ops: the router balancer's step, as the trainer builds it, whose forward also records routing
+margins; zero_grad) and the trainer's gradient reduction (`count_grad_reduction`: DDP's ops on a one-rank gloo
+group, reduce_grads' flat expert and dense reductions). Op counts do not
+depend on sizes (only on the structure; DDP's per-bucket ops aside), so short sequences (simulator.op_counts.COUNT_SEQ
+tokens, at least MIN_SEQUENCES of them) are counted on
 the model's structural twin (simulator.op_counts.structural_twin: the same structure at widths of a few units, so a
 535B preset counts in about ten seconds; twin=False counts the model as given). Every expert gets rows (no empty
 grouped-GEMM group), as in a training micro-batch of thousands of tokens: each MoE layer's routing is replaced,
