@@ -38,7 +38,11 @@ of steps 3+, 3 runs) put dp2-mb2's exposed_dp_comm at 10.1 ms against 2.6 predic
 exposed_expert_a2a at 34.3 ms against 15.9 (dp2-ep2-gb32-mb8 53.9 against 20.2), while the same exchanges alone
 take 7.5-7.9 ms a step (benchmarks/a2a_alone.py --rows 512 --width 32 --calls 32, load average 4.5): the rest is
 each blocking collective waiting for the other rank (the steps' wall less their CPU time: 15 ms dp2-mb2, 22 ms
-dp2-ep2-mb2), which no term prices.
+dp2-ep2-mb2), which no term prices. benchmarks/step_terms.py at 00:23-00:24 UTC (load average 1.4-2.6, other jobs
+running), rank 0's unprofiled step min / median against predicted main / here: 1p-mb2 122.0 / 141.6 against 112.9 /
+116.0 ms, dp2-mb2 128.9 / 159.2 against 66.4 / 69.9, dp2-ep2-mb2 147.2 / 177.2 against 81.0 / 84.4; in the
+profiled dp2-ep2-mb2 step the expert exchanges' autograd functions hold 85 ms of self time (_AllToAll 45.6,
+_AllToAllBackward 39.4: the blocking all_to_all's wait, outside any aten op) against 4.7 ms in the collectives' ops.
 """
 
 from __future__ import annotations
