@@ -226,3 +226,20 @@ def test_the_twin_takes_the_windowed_attention_branches_of_the_model_at_its_own_
         oc.window_branches(spec.attention.window, spec.seq_len)
     unbanded = replace(spec, attention=replace(spec.attention, window=spec.seq_len))
     assert not oc.window_branches(oc.structural_twin(unbanded).attention.window, oc.COUNT_SEQ)[0]
+
+
+def test_a_counted_micro_batch_runs_the_ops_of_two_sequences_not_one():
+    """At one sequence some reshapes are views that copy at two or more (backend.opcount.MIN_SEQUENCES): tiny-moe's
+    counted layers make the ops its layers make on two sequences, which differ from one sequence's."""
+    from rackcast.backend.opcount import MIN_SEQUENCES, _prepared
+
+    spec = oc.structural_twin(load_model("tiny-moe"))
+
+    def layer_ops(batch: int) -> list[int]:
+        net, counter, tokens = _prepared(spec, batch, spec.seq_len)
+        with counter:
+            net(tokens)
+        return [counter.counts[f"layer{i}"] + counter.counts.get(f"experts{i}", 0) for i in range(spec.layers)]
+
+    assert MIN_SEQUENCES == 2 and layer_ops(1) != layer_ops(2)
+    assert count_ops(spec, "muonh", twin=False)["fwd_layers"] == layer_ops(2)
