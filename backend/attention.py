@@ -26,7 +26,7 @@ from rackcast.backend.context_parallel import context_keys, context_mask
 from rackcast.backend.layers import FusedLinear, Normal, RMSNorm, ShortConv, apply_rope, rms_norm, rotary_dims
 from rackcast.backend.sinks import SinkLogits, attention_with_sinks
 from rackcast.modelspec import ModelSpec
-from rackcast.simulator.activations import window_query_block
+from rackcast.simulator.op_counts import window_query_block
 
 XSA_EPS = 1e-6  # Marin: z = y - (y.v / (|v|^2 + 1e-6)) v
 
@@ -87,8 +87,8 @@ def banded_operands(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tenso
 
 def banded_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
     """Sliding-window causal attention (query i sees keys j with 0 <= i - j < window) of q, k, v [B, H, S, D] that
-    does window-sized work: queries in blocks of window_query_block(window) (rackcast.simulator.activations, whose
-    eager memory count follows these tensors), each block against only the window + block - 1
+    does window-sized work: queries in blocks of window_query_block(window) (rackcast.simulator.op_counts;
+    simulator.activations' eager memory count follows these tensors), each block against only the window + block - 1
     keys it can see, as one SDPA call with the blocks as its batch (banded_operands); a layer
     costs S x (window + block - 1) scores instead of S x S."""
     b, h, s, d = q.shape

@@ -173,3 +173,12 @@ class AuxFreeBiasBalancer:
             with torch.no_grad():
                 moe.router.bias.add_(self.rate * torch.sign(counts.mean() - counts))
             moe.step_counts = None
+
+
+def build_balancer(model: nn.Module, spec, reduce_counts: Reduce | None = None, reduce_max: Reduce | None = None):
+    """The balancer the model's spec names (spec.moe.balance_method; a dense model's QuantileBalancer does nothing),
+    as the trainer builds it (backend.train) and the op count runs it (backend.opcount)."""
+    if spec.moe is not None and spec.moe.balance_method == "aux_free_bias":
+        return AuxFreeBiasBalancer(model, spec.moe.bias_update_rate, reduce_counts=reduce_counts)
+    return QuantileBalancer(model, bins=spec.moe.balance_bins if spec.moe else BALANCE_BINS,
+                            reduce_counts=reduce_counts, reduce_max=reduce_max)

@@ -13,8 +13,12 @@ bwd_over_fwd; optimizer ops for one step with the plan's optimizer and the param
 the expert-parallel dispatch path adds per MoE layer, forward (ep_fwd) and backward (ep_bwd) apart, and those
 capacity mode adds to it (capacity_fwd, capacity_bwd) (`count_ep_dispatch`: the real backend.expert_parallel code
 against backend.moe's one-process path, the collectives looped back outside the count; the same at any expert
-degree and number of local experts, so counted at the smallest degree; no expert tensor parallelism). Op counts do not
-depend on sizes (only on the structure), so a short sequence (simulator.op_counts.COUNT_SEQ tokens) is counted on
+degree and number of local experts, so counted at the smallest degree; no expert tensor parallelism); per step, the
+step's end (step_ops: the router balancer's step, as the trainer builds it, whose forward also records routing
+margins; zero_grad) and the trainer's gradient reduction (`count_grad_reduction`: DDP's ops on a one-rank gloo
+group, reduce_grads' flat expert and dense reductions). Op counts do not
+depend on sizes (only on the structure; DDP's per-bucket ops aside), so short sequences (simulator.op_counts.COUNT_SEQ
+tokens, at least MIN_SEQUENCES of them) are counted on
 the model's structural twin (simulator.op_counts.structural_twin: the same structure at widths of a few units, so a
 535B preset counts in about ten seconds; twin=False counts the model as given). Every expert gets rows (no empty
 grouped-GEMM group), as in a training micro-batch of thousands of tokens: each MoE layer's routing is replaced,
@@ -43,13 +47,15 @@ import contextlib
 import copy
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from rackcast.backend import expert_parallel
+from rackcast.backend import expert_parallel, parallel
+from rackcast.backend.balancing import build_balancer
 from rackcast.backend.model import build_model, next_token_loss
 from rackcast.backend.moe import GroupedExperts, MoE, balanced_assignment
 from rackcast.backend.optim import build_optimizer
@@ -74,6 +80,9 @@ UNPRICED_OPS = frozenset({
     _aten._efficient_attention_backward,
     _aten._unsafe_view,  # a view by another name (matmul's reshape of its output): moves nothing
 })
+# Sequences per counted micro-batch, at least: at one, some reshapes are views (a size-1 dimension's stride is free)
+# that copy at two or more (tiny-moe: 8 forward ops a micro-batch fewer), and training micro-batches hold several
+MIN_SEQUENCES = 2
 GATHERS = frozenset({_aten.embedding})  # read only the rows they write: counted as indices + output, twice the rows
 
 
@@ -159,15 +168,17 @@ def _prepared(spec: ModelSpec, batch: int, seq: int, with_bytes: bool = False):
             if isinstance(sub, GroupedExperts):
                 _tag(sub, counter, f"experts{i}")
     _tag(net.head, counter, "head")
+    net.balancer = build_balancer(net, spec)  # as the trainer: its forward records the routing margins
     tokens = torch.randint(0, spec.vocab, (batch, seq))
     with torch.no_grad():  # warm-up outside the counter: the rotary tables and window masks are made once, lazily
         net(tokens)
     return net, counter, tokens
 
 
-def _step(net, counter: _Counter, tokens, optimizer: str, field: str) -> tuple[dict, int, int]:
+def _step(net, counter: _Counter, tokens, optimizer: str, field: str) -> tuple[dict, int, int, int]:
     """One counted training step: the counter's `field` ("counts" or "moved") of the forward by tag, and the
-    backward's and a (second) optimizer step's totals."""
+    backward's, a (second) optimizer step's and the step's end's (the balancer's step, zero_grad: step_ops)
+    totals."""
     with counter:
         loss, _ = next_token_loss(net(tokens), tokens)
     fwd = dict(getattr(counter, field))
@@ -180,7 +191,62 @@ def _step(net, counter: _Counter, tokens, optimizer: str, field: str) -> tuple[d
     setattr(counter, field, {})
     with counter:
         opt.step()
-    return fwd, bwd, sum(getattr(counter, field).values())
+    opt_total = sum(getattr(counter, field).values())
+    setattr(counter, field, {})
+    with counter:
+        net.balancer.step()
+        opt.zero_grad(set_to_none=True)
+    return fwd, bwd, opt_total, sum(getattr(counter, field).values())
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    """A gloo process group of this process alone for the block (destroyed after): DDP's reducer and comm hook run
+    as on any data-parallel rank, their all-reduces over one rank."""
+    if torch.distributed.is_initialized():
+        raise RuntimeError("counting DDP's ops needs a process without a process group")
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield torch.distributed.group.WORLD
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def count_grad_reduction(net, tokens) -> dict[str, int]:
+    """The ops of the trainer's gradient reduction (backend.parallel) for one step of `net` on `tokens`, the whole
+    model's parameters on one rank: ddp_ops, what DDP (wrap_data_parallel: the dense parameters, gradients as
+    bucket views, the trainer's comm hook) adds to a forward and backward (per dense parameter, its gradient copied
+    into its bucket and re-viewed there; per bucket the hook's average and all-reduce), after the two steps that
+    build the buckets; expert_reduce_ops and dense_reduce_ops, reduce_grads' flat reduction of the expert gradients
+    and (pipeline and tensor-parallel ranks, which DDP does not wrap) of the dense ones (a concatenation, the
+    average, a copy back per gradient; the all-reduce itself is not counted: no group). The twin's gradients fill
+    one bucket; a model whose dense gradients fill more (DDP's bucket_cap_mb) runs two more ops per further bucket,
+    left out: a few ops a step against the thousands counted."""
+    def fwd_bwd(module, counter=None) -> int:
+        with counter or contextlib.nullcontext():
+            next_token_loss(module(tokens), tokens)[0].backward()
+        return sum(counter.counts.values()) if counter else 0
+
+    fwd_bwd(net)  # warm-up: the rotary tables and window masks are made on the first forward
+    net.zero_grad(set_to_none=True)
+    bare = fwd_bwd(net, _Counter())
+    ranks, reduce_layout = SimpleNamespace(edp=None, dp=None, etp=None), SimpleNamespace(tokens=2, expert_divide=2,
+                                                                                            etp=1)
+    flat = {}
+    for key, dense, experts in (("expert_reduce_ops", False, True), ("dense_reduce_ops", True, False)):
+        counter = _Counter()
+        with counter:
+            parallel.reduce_grads([net], ranks, reduce_layout, parallel.PhaseTimer(), dense=dense, experts=experts)
+        flat[key] = sum(counter.counts.values())
+    with _one_rank_group() as group:
+        ddp = parallel.wrap_data_parallel(net, SimpleNamespace(dp=group), SimpleNamespace(tokens=2),
+                                          parallel.PhaseTimer())
+        for _ in range(2):
+            ddp.zero_grad(set_to_none=True)
+            fwd_bwd(ddp)
+        ddp.zero_grad(set_to_none=True)
+        wrapped = fwd_bwd(ddp, _Counter())
+    return {"ddp_ops": wrapped - bare, **flat}
 
 
 def _loopback(out, x, output_split_sizes=None, input_split_sizes=None, group=None):
@@ -245,17 +311,20 @@ def count_ep_dispatch(spec: ModelSpec, ep: int, tokens: int) -> dict[str, int]:
 
 def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool = True) -> dict:
     """Counts for a model preset name, YAML path or ModelSpec (see the module docstring); twin=False counts the
-    model as given instead of its structural twin (the same counts, at the full model's cost)."""
+    model as given, on its own seq_len, instead of its structural twin (the same counts, at the full model's
+    cost)."""
     spec = model if isinstance(model, ModelSpec) else load_model(model)
     name = spec.name
     if twin:
         spec = structural_twin(spec, seq)
-    s = min(seq, spec.seq_len)
-    batch = 1
+    s = spec.seq_len  # the twin's is at most `seq`; a model as given is counted on what it trains on
+    batch = MIN_SEQUENCES
     if spec.moe is not None:  # sequences enough for every expert to get a row: tokens x top_k >= experts
-        batch = -(-spec.moe.experts // (spec.moe.top_k * s))
+        batch = max(batch, -(-spec.moe.experts // (spec.moe.top_k * s)))
     net, counter, tokens = _prepared(spec, batch, s)
-    fwd, bwd, opt_ops = _step(net, counter, tokens, optimizer, "counts")
+    fwd, bwd, opt_ops, step_ops = _step(net, counter, tokens, optimizer, "counts")
+    net.zero_grad(set_to_none=True)
+    reduction = count_grad_reduction(net, tokens)
     layers = [fwd.get(f"layer{i}", 0) + fwd.get(f"experts{i}", 0) for i in range(spec.layers)]
     experts = [fwd.get(f"experts{i}", 0) for i in range(spec.layers)]
     fwd_total = sum(fwd.values())
@@ -267,14 +336,14 @@ def count_ops(model, optimizer: str = "muonh", seq: int = COUNT_SEQ, twin: bool 
             "experts": spec.moe.experts if spec.moe else 0,
             "fwd_embed": fwd.get("embed", 0), "fwd_layers": layers, "fwd_experts": experts,
             "fwd_head": fwd.get("head", 0) + fwd.get("untagged", 0), "fwd_total": fwd_total,
-            "bwd_over_fwd": bwd / fwd_total, "optimizer_ops": opt_ops}
+            "bwd_over_fwd": bwd / fwd_total, "optimizer_ops": opt_ops, "step_ops": step_ops, **reduction}
 
 
 def bytes_at(spec: ModelSpec, optimizer: str, sequences: int) -> dict:
     """Bytes moved by the eager ops of one training step on `sequences` sequences of spec.seq_len tokens: forward
     by part (embed, layers, head), backward and optimizer totals (see the module docstring)."""
     net, counter, tokens = _prepared(spec, sequences, spec.seq_len, with_bytes=True)
-    fwd, bwd, opt = _step(net, counter, tokens, optimizer, "moved")
+    fwd, bwd, opt, _ = _step(net, counter, tokens, optimizer, "moved")
     return {"fwd_embed": fwd.get("embed", 0),
             "fwd_layers": [fwd.get(f"layer{i}", 0) + fwd.get(f"experts{i}", 0) for i in range(spec.layers)],
             "fwd_head": fwd.get("head", 0) + fwd.get("untagged", 0), "bwd": bwd, "optimizer": opt}

@@ -43,7 +43,7 @@ from rackcast.backend import checkpoint, memprof, record, speed_probe, step_gc
 from rackcast.backend.compiled import compile_blocks
 from rackcast.backend.context_parallel import ContextShard, chunk_loss, sequence_chunk, shard_context
 from rackcast.backend.attached_loss import AttachedLoss
-from rackcast.backend.balancing import AuxFreeBiasBalancer, QuantileBalancer
+from rackcast.backend.balancing import build_balancer
 from rackcast.backend.data import TokenData, prepare
 from rackcast.backend.expert_parallel import expert_shard_of, pop_drop_counts, shard_experts
 from rackcast.backend.fault_injection import fail_hook
@@ -63,7 +63,7 @@ from rackcast.backend.cpu_runtime import configure_cpu_process
 from rackcast.errors import RackcastError
 from rackcast.modelspec import FlopsConvention
 from rackcast.plan import inputs_hash, load_plan
-from rackcast.vocab import BALANCE_BINS, MEASURED_PHASES
+from rackcast.vocab import MEASURED_PHASES
 
 EVAL_SEQUENCES = 16
 MEMORY_STEP = 2  # index, among this process's steps, of the step whose peak live tensor bytes are measured on CPU
@@ -177,11 +177,7 @@ class Trainer:
         dp_group = self.groups.stage if self.groups else None  # dp, or dp x tp under sequence parallelism
         reduce_sum = (lambda t: dist.all_reduce(t, group=dp_group)) if dp_group else None
         reduce_max = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)) if dp_group else None
-        if spec.moe is not None and spec.moe.balance_method == "aux_free_bias":
-            self.balancer = AuxFreeBiasBalancer(self.local, spec.moe.bias_update_rate, reduce_counts=reduce_sum)
-        else:
-            self.balancer = QuantileBalancer(self.local, bins=spec.moe.balance_bins if spec.moe else BALANCE_BINS,
-                                             reduce_counts=reduce_sum, reduce_max=reduce_max)
+        self.balancer = build_balancer(self.local, spec, reduce_sum, reduce_max)
         self.microbatches = self.plan.microbatches
         AttachedLoss.backward_scale = 1.0 / self.microbatches  # MTP and auxiliary losses, as the main loss is scaled
         self.pipe = Pipeline(self.wrapped, self.chunk_index, lay, self.plan.schedule, self.microbatches,

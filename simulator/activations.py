@@ -34,7 +34,7 @@ from typing import Literal
 
 from rackcast.modelspec import ModelSpec
 from rackcast.plan import Plan
-from rackcast.simulator.op_counts import rotary_dims
+from rackcast.simulator.op_counts import rotary_dims, window_query_block
 
 Activations = Literal["fused", "eager"]
 MODES = ("fused", "eager")
@@ -43,14 +43,6 @@ BYTES = {"bf16": 2, "fp8": 1, "fp32": 4}
 FP32 = 4
 MASK_BYTES = 1  # dropout masks and boolean masks are stored as one byte per element
 INDEX_BYTES = 8  # token and expert indices are int64 (torch.argsort's, torch.topk's output)
-WINDOW_CHUNKS = 4  # the backend's windowed attention takes queries in blocks of window / WINDOW_CHUNKS
-
-
-def window_query_block(window: int) -> int:
-    """Queries per block of the backend's sliding-window attention (backend.attention.banded_attention): each
-    query reads window + block - 1 keys, so a smaller block wastes fewer masked scores and a larger one makes
-    fewer, larger kernel calls."""
-    return max(1, window // WINDOW_CHUNKS)
 
 
 def activation_bytes(dtype: str | None = None) -> int:

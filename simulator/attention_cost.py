@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
-from rackcast.simulator.activations import window_query_block
+from rackcast.simulator.op_counts import window_query_block
 from rackcast.simulator.gemm_surface import grid_efficiency
 from rackcast.topologies.spec import ATTENTION_KINDS, Topology, attention_axes
 

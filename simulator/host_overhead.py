@@ -20,7 +20,8 @@ Model, per pipeline rank s holding layers L(s) (rackcast.layout.ParallelSpec.ran
         forward ops, recomputed ones included, .backward for backward ops);
     with pipeline p > 1 the step's critical path is (m + p - 1) x ops_mb(s*) x t_op, s* the stage with the most
         ops (the bubble grows too);
-    optimizer overhead = optimizer ops x |L(s)| / layers x host_op_s.optimizer (its per-tensor loop).
+    optimizer overhead = (optimizer ops + the step's end and gradient reduction's ops: step_end_ops) x |L(s)| /
+        layers x host_op_s.optimizer (its per-tensor loop).
 Communication is blocking in the CPU trainer, so the overhead is added, not overlapped. This module does not import
 torch.
 
@@ -164,10 +165,33 @@ def optimizer_ops(counts: dict, spec: ModelSpec, plan: Plan, stage: int) -> floa
     return counts["optimizer_ops"] * len(plan.rank_layers(spec, stage)) / spec.layers
 
 
+def step_end_ops(counts: dict, spec: ModelSpec, plan: Plan, stage: int) -> float:
+    """The ops of one step on pipeline rank `stage` outside its micro-batches and optimizer (its share of the
+    layers of each, counted on the whole model: backend.opcount.count_grad_reduction, _step): the step's end
+    (step_ops: the router balancer's step, zero_grad) and the gradient reduction the trainer runs (backend.train):
+    none on one rank or under ZeRO-2 (backend.zero reduces); over token ranks (data x fsdp x context) without
+    FSDP, the expert gradients' flat reduction (expert_reduce_ops) and the dense ones' by DDP (ddp_ops: a gradient
+    copy into its bucket and a re-view per dense parameter, the comm hook's average and all-reduce per bucket) or,
+    on pipeline and tensor-parallel ranks, which DDP does not wrap, flat (dense_reduce_ops). Priced with the
+    optimizer's per-tensor loop (host_op_s.optimizer), whose kind of per-parameter loop they are."""
+    p = plan.parallel
+    ops = float(counts["step_ops"])
+    if p.gpus > 1 and p.zero != 2 and p.fsdp == 1 and p.data * p.context > 1:
+        dense = "dense_reduce_ops" if p.pipeline > 1 or p.tensor > 1 else "ddp_ops"
+        ops += counts["expert_reduce_ops"] + counts[dense]
+    return ops * len(plan.rank_layers(spec, stage)) / spec.layers
+
+
+def per_step_ops(counts: dict, spec: ModelSpec, plan: Plan, stage: int) -> float:
+    """Ops of one step on pipeline rank `stage` run once a step: the optimizer's and step_end_ops'."""
+    return optimizer_ops(counts, spec, plan, stage) + step_end_ops(counts, spec, plan, stage)
+
+
 @dataclass
 class HostOps:
     """Framework ops of one step on rank 0, by kind (forward ops, recomputed ones included; backward ops; optimizer
-    ops): its own, and the extra ones on the pipeline's critical path (the bubble they cause)."""
+    and the step's other once-a-step ops: per_step_ops): its own, and the extra ones on the pipeline's critical
+    path (the bubble they cause)."""
 
     forward: float
     backward: float
@@ -223,7 +247,7 @@ def _op_inputs(counts: dict, spec: ModelSpec, plan: Plan) -> tuple:
 
 def host_ops(counts: dict, spec: ModelSpec, plan: Plan) -> HostOps:
     forward, recomputed, backward = _stage_amounts(*_op_inputs(counts, spec, plan))
-    return _per_step(forward, recomputed, backward, optimizer_ops(counts, spec, plan, 0), plan)
+    return _per_step(forward, recomputed, backward, per_step_ops(counts, spec, plan, 0), plan)
 
 
 # ------------------------------------------------------------------------------------------ eager memory traffic
@@ -282,8 +306,9 @@ class HostCosts:
                 "embed_bytes": b.embed if b and first else 0.0, "head_bytes": b.head if b and last else 0.0}
 
     def optimizer_s(self, spec: ModelSpec, plan: Plan, stage: int) -> float:
-        """The optimizer step's host ops and eager bytes on rank `stage`."""
-        s = optimizer_ops(self.counts, spec, plan, stage) * self.times.optimizer if self.counts else 0.0
+        """The optimizer step's host ops and eager bytes on rank `stage`, and the step's other once-a-step ops
+        (per_step_ops)."""
+        s = per_step_ops(self.counts, spec, plan, stage) * self.times.optimizer if self.counts else 0.0
         if self.bytes:
             s += eager_bytes_time(optimizer_bytes(self.bytes, spec, plan, stage), self.topo)
         return s

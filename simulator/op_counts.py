@@ -23,7 +23,8 @@ how to count it. The returned dict names the model asked for ("model").
 
 Why a twin counts the same (see backend.model, layers, attention, moe, optim): an op count changes with a width only
 where the code branches on it. Those branches are kept: the rotary split of a head (nothing, part or all of it
-rotated), the window against the counted tokens (masked or causal attention), the short convolution's lags against
+rotated), the windowed attention's branches (banded or not, ragged last block: window_branches) at the model's own
+seq_len, the short convolution's lags against
 them, and the orientation of every matrix in the optimizer step (Newton-Schulz transposes a tall matrix), which is
 why the two sides of every matrix keep their order (d_model against each width it projects to or from, the experts'
 input width against their hidden width); no width becomes 1 (a size-1 dimension can change strides and so a
@@ -54,11 +55,16 @@ CACHE_ENV = "RACKCAST_CACHE"
 CACHE_SUBDIR = "op-counts"
 # backend.opcount.count_ep_dispatch's: the expert-parallel dispatch path's own ops per MoE layer, capacity mode's
 DISPATCH_KEYS = ("ep_fwd", "ep_bwd", "capacity_fwd", "capacity_bwd")
-KEYS = ("fwd_embed", "fwd_layers", "fwd_experts", "fwd_head", "bwd_over_fwd", "optimizer_ops", *DISPATCH_KEYS)
+# backend.opcount's per step, outside the micro-batches: the step's end (the balancer's step, zero_grad), the
+# gradient reduction's host ops (count_grad_reduction: DDP's, the flat expert and dense reductions'), whole model
+STEP_KEYS = ("step_ops", "ddp_ops", "expert_reduce_ops", "dense_reduce_ops")
+KEYS = ("fwd_embed", "fwd_layers", "fwd_experts", "fwd_head", "bwd_over_fwd", "optimizer_ops", *DISPATCH_KEYS,
+        *STEP_KEYS)
 UNKEYED = ("name", "family", "description", "recipe")  # labels and the recipe, not structure: not in the key
 COUNT_SEQ = 32  # tokens per counted sequence (backend.opcount): more than any preset's conv kernel, so every lag runs
 GROUPED_MM_ALIGN_BYTES = 16  # torch grouped_mm wants row strides of a multiple of 16 bytes (backend.moe pads others)
 COUNT_DTYPE_BYTES = 4  # counts run in fp32 (backend.opcount)
+WINDOW_CHUNKS = 4  # the backend's windowed attention takes queries in blocks of window / WINDOW_CHUNKS
 MIN_WIDTH = 2  # a dimension of 1 can change which strides torch sees as contiguous (and so a reshape's or a
 # matmul's ops); 2 behaves like any larger size, so a twin width is 1 only where the full spec's is
 _MEMORY: dict[str, dict] = {}  # key -> counts, this process
@@ -92,6 +98,37 @@ def spec_data(spec: ModelSpec) -> dict:
 def rotary_dims(head_dim: int, fraction: float) -> int:
     """backend.layers.rotary_dims (rotated dims per head), restated so this module does not import torch."""
     return int(head_dim * fraction) // 2 * 2
+
+
+def window_query_block(window: int) -> int:
+    """Queries per block of the backend's sliding-window attention (backend.attention.banded_attention): each
+    query reads window + block - 1 keys, so a smaller block wastes fewer masked scores and a larger one makes
+    fewer, larger kernel calls. Here (not in simulator.activations, which imports it) because the op count's
+    twin keeps its branches (`window_branches`)."""
+    return max(1, window // WINDOW_CHUNKS)
+
+
+def window_branches(window: int, seq: int) -> tuple[bool, bool, bool]:
+    """The branches backend.attention takes for a local layer of context `window` on `seq` tokens: banded (window
+    < seq), and when banded a ragged last block (seq not a multiple of window_query_block: padded and cut) and
+    one-query blocks (a size-1 dimension: views where larger blocks copy)."""
+    if not window or window >= seq:
+        return False, False, False
+    block = window_query_block(window)
+    return True, seq % block != 0, block == 1
+
+
+def _twin_window(window: int, seq_len: int, twin_seq: int) -> int:
+    """The twin's window on `twin_seq` tokens: the largest one, at most the full window, whose window_branches
+    there are those of the full window on the model's own seq_len (what it trains on)."""
+    if not window:
+        return 0
+    full = window_branches(window, seq_len)
+    for w in range(min(window, twin_seq), 0, -1):
+        if window_branches(w, twin_seq) == full:
+            return w
+    raise RackcastError(f"no window on {twin_seq} counted tokens takes the branches of window {window} on "
+                        f"{seq_len}")
 
 
 def _rope_kind(head_dim: int, fraction: float) -> tuple[bool, bool]:
@@ -158,11 +195,13 @@ def _twin_widths(spec: ModelSpec, head_dim: int) -> dict[str, int] | None:
 
 
 def structure(spec: ModelSpec, seq: int = COUNT_SEQ) -> tuple:
-    """What the backend's op count of `spec` on min(seq, seq_len) tokens depends on beyond the spec's other fields:
-    per layer (global, MoE, KV heads, stored KV heads, masked attention), the counted tokens, the rotary branches,
-    which widths are 1, and the order of the two sides of every matrix (paired_widths)."""
+    """What the backend's op count of `spec` depends on beyond the spec's other fields: per layer (global, MoE, KV
+    heads, stored KV heads, the windowed attention's branches on the spec's own seq_len: window_branches), the
+    counted tokens min(seq, seq_len), the rotary branches, which widths are 1, and the order of the two sides of
+    every matrix (paired_widths)."""
     s = min(spec.seq_len, seq)
-    layers = [(spec.is_global(i), spec.is_moe(i), spec.kv_heads(i), spec.kv_heads_stored(i), spec.context(i) < s)
+    layers = [(spec.is_global(i), spec.is_moe(i), spec.kv_heads(i), spec.kv_heads_stored(i),
+               window_branches(0 if spec.is_global(i) else spec.context(i), spec.seq_len))
               for i in range(spec.layers)]
     w = widths(spec)
     order = sorted((a, b, (w[a] > w[b]) - (w[a] < w[b])) for a, b in paired_widths(spec))
@@ -172,15 +211,16 @@ def structure(spec: ModelSpec, seq: int = COUNT_SEQ) -> tuple:
 
 def structural_twin(spec: ModelSpec, seq: int = COUNT_SEQ) -> ModelSpec:
     """A valid ModelSpec with `spec`'s structure and widths of a few units, whose backend model makes the same
-    framework ops as `spec`'s when counted on min(seq, seq_len) tokens (backend.opcount.count_ops).
+    framework ops as `spec`'s at its own seq_len, counted on min(seq, seq_len) tokens (backend.opcount.count_ops).
 
     Kept: layers, heads and KV-head counts, window or not, global_every, output gate, exclusive attention, rope
     fraction and placement, qk multiplier, biases, positional kind, experts, top_k, shared experts, dense layers,
     router bias, latent or not, activation, norms, gated norm or not, conv sites and kernel, tied embeddings.
     Shrunk: head_dim to the smallest keeping its rotary branches; every other width by `_twin_widths`, keeping the
     order of the two sides of each matrix (an optimizer step transposes a tall one: backend.optim.newton_schulz);
-    seq_len to the counted tokens and the window to at most that (a local layer masks exactly when the full spec's
-    does on those tokens). Idempotent, and the same for two specs whose widths differ but keep those orders."""
+    seq_len to the counted tokens and the window to the largest that takes, on those tokens, the branches the full
+    window takes on the full seq_len (_twin_window: banded or not, ragged last block or not). Idempotent, and the
+    same for two specs whose widths differ but keep those orders."""
     a = spec.attention
     if a.mla is not None:
         # The twin shrinks head_dim and the widths it pairs; latent attention's ranks and head split are not among
@@ -201,7 +241,7 @@ def structural_twin(spec: ModelSpec, seq: int = COUNT_SEQ) -> ModelSpec:
                                    shared_ffn=w.get("shared_ffn", 0))
         twin = replace(spec, d_model=w["d_model"], vocab=w["vocab"], seq_len=seq_len, ffn=w.get("ffn", 0),
                        gated_norm_rank=w.get("gated_norm_rank", 0), moe=moe,
-                       attention=replace(a, head_dim=head_dim, window=min(a.window, seq_len)))
+                       attention=replace(a, head_dim=head_dim, window=_twin_window(a.window, spec.seq_len, seq_len)))
     except (ValueError, TypeError) as exc:  # ModelSpec's own validation
         raise RackcastError(f"the structural twin of model {spec.name!r} is not a valid spec: {exc}") from None
     if structure(twin, seq) != structure(spec, seq):
