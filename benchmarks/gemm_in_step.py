@@ -1,0 +1,248 @@
+"""Every matrix product of a CPU training step, in the step and alone, beside the simulator's price (issue 15).
+
+    .venv/bin/python benchmarks/gemm_in_step.py runs/validate-r5/plans/1p-mb2.yaml --topology runs/calibrated-r5.yaml
+    .venv/bin/python benchmarks/gemm_in_step.py runs/validate-r5/plans/dp2-mb2.yaml --topology runs/calibrated-r5.yaml
+
+The real trainer (backend.train.Trainer, one torch thread per process, under torchrun where the plan has several
+ranks) runs warm-up steps, then rank 0 runs STEPS steps under a dispatch mode (torch.utils._python_dispatch) that
+records every aten mm / addmm / bmm / baddbmm / _grouped_mm call: its phase (forward, backward: an autograd node is
+running, optimizer: inside Optimizer.step), its operand layout (N contiguous, T a transposed view: what BLAS gets as
+a transpose flag) and its time (perf_counter around the call only, so the mode's own Python is outside it; the
+trainer's profiler-free step). Each distinct call is then replayed alone: warm (calibrate's Timer: operands reused
+in a loop, as the calibrated surface is measured), in the calibrated layout (NN, contiguous operands), and cold
+(median per call with a buffer of --flush-mib touched between calls, outside the timing: the operands evicted from
+the caches). Priced: each dense product at its own m x n x k on the calibrated surface (costs.gemm_time), and what
+the simulator charges: the model's GEMMs (simulator.gemms) at their forward shapes x (1 + 2 backward), the routed
+experts (costs.grouped_gemm_time at costs.expert_shape) x 3, MuonH's Newton-Schulz at costs.newton_schulz_shape.
+On CPU, aten::_grouped_mm runs one aten::mm per expert below the dispatcher's Python key, so a profiler's aten::mm
+total (benchmarks/step_terms.py) also holds the routed experts' products; here they are _grouped_mm's.
+
+Findings (2026-12-02, 2-core CPU shared with other jobs, load average 0.3-0.7 (1p) / 0.6-0.7 (dp2), calibrated-r5
+topology; `benchmarks/gemm_in_step.py PLAN --topology /work/main/runs/calibrated-r5.yaml`, figures per step):
+- 1p-mb2, dense aten::mm: 636 calls (53 forward products a micro-batch x 3 x 4 micro-batches: every one is a GEMM
+  simulator.gemms lists; none missing). The simulator charges 12.45 ms (of which 0.37 ms for the short
+  convolutions, which the trainer runs as shifted copies, not as products); the surface at each call's own shape
+  11.3; alone warm in its own layout 10.8, in NN 11.3; in the step 17.4-18.8 ms (also 17.3-18.8 under
+  torch.profiler, whose own cost on aten::mm self time is < 2%: 636 warm calls 11.24 ms unprofiled, 11.2-11.4
+  profiled). So the gap is (d) in-step: +6.5 ms (+60%) over the same calls alone; (b) operand layout moves the
+  alone total by -0.5 ms (forward x @ W^T, NT, is faster than NN at narrow outputs: 256x8x64 11.4 vs 19.3 us,
+  256x4x64 6.8 vs 17.1; backward dW, TN, +3%); (a) backward products priced at the forward's shape x 2 give 8.06 ms
+  where their own shapes give 7.26 (alone 7.33); (c) the clamped shapes (m = 4 or 8 below the m axis's 32, n = 4
+  below the n axis's 8) move 0.1 ms.
+- The in-step excess grows with the call's operand and output bytes (74 KiB: +4-10 us, 384 KiB: +18-46 us, about
+  10 GB/s over all 636 calls) and is reproduced alone only by evicting the caches between calls: the same 636
+  calls cold 12.2 (4 MiB flushed), 12.4 (8), 14.8 (16), 26.5 (24), 22.7 (32), 33.7 ms (48 MiB; L2 1 MiB per core,
+  L3 32 MiB shared). In the step the operands sit between L2-cold and L3-cold, a residency no fixed-layout or
+  fixed-flush calibration sets without choosing it to match (a fit); the surface prices the calls as measured
+  alone within 5% in every layout.
+- Routed experts (_grouped_mm, 96 calls = 8 experts' mm each): simulator 4.94 ms, in the step 6.1-7.0 ms; in a
+  profiled step 4.6-4.9 ms of aten::mm self time is theirs (step_terms' "aten::mm 22-24 ms" counted them).
+- MuonH Newton-Schulz (100 bmm + 200 baddbmm, 204.9 MFLOP; the simulator counts 203.2): alone 3.85 ms, in a
+  profiled step 3.4-4.5 ms, simulator 2.93 ms (all FLOPs at one 64 x 64 x 64 product: the batched small matrices
+  run slower); each call's own shape on the dense surface would charge 5.69 ms (bmm amortises its call over the
+  batch).
+- dp2-mb2 (rank 0): dense mm 318 calls in the step 8.0-8.7 ms, alone 5.4, simulator 6.2; _grouped_mm 48 calls
+  2.7-4.3 ms in the step, simulator 2.47.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rackcast.units import MIB
+
+WARMUP_STEPS, STEPS = 3, 3
+REPLAY_CALLS = 40  # per-call timings of a cold replay (the median is kept)
+BACKWARD_PRODUCTS = 2  # a GEMM's backward: the data gradient and the weight gradient, each the forward's FLOPs
+
+
+def _layout(t) -> str:
+    return "N" if t.is_contiguous() else ("T" if t.stride()[-2] == 1 else "S")
+
+
+def capture(trainer, steps: int) -> dict:
+    """{key: {"calls", "step_s" (in-step seconds, summed), "args" (clones of one call's operands)}} over `steps`
+    trainer steps; key (op, phase, operand shapes, layout)."""
+    import torch
+    import torch.optim.optimizer as optimizer_hooks
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    operands = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
+                aten.baddbmm.default: (1, 2), aten._grouped_mm.default: (0, 1)}
+    in_optimizer = [False]
+    hooks = [optimizer_hooks.register_optimizer_step_pre_hook(lambda *_: in_optimizer.__setitem__(0, True)),
+             optimizer_hooks.register_optimizer_step_post_hook(lambda *_: in_optimizer.__setitem__(0, False))]
+    calls: dict = {}
+
+    class Timed(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func not in operands:
+                return func(*args, **(kwargs or {}))
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            seconds = time.perf_counter() - t0
+            a, b = (args[i] for i in operands[func])
+            phase = "optimizer" if in_optimizer[0] else \
+                "backward" if torch._C._current_autograd_node() is not None else "forward"
+            key = (func.__name__.split(".")[0], phase, tuple(a.shape), tuple(b.shape), _layout(a) + _layout(b))
+            row = calls.setdefault(key, {"calls": 0, "step_s": 0.0, "args": None, "kwargs": kwargs or {}})
+            row["calls"] += 1
+            row["step_s"] += seconds
+            if row["args"] is None:
+                row["args"] = [x.detach().clone(memory_format=torch.preserve_format)
+                               if isinstance(x, torch.Tensor) else x for x in args]
+            return out
+
+    with Timed():
+        for step in range(steps):
+            trainer.train_step(WARMUP_STEPS + step)
+    for h in hooks:
+        h.remove()
+    return calls
+
+
+def replay(key, row, flush_mib: float) -> dict:
+    """One call alone: warm (calibrate's Timer), in NN layout (mm only), cold (median of per-call timings, a
+    flush_mib buffer touched between calls)."""
+    import torch
+
+    from rackcast.backend.calibrate_compute import Timer
+
+    func = getattr(torch.ops.aten, key[0]).default
+    args, kwargs = row["args"], row["kwargs"]
+    timer = Timer(torch.device("cpu"), samples=5, target_s=0.005)
+    out = {"warm_s": timer(lambda: func(*args, **kwargs))}
+    if key[0] == "mm":
+        a, b = (x.contiguous() for x in args)
+        out["nn_s"] = timer(lambda: torch.mm(a, b))
+    flush = torch.zeros(int(flush_mib * MIB) // torch.zeros(()).element_size())
+    cold = []
+    for _ in range(REPLAY_CALLS):
+        flush.add_(1.0)
+        t0 = time.perf_counter()
+        func(*args, **kwargs)
+        cold.append(time.perf_counter() - t0)
+    out["cold_s"] = statistics.median(cold)
+    return out
+
+
+def simulator_prices(plan_path: str, topology: str) -> dict:
+    """Seconds a step of rank 0 is charged for its dense GEMMs (without and with the short convolutions), routed
+    experts and Newton-Schulz products, and the pricing of one dense product at its own shape (a function)."""
+    from rackcast.plan import load_plan
+    from rackcast.simulator import costs
+    from rackcast.simulator.gemms import embed_gemms, gemms_seconds, layer_gemms, tail_work
+    from rackcast.simulator.optimizer_cost import newton_schulz_flops
+    from rackcast.simulator.stage_work import stage_work
+    from rackcast.topologies import load_topology
+
+    plan = load_plan(plan_path)
+    topo = load_topology(topology, plan.topology.domains, plan.topology.usable_gpus or None)
+    spec, par = plan.model_spec(), plan.parallel
+    tokens = plan.tokens_per_microbatch(spec)
+    per_mb = (1 + BACKWARD_PRODUCTS) * plan.microbatches
+    gemms = [g for i in range(spec.layers) for g in layer_gemms(spec, i)]
+    ends = list(tail_work(spec).gemms + embed_gemms(spec))
+    dense = gemms_seconds(gemms + ends, tokens, par.tensor, topo, plan.precision)
+    convs = gemms_seconds([g for g in gemms if g.part == "conv"], tokens, par.tensor, topo, plan.precision)
+    shape = costs.expert_shape(costs.expert_rows(tokens, spec, par.expert_group), spec, par.expert, par.expert_tensor)
+    experts = float(costs.grouped_gemm_time(stage_work(spec, plan).experts[0] * tokens, shape, topo, plan.precision))
+    ns = newton_schulz_flops(spec, plan, list(range(spec.layers)))
+    return {"dense_s": per_mb * dense, "conv_s": per_mb * convs, "experts_s": per_mb * experts,
+            "newton_schulz_s": float(costs.gemm_time(ns, costs.newton_schulz_shape(spec), topo, plan.precision)),
+            "own_shape": lambda m, n, k: float(costs.gemm_time(2.0 * m * n * k, costs.GemmShape(m, n, k), topo,
+                                                                plan.precision))}
+
+
+def child(plan: str, out: str, topology: str, flush_mib: float) -> None:
+    import torch
+
+    from rackcast.backend import train
+
+    args = train.parse_args(["--plan", plan, "--out", out, "--steps", str(WARMUP_STEPS + STEPS), "--quiet",
+                             "--threads", "1"])
+    trainer = train.Trainer(args)
+    trainer._data()
+    for step in range(WARMUP_STEPS):
+        trainer.train_step(step)
+    calls = capture(trainer, STEPS)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    price = simulator_prices(plan, topology)["own_shape"]
+    rows = []
+    for key, row in calls.items():
+        r = {"op": key[0], "phase": key[1], "a": key[2], "b": key[3], "layout": key[4],
+             "calls": row["calls"] / STEPS, "step_s": row["step_s"] / row["calls"], **replay(key, row, flush_mib)}
+        if key[0] == "mm":
+            (m, k), n = key[2], key[3][1]
+            r["surface_s"] = price(m, n, k)
+        rows.append(r)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, "gemm_in_step.json").write_text(json.dumps({"rows": rows, "load": list(_loadavg())}))
+
+
+def _loadavg():
+    import os
+
+    return os.getloadavg()
+
+
+def _total(rows, field: str) -> float:
+    return sum(r["calls"] * r[field] for r in rows if field in r) * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan")
+    ap.add_argument("--topology", required=True)
+    ap.add_argument("--flush-mib", type=float, default=32.0, help="buffer touched between cold calls (MiB)")
+    ap.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a.plan, a.child, a.topology, a.flush_mib)
+        return 0
+    from rackcast.backend.launch import worker_env
+    from rackcast.plan import load_plan
+
+    out = Path("runs") / f".gemm-in-step-{Path(a.plan).stem}"
+    world = load_plan(a.plan).parallel.gpus
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", "--max-restarts", "0"] if world > 1 else [sys.executable]
+    subprocess.run([*cmd, str(Path(__file__).resolve()), a.plan, "--topology", a.topology, "--flush-mib",
+                    str(a.flush_mib), "--child", str(out)], check=True, env=worker_env(override=True))
+    result = json.loads((out / "gemm_in_step.json").read_text())
+    rows, sim = result["rows"], simulator_prices(a.plan, a.topology)
+    print(f"== {a.plan}  load average {result['load']}  (ms per step, rank 0; cold: {a.flush_mib:g} MiB flushed)")
+    mm = [r for r in rows if r["op"] == "mm"]
+    print(f"dense mm: {sum(r['calls'] for r in mm):.0f} calls: in the step {_total(mm, 'step_s'):.2f}, alone warm "
+          f"{_total(mm, 'warm_s'):.2f} (NN layout {_total(mm, 'nn_s'):.2f}), alone cold {_total(mm, 'cold_s'):.2f}; "
+          f"surface at own shapes {_total(mm, 'surface_s'):.2f}; simulator {sim['dense_s'] * 1e3:.2f} (of which "
+          f"convolutions, no mm in the trainer, {sim['conv_s'] * 1e3:.2f})")
+    for phase in ("forward", "backward"):
+        for layout in sorted({r["layout"] for r in mm if r["phase"] == phase}):
+            sel = [r for r in mm if r["phase"] == phase and r["layout"] == layout]
+            print(f"  {phase} {layout}: {sum(r['calls'] for r in sel):.0f} calls: step {_total(sel, 'step_s'):.2f}, "
+                  f"warm {_total(sel, 'warm_s'):.2f}, NN {_total(sel, 'nn_s'):.2f}, cold {_total(sel, 'cold_s'):.2f}, "
+                  f"surface {_total(sel, 'surface_s'):.2f}")
+    for r in sorted(mm, key=lambda r: -r["calls"] * r["step_s"]):
+        (m, k), n = r["a"], r["b"][1]
+        print(f"    {r['phase']:8s} {r['layout']} {m}x{n}x{k} x{r['calls']:.0f}: step {r['step_s'] * 1e6:.1f}, warm "
+              f"{r['warm_s'] * 1e6:.1f}, NN {r['nn_s'] * 1e6:.1f}, cold {r['cold_s'] * 1e6:.1f}, surface "
+              f"{r['surface_s'] * 1e6:.1f} us")
+    for label, ops, price in (("routed experts (_grouped_mm)", ("_grouped_mm",), sim["experts_s"]),
+                              ("optimizer (bmm, baddbmm)", ("bmm", "baddbmm"), sim["newton_schulz_s"])):
+        sel = [r for r in rows if r["op"] in ops]
+        print(f"{label}: {sum(r['calls'] for r in sel):.0f} calls: in the step {_total(sel, 'step_s'):.2f}, alone "
+              f"warm {_total(sel, 'warm_s'):.2f}, cold {_total(sel, 'cold_s'):.2f}; simulator {price * 1e3:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
