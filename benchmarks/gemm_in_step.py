@@ -66,9 +66,10 @@ def _layout(t) -> str:
     return "N" if t.is_contiguous() else ("T" if t.stride()[-2] == 1 else "S")
 
 
-def capture(trainer, steps: int) -> dict:
+def capture(trainer, steps: int, repeat: bool = False) -> dict:
     """{key: {"calls", "step_s" (in-step seconds, summed), "args" (clones of one call's operands)}} over `steps`
-    trainer steps; key (op, phase, operand shapes, layout)."""
+    trainer steps; key (op, phase, operand shapes, layout). `repeat`: each call is run again at once on the same
+    operands (now in cache), its seconds summed as "repeat_s"."""
     import torch
     import torch.optim.optimizer as optimizer_hooks
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,13 +89,20 @@ def capture(trainer, steps: int) -> dict:
             t0 = time.perf_counter()
             out = func(*args, **(kwargs or {}))
             seconds = time.perf_counter() - t0
+            again = 0.0
+            if repeat:
+                t0 = time.perf_counter()
+                func(*args, **(kwargs or {}))
+                again = time.perf_counter() - t0
             a, b = (args[i] for i in operands[func])
             phase = "optimizer" if in_optimizer[0] else \
                 "backward" if torch._C._current_autograd_node() is not None else "forward"
             key = (func.__name__.split(".")[0], phase, tuple(a.shape), tuple(b.shape), _layout(a) + _layout(b))
-            row = calls.setdefault(key, {"calls": 0, "step_s": 0.0, "args": None, "kwargs": kwargs or {}})
+            row = calls.setdefault(key, {"calls": 0, "step_s": 0.0, "repeat_s": 0.0, "args": None,
+                                         "kwargs": kwargs or {}})
             row["calls"] += 1
             row["step_s"] += seconds
+            row["repeat_s"] += again
             if row["args"] is None:
                 row["args"] = [x.detach().clone(memory_format=torch.preserve_format)
                                if isinstance(x, torch.Tensor) else x for x in args]
@@ -108,9 +116,9 @@ def capture(trainer, steps: int) -> dict:
     return calls
 
 
-def replay(key, row, flush_mib: float) -> dict:
-    """One call alone: warm (calibrate's Timer), in NN layout (mm only), cold (median of per-call timings, a
-    flush_mib buffer touched between calls)."""
+def replay(key, row, flush_mib: list[float]) -> dict:
+    """One call alone: warm (calibrate's Timer), in NN layout (mm only), cold at each of flush_mib (median of
+    per-call timings, a buffer of that many MiB touched between calls): "cold_s" {MiB: seconds}."""
     import torch
 
     from rackcast.backend.calibrate_compute import Timer
@@ -122,14 +130,16 @@ def replay(key, row, flush_mib: float) -> dict:
     if key[0] == "mm":
         a, b = (x.contiguous() for x in args)
         out["nn_s"] = timer(lambda: torch.mm(a, b))
-    flush = torch.zeros(int(flush_mib * MIB) // torch.zeros(()).element_size())
-    cold = []
-    for _ in range(REPLAY_CALLS):
-        flush.add_(1.0)
-        t0 = time.perf_counter()
-        func(*args, **kwargs)
-        cold.append(time.perf_counter() - t0)
-    out["cold_s"] = statistics.median(cold)
+    out["cold_s"] = {}
+    for mib in flush_mib:
+        flush = torch.zeros(int(mib * MIB) // torch.zeros(()).element_size())
+        cold = []
+        for _ in range(REPLAY_CALLS):
+            flush.add_(1.0)
+            t0 = time.perf_counter()
+            func(*args, **kwargs)
+            cold.append(time.perf_counter() - t0)
+        out["cold_s"][str(mib)] = statistics.median(cold)
     return out
 
 
@@ -161,7 +171,7 @@ def simulator_prices(plan_path: str, topology: str) -> dict:
                                                                 plan.precision))}
 
 
-def child(plan: str, out: str, topology: str, flush_mib: float) -> None:
+def child(plan: str, out: str, topology: str, flush_mib: list[float], repeat: bool) -> None:
     import torch
 
     from rackcast.backend import train
@@ -172,14 +182,15 @@ def child(plan: str, out: str, topology: str, flush_mib: float) -> None:
     trainer._data()
     for step in range(WARMUP_STEPS):
         trainer.train_step(step)
-    calls = capture(trainer, STEPS)
+    calls = capture(trainer, STEPS, repeat)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     price = simulator_prices(plan, topology)["own_shape"]
     rows = []
     for key, row in calls.items():
         r = {"op": key[0], "phase": key[1], "a": key[2], "b": key[3], "layout": key[4],
-             "calls": row["calls"] / STEPS, "step_s": row["step_s"] / row["calls"], **replay(key, row, flush_mib)}
+             "calls": row["calls"] / STEPS, "step_s": row["step_s"] / row["calls"],
+             "repeat_s": row["repeat_s"] / row["calls"], **replay(key, row, flush_mib)}
         if key[0] == "mm":
             (m, k), n = key[2], key[3][1]
             r["surface_s"] = price(m, n, k)
@@ -198,15 +209,22 @@ def _total(rows, field: str) -> float:
     return sum(r["calls"] * r[field] for r in rows if field in r) * 1e3
 
 
+def _cold(rows) -> str:
+    sizes = rows[0]["cold_s"] if rows else {}
+    return ", ".join(f"{mib} MiB {sum(r['calls'] * r['cold_s'][mib] for r in rows) * 1e3:.2f}" for mib in sizes)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan")
     ap.add_argument("--topology", required=True)
-    ap.add_argument("--flush-mib", type=float, default=32.0, help="buffer touched between cold calls (MiB)")
+    ap.add_argument("--flush-mib", type=float, nargs="+", default=[32.0],
+                    help="buffer touched between cold calls (MiB), one cold timing per size")
+    ap.add_argument("--repeat", action="store_true", help="time each in-step call again at once (operands cached)")
     ap.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.plan, a.child, a.topology, a.flush_mib)
+        child(a.plan, a.child, a.topology, a.flush_mib, a.repeat)
         return 0
     from rackcast.backend.launch import worker_env
     from rackcast.plan import load_plan
@@ -216,31 +234,33 @@ def main() -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", "--max-restarts", "0"] if world > 1 else [sys.executable]
     subprocess.run([*cmd, str(Path(__file__).resolve()), a.plan, "--topology", a.topology, "--flush-mib",
-                    str(a.flush_mib), "--child", str(out)], check=True, env=worker_env(override=True))
+                    *map(str, a.flush_mib), *(["--repeat"] if a.repeat else []), "--child", str(out)], check=True,
+                   env=worker_env(override=True))
     result = json.loads((out / "gemm_in_step.json").read_text())
     rows, sim = result["rows"], simulator_prices(a.plan, a.topology)
-    print(f"== {a.plan}  load average {result['load']}  (ms per step, rank 0; cold: {a.flush_mib:g} MiB flushed)")
+    print(f"== {a.plan}  load average {result['load']}  (ms per step, rank 0)")
     mm = [r for r in rows if r["op"] == "mm"]
-    print(f"dense mm: {sum(r['calls'] for r in mm):.0f} calls: in the step {_total(mm, 'step_s'):.2f}, alone warm "
-          f"{_total(mm, 'warm_s'):.2f} (NN layout {_total(mm, 'nn_s'):.2f}), alone cold {_total(mm, 'cold_s'):.2f}; "
+    print(f"dense mm: {sum(r['calls'] for r in mm):.0f} calls: in the step {_total(mm, 'step_s'):.2f} (repeated at "
+          f"once {_total(mm, 'repeat_s'):.2f}), alone warm {_total(mm, 'warm_s'):.2f} (NN layout "
+          f"{_total(mm, 'nn_s'):.2f}), alone cold ({_cold(mm)}); "
           f"surface at own shapes {_total(mm, 'surface_s'):.2f}; simulator {sim['dense_s'] * 1e3:.2f} (of which "
           f"convolutions, no mm in the trainer, {sim['conv_s'] * 1e3:.2f})")
     for phase in ("forward", "backward"):
         for layout in sorted({r["layout"] for r in mm if r["phase"] == phase}):
             sel = [r for r in mm if r["phase"] == phase and r["layout"] == layout]
             print(f"  {phase} {layout}: {sum(r['calls'] for r in sel):.0f} calls: step {_total(sel, 'step_s'):.2f}, "
-                  f"warm {_total(sel, 'warm_s'):.2f}, NN {_total(sel, 'nn_s'):.2f}, cold {_total(sel, 'cold_s'):.2f}, "
+                  f"warm {_total(sel, 'warm_s'):.2f}, NN {_total(sel, 'nn_s'):.2f}, cold ({_cold(sel)}), "
                   f"surface {_total(sel, 'surface_s'):.2f}")
     for r in sorted(mm, key=lambda r: -r["calls"] * r["step_s"]):
         (m, k), n = r["a"], r["b"][1]
         print(f"    {r['phase']:8s} {r['layout']} {m}x{n}x{k} x{r['calls']:.0f}: step {r['step_s'] * 1e6:.1f}, warm "
-              f"{r['warm_s'] * 1e6:.1f}, NN {r['nn_s'] * 1e6:.1f}, cold {r['cold_s'] * 1e6:.1f}, surface "
+              f"{r['warm_s'] * 1e6:.1f}, NN {r['nn_s'] * 1e6:.1f}, coldest {max(r['cold_s'].values()) * 1e6:.1f}, surface "
               f"{r['surface_s'] * 1e6:.1f} us")
     for label, ops, price in (("routed experts (_grouped_mm)", ("_grouped_mm",), sim["experts_s"]),
                               ("optimizer (bmm, baddbmm)", ("bmm", "baddbmm"), sim["newton_schulz_s"])):
         sel = [r for r in rows if r["op"] in ops]
         print(f"{label}: {sum(r['calls'] for r in sel):.0f} calls: in the step {_total(sel, 'step_s'):.2f}, alone "
-              f"warm {_total(sel, 'warm_s'):.2f}, cold {_total(sel, 'cold_s'):.2f}; simulator {price * 1e3:.2f}")
+              f"warm {_total(sel, 'warm_s'):.2f}, cold ({_cold(sel)}); simulator {price * 1e3:.2f}")
     return 0
 
 
