@@ -17,32 +17,41 @@ experts (costs.grouped_gemm_time at costs.expert_shape) x 3, MuonH's Newton-Schu
 On CPU, aten::_grouped_mm runs one aten::mm per expert below the dispatcher's Python key, so a profiler's aten::mm
 total (benchmarks/step_terms.py) also holds the routed experts' products; here they are _grouped_mm's.
 
-Findings (2026-12-02, 2-core CPU shared with other jobs, load average 0.3-0.7 (1p) / 0.6-0.7 (dp2), calibrated-r5
-topology; `benchmarks/gemm_in_step.py PLAN --topology /work/main/runs/calibrated-r5.yaml`, figures per step):
-- 1p-mb2, dense aten::mm: 636 calls (53 forward products a micro-batch x 3 x 4 micro-batches: every one is a GEMM
-  simulator.gemms lists; none missing). The simulator charges 12.45 ms (of which 0.37 ms for the short
-  convolutions, which the trainer runs as shifted copies, not as products); the surface at each call's own shape
-  11.3; alone warm in its own layout 10.8, in NN 11.3; in the step 17.4-18.8 ms (also 17.3-18.8 under
-  torch.profiler, whose own cost on aten::mm self time is < 2%: 636 warm calls 11.24 ms unprofiled, 11.2-11.4
-  profiled). So the gap is (d) in-step: +6.5 ms (+60%) over the same calls alone; (b) operand layout moves the
-  alone total by -0.5 ms (forward x @ W^T, NT, is faster than NN at narrow outputs: 256x8x64 11.4 vs 19.3 us,
-  256x4x64 6.8 vs 17.1; backward dW, TN, +3%); (a) backward products priced at the forward's shape x 2 give 8.06 ms
-  where their own shapes give 7.26 (alone 7.33); (c) the clamped shapes (m = 4 or 8 below the m axis's 32, n = 4
-  below the n axis's 8) move 0.1 ms.
-- The in-step excess grows with the call's operand and output bytes (74 KiB: +4-10 us, 384 KiB: +18-46 us, about
-  10 GB/s over all 636 calls) and is reproduced alone only by evicting the caches between calls: the same 636
-  calls cold 12.2 (4 MiB flushed), 12.4 (8), 14.8 (16), 26.5 (24), 22.7 (32), 33.7 ms (48 MiB; L2 1 MiB per core,
-  L3 32 MiB shared). In the step the operands sit between L2-cold and L3-cold, a residency no fixed-layout or
-  fixed-flush calibration sets without choosing it to match (a fit); the surface prices the calls as measured
-  alone within 5% in every layout.
-- Routed experts (_grouped_mm, 96 calls = 8 experts' mm each): simulator 4.94 ms, in the step 6.1-7.0 ms; in a
-  profiled step 4.6-4.9 ms of aten::mm self time is theirs (step_terms' "aten::mm 22-24 ms" counted them).
-- MuonH Newton-Schulz (100 bmm + 200 baddbmm, 204.9 MFLOP; the simulator counts 203.2): alone 3.85 ms, in a
-  profiled step 3.4-4.5 ms, simulator 2.93 ms (all FLOPs at one 64 x 64 x 64 product: the batched small matrices
-  run slower); each call's own shape on the dense surface would charge 5.69 ms (bmm amortises its call over the
-  batch).
-- dp2-mb2 (rank 0): dense mm 318 calls in the step 8.0-8.7 ms, alone 5.4, simulator 6.2; _grouped_mm 48 calls
-  2.7-4.3 ms in the step, simulator 2.47.
+Findings (2026-12-02/03, 2-core CPU shared with other jobs, calibrated-r5 topology, ms per step of rank 0). Runs of
+this command: A `benchmarks/gemm_in_step.py /work/main/runs/validate-r5/plans/1p-mb2.yaml --topology
+/work/main/runs/calibrated-r5.yaml` (00:01 UTC, load average 0.9-1.2); B the same on dp2-mb2.yaml (00:04, load
+1.9-2.4); C 1p-mb2 with `--repeat --flush-mib 4 8 16 24 32 48` (00:06 and 00:18, load 2.6-5.7: the in-step figures
+doubled, 40 and 73 ms, so C is no measurement of the step; rerun it on a quiet machine). Runs P: the same
+measurements as prototype scripts before this file existed (23:55-00:05, load 0.3-1.2 for 1p, 2.0 for the repeat).
+- 1p-mb2, dense aten::mm: 636 calls = simulator.gemms' 53 forward products (every one it lists but the 3 short
+  convolutions a layer, which the trainer runs as shifted copies) x 3 x 4 micro-batches, forward x @ W^T in layout
+  NT, data gradient dY @ W in NN, weight gradient dY^T @ X in TN (tests/test_gemm_in_step.py); no product is
+  missing. The simulator charges 12.45 ms (0.37 of it for the convolutions); the surface at each call's own shape
+  11.29. A: in the step 21.6, alone warm 12.7 (NN layout 12.7). P: in the step 17.4-18.8 (17.3-18.8 as profiled
+  self time in step_terms), alone warm 10.8 (NN 11.3). So the dense gap is (d), the in-step slowdown of the same
+  calls, +60-70%; not (b): the layouts the step runs are if anything faster alone than NN (P: forward NT 3.43 vs
+  4.03, backward NN 3.61, TN 3.72 vs 3.61; NT is faster at narrow outputs, 256x8x64 11.4 vs 19.3 us); not (c): the
+  clamped shapes (m 4 or 8 below the m axis's 32, n 4 below the n axis's 8) move 0.1 ms; and for (a), pricing each
+  backward product at its own shape instead of the forward's x 2 would lower the charge (P: 7.26 vs 8.06 ms, alone
+  7.33), away from the step.
+- The in-step excess grows with the call's operand and output bytes (P: 74 KiB +4-10 us, 384 KiB +18-46 us; about
+  10 GB/s over the 636 calls) and appears alone only with the caches flushed between calls (P, alternating warm
+  and cold calls: 12.2 ms after 4 MiB touched, 12.4 after 8, 14.8 after 16, 26.5 after 24, 22.7 after 32, 33.7 after
+  48; L2 1 MiB a core, L3 32 MiB shared with the machine's other tenants). In the step, timed again at once on the
+  same operands (P, load 2.0): 17.9-18.6 first, 14.1-14.3 repeated, 11.2 warm alone: about 4 ms of the excess is
+  operands out of cache, about 3 ms stays (the second call's fresh output, the interpreter's work between calls).
+  The residency sits between L2-cold and L3-cold and moves with the machine's other load: a calibration at any one
+  flush size would be chosen to match the step (a fit), so the surface is left as measured (warm, as calibrate
+  measures it, which prices the calls alone within 5%).
+- Routed experts: on CPU aten::_grouped_mm runs one aten::mm per expert (96 calls, 768 mm); step_terms' earlier
+  "aten::mm 22-24 ms" held those (4.6-4.9 ms of profiled self time). A: in the step 7.8, alone warm 3.9,
+  simulator 4.94 (P: in the step 6.1-7.0).
+- MuonH Newton-Schulz (100 bmm + 200 baddbmm, 204.9 MFLOP; the simulator counts 203.2): A: in the step 5.6, alone
+  warm 4.3 (P: 3.85; profiled in step_terms 3.4-4.5), simulator 2.93 (every FLOP at one 64 x 64 x 64 product); at
+  each call's own m x n x k the dense surface would charge 5.69 and the grouped surface (groups = batch) 7.70, both
+  further off, so it is left as it is.
+- dp2-mb2 (B): dense mm 318 calls in the step 14.95 (P, load 0.6-0.7: 8.0-8.7), alone warm 5.87 (NN 5.98),
+  surface 5.64, simulator 6.23; routed experts 48 calls in the step 4.5 (P: 2.7-4.3), simulator 2.47.
 """
 
 from __future__ import annotations
@@ -254,8 +263,8 @@ def main() -> int:
     for r in sorted(mm, key=lambda r: -r["calls"] * r["step_s"]):
         (m, k), n = r["a"], r["b"][1]
         print(f"    {r['phase']:8s} {r['layout']} {m}x{n}x{k} x{r['calls']:.0f}: step {r['step_s'] * 1e6:.1f}, warm "
-              f"{r['warm_s'] * 1e6:.1f}, NN {r['nn_s'] * 1e6:.1f}, coldest {max(r['cold_s'].values()) * 1e6:.1f}, surface "
-              f"{r['surface_s'] * 1e6:.1f} us")
+              f"{r['warm_s'] * 1e6:.1f}, NN {r['nn_s'] * 1e6:.1f}, coldest {max(r['cold_s'].values()) * 1e6:.1f}, "
+              f"surface {r['surface_s'] * 1e6:.1f} us")
     for label, ops, price in (("routed experts (_grouped_mm)", ("_grouped_mm",), sim["experts_s"]),
                               ("optimizer (bmm, baddbmm)", ("bmm", "baddbmm"), sim["newton_schulz_s"])):
         sel = [r for r in rows if r["op"] in ops]
