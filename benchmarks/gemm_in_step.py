@@ -20,8 +20,8 @@ total (benchmarks/step_terms.py) also holds the routed experts' products; here t
 Findings (2026-12-02/03, 2-core CPU shared with other jobs, calibrated-r5 topology, ms per step of rank 0). Runs of
 this command: A `benchmarks/gemm_in_step.py /work/main/runs/validate-r5/plans/1p-mb2.yaml --topology
 /work/main/runs/calibrated-r5.yaml` (00:01 UTC, load average 0.9-1.2); B the same on dp2-mb2.yaml (00:04, load
-1.9-2.4); C 1p-mb2 with `--repeat --flush-mib 4 8 16 24 32 48` (00:06 and 00:18, load 2.6-5.7: the in-step figures
-doubled, 40 and 73 ms, so C is no measurement of the step; rerun it on a quiet machine). Runs P: the same
+1.9-2.4); C 1p-mb2 with `--repeat --flush-mib 4 8 16 24 32 48` (00:28, load average 0.1-0.4 over the run; two
+earlier C runs at load 2.6-5.7 doubled the in-step figures, 40 and 73 ms, and are void). Runs P: the same
 measurements as prototype scripts before this file existed (23:55-00:05, load 0.3-1.2 for 1p, 2.0 for the repeat).
 - 1p-mb2, dense aten::mm: 636 calls = simulator.gemms' 53 forward products (every one it lists but the 3 short
   convolutions a layer, which the trainer runs as shifted copies) x 3 x 4 micro-batches, forward x @ W^T in layout
@@ -40,6 +40,9 @@ measurements as prototype scripts before this file existed (23:55-00:05, load 0.
   48; L2 1 MiB a core, L3 32 MiB shared with the machine's other tenants). In the step, timed again at once on the
   same operands (P, load 2.0): 17.9-18.6 first, 14.1-14.3 repeated, 11.2 warm alone: about 4 ms of the excess is
   operands out of cache, about 3 ms stays (the second call's fresh output, the interpreter's work between calls).
+  C (this command, one run): in the step 25.6, repeated at once 17.2, alone warm 13.9 (NN 13.6), cold 17.4 (4
+  MiB), 18.4 (8), 24.5 (16), 40.7 (24), 45.8 (32), 55.7 (48); routed experts in the step 8.9, warm 4.7; optimizer
+  in the step 7.2, warm 4.0 (the machine ran slower than in P throughout: warm 13.9 against 10.8).
   The residency sits between L2-cold and L3-cold and moves with the machine's other load: a calibration at any one
   flush size would be chosen to match the step (a fit), so the surface is left as measured (warm, as calibrate
   measures it, which prices the calls alone within 5%).
