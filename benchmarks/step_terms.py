@@ -14,7 +14,10 @@ self time per call = host_per_op + bytes / bandwidth (bytes: inputs + one output
 views 0), so host_per_op is the per-op host time at the plan's real shapes, to set beside the calibration's figure,
 which is also measured here again (backend.opcount.host_seconds_per_op, 8 tokens) for the load of this run.
 The profiler adds its own per-op cost, so the profiled step is longer than the unprofiled one; both are printed.
-Every aten::mm shape of the step is also timed alone (unprofiled, four operand layouts) beside costs.gemm_time.
+Every dense aten::mm shape of the step is also timed alone (unprofiled, four operand layouts) beside
+costs.gemm_time, and the simulator's own charge for the step's dense GEMMs, routed experts and Newton-Schulz
+products is printed (benchmarks/gemm_in_step.simulator_prices). On CPU aten::_grouped_mm runs one aten::mm per
+expert: those calls are reported apart, as "aten::mm (experts)".
 
 Findings (2026-12-02, 2-core CPU, nothing else running, load average 0.3-0.8, steal ~0; 5-7 runs per plan,
 calibrated-r5 topology), figures as ranges over the runs:
@@ -32,6 +35,11 @@ calibrated-r5 topology), figures as ranges over the runs:
   75-114 ms. (a) 21-31 ms (mm 11.6-15.2 vs 7.1; attention 5.9-8.3 vs 1.9); (b) 17-23; ops run 7003 vs 6470
   (+8.2%); (d) collectives' own self time 0.2-1.0 ms, but DDP's gradient hooks (AccumulateGrad, which launch the
   bucket all-reduces) take 4-21 ms self a step, absent in 1p; residual host 3.9-9.8 us/op.
+- Correction (benchmarks/gemm_in_step.py, whose docstring has the figures and commands): the "aten::mm 22-24 ms"
+  above held the routed experts' 768 per-expert mm calls (4.6-4.9 ms of it); the 636 dense calls take 17.3-18.8
+  ms in the step (12.45 charged by the simulator, 10.8 alone), and the surface prices them alone within 5% in every
+  operand layout: the dense gap is the in-step slowdown of the same calls (cold operands), not missing shapes,
+  layouts or the grid's edges.
 - The calibration's host_seconds_per_op re-run in the same processes: 8 tokens forward 5.65-8.13 us (12.4 once,
   beside a second rank), so one calibration sample moves by about +-30%.
 """
@@ -128,10 +136,7 @@ def _split(prof) -> dict:
         elif e.name in GEMM_OPS or any(m in e.name for m in ATTENTION_MARKS):
             kinds["gemm_attention"] += self_s
             gemm_calls += 1
-            parent = e.cpu_parent
-            while parent is not None and not parent.name.startswith("Optimizer.step"):
-                parent = parent.cpu_parent
-            by_gemm = gemms.setdefault(e.name + (" (optimizer)" if parent is not None else ""), [0, 0.0])
+            by_gemm = gemms.setdefault(e.name + _within(e), [0, 0.0])
             by_gemm[0] += 1
             by_gemm[1] += self_s * 1e3
         elif any(m in e.name.lower() for m in COMM_MARKS):
@@ -158,9 +163,23 @@ def _split(prof) -> dict:
             "median_view_us": statistics.median([yy for xx, yy in zip(xs, ys) if xx == 0] or [0]) * 1e6}
 
 
+def _within(event) -> str:
+    """" (optimizer)" for an op inside Optimizer.step, " (experts)" for one inside aten::_grouped_mm (on CPU one
+    aten::mm per expert: the routed experts' products, priced as the grouped GEMM), else ""."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("Optimizer.step"):
+            return " (optimizer)"
+        if parent.name == "aten::_grouped_mm":
+            return " (experts)"
+        parent = parent.cpu_parent
+    return ""
+
+
 def mm_shapes(prof, topology: str, plan_path: str) -> list[dict]:
-    """Every aten::mm shape of the profiled step: its calls, self time a call in the step, unprofiled time a call
-    in isolation (ISOLATED_CALLS, after a warm-up call) and the simulator's price (costs.gemm_time, fp32)."""
+    """Every dense aten::mm shape of the profiled step (not the per-expert calls of aten::_grouped_mm): its calls,
+    self time a call in the step, unprofiled time a call in isolation (ISOLATED_CALLS, after a warm-up call) and
+    the surface's price at that shape (costs.gemm_time, fp32)."""
     import torch
 
     from rackcast.plan import load_plan
@@ -170,10 +189,14 @@ def mm_shapes(prof, topology: str, plan_path: str) -> list[dict]:
     plan = load_plan(plan_path)
     topo = load_topology(topology, plan.topology.domains, plan.topology.usable_gpus or None)
     rows = []
-    for e in prof.key_averages(group_by_input_shape=True):
-        if e.key != "aten::mm":
-            continue
-        (m, k), (_, n) = e.input_shapes[0], e.input_shapes[1]
+    by_shape: dict[tuple, list] = {}  # (m, n, k): [calls, self us]
+    for e in prof.events():
+        if e.name == "aten::mm" and not _within(e):
+            (m, k), (_, n) = e.input_shapes[0], e.input_shapes[1]
+            row = by_shape.setdefault((m, n, k), [0, 0.0])
+            row[0] += 1
+            row[1] += e.self_cpu_time_total
+    for (m, n, k), (count, self_us) in by_shape.items():
         layouts = {}
         for a_t in (False, True):  # the backward's products take transposed (non-contiguous) operands
             for b_t in (False, True):
@@ -184,7 +207,7 @@ def mm_shapes(prof, topology: str, plan_path: str) -> list[dict]:
                 for _ in range(ISOLATED_CALLS):
                     torch.mm(a, b)
                 layouts["TN"[a_t] + "TN"[b_t]] = (time.perf_counter() - t0) / ISOLATED_CALLS * 1e6
-        rows.append({"mnk": [m, n, k], "calls": e.count, "step_us": e.self_cpu_time_total / e.count,
+        rows.append({"mnk": [m, n, k], "calls": count, "step_us": self_us / count,
                      "alone_us": layouts["NN"], "layouts_us": {k: round(v, 1) for k, v in layouts.items()},
                      "predicted_us": float(gemm_time(2.0 * m * n * k, GemmShape(m, n, k), topo, "fp32")) * 1e6})
     return rows
@@ -237,6 +260,7 @@ def main() -> int:
     if a.child:
         child(a.plan, a.child, a.topology)
         return 0
+    from gemm_in_step import simulator_prices  # this directory is the script's import path
     from rackcast.backend.launch import worker_env
     from rackcast.plan import load_plan
 
@@ -268,11 +292,14 @@ def main() -> int:
           f"{k['comm'] * 1e3:.1f} ms; ops counted on the real step {m['real_ops']} (predicted {pred['ops']:.0f})")
     print(f"  (a) by op [calls, self ms]: {p['gemms']}")
     mm = m["mm"]
-    print("  aten::mm by shape, total ms over the step's calls: in the step (profiled self) / alone unprofiled / "
-          f"simulator: {sum(r['calls'] * r['step_us'] for r in mm) / 1e3:.1f} / "
+    sim = simulator_prices(a.plan, a.topology)
+    print("  dense aten::mm (not _grouped_mm's) by shape, total ms over the step's calls: in the step (profiled "
+          f"self) / alone unprofiled / surface at each shape: {sum(r['calls'] * r['step_us'] for r in mm) / 1e3:.1f} / "
           f"{sum(r['calls'] * r['alone_us'] for r in mm) / 1e3:.1f} (slowest operand layout "
           f"{sum(r['calls'] * max(r['layouts_us'].values()) for r in mm) / 1e3:.1f}) / "
-          f"{sum(r['calls'] * r['predicted_us'] for r in mm) / 1e3:.1f}")
+          f"{sum(r['calls'] * r['predicted_us'] for r in mm) / 1e3:.1f}; the simulator charges "
+          f"{sim['dense_s'] * 1e3:.1f} (forward shapes x 3), routed experts {sim['experts_s'] * 1e3:.1f}, "
+          f"Newton-Schulz {sim['newton_schulz_s'] * 1e3:.1f}")
     for r in sorted(mm, key=lambda r: -r["calls"] * r["alone_us"])[:TOP]:
         print(f"    mnk {r['mnk']} x{r['calls']}: step {r['step_us']:.1f} us, alone {r['alone_us']:.1f} us, "
               f"simulator {r['predicted_us']:.1f} us; alone by layout {r['layouts_us']}")
