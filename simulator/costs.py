@@ -343,8 +343,9 @@ def attention_time(flops, topo: Topology, precision, core: Core | None = None):
     """Attention-core work of `flops` (scores and values, counted in HW) run as calls of `core`'s kind and shape
     (simulator.attention_cost: the work its kernel executes, core.ratio x flops, at the measured efficiency of that
     shape, else at the attention fraction) of the compute peak of `precision` (unquantised: fp8 plans run it in
-    bf16). Without `core`: the attention fraction, as counted."""
-    ratio = 1.0 if core is None else core.ratio
+    bf16). Without `core`: the attention fraction, as counted. A stack whose window kernel skips masked entries
+    (efficiency.masked_window_work False) does the counted work."""
+    ratio = 1.0 if core is None or not topo.efficiency.masked_window_work else core.ratio
     return flops * ratio / (compute_peak(topo, unquantised(precision)) * core_efficiency(core, topo))
 
 

@@ -132,3 +132,17 @@ def test_the_estimate_and_the_simulator_price_a_slower_banded_kind_alike():
     d_estimate = estimate(plan, topo=slow_band).step_time_s - estimate(plan, topo=even).step_time_s
     d_simulated = float(simulate(plan, topo=slow_band).step_time_s) - float(simulate(plan, topo=even).step_time_s)
     assert d_estimate > 0 and d_estimate == pytest.approx(d_simulated, rel=1e-6)
+
+
+def test_a_stack_whose_window_kernel_skips_masked_entries_prices_a_local_core_at_its_counted_work():
+    spec = load_model("marin-535b-a23b")
+    local = next(i for i in range(spec.layers) if layer_kind(spec, i) == "banded")
+    core = layer_core(spec, local, spec.seq_len, 1)
+    assert core.ratio > 1.0  # window 2048 at sequence 4096: banded blocks hold masked entries
+    eager, fused = (load_topology("gb200-nvl72", profile=name) for name in ("eager-pytorch", "megatron-te"))
+    assert eager.efficiency.masked_window_work and not fused.efficiency.masked_window_work
+    peak = costs.compute_peak(fused, "bf16")
+    assert float(costs.attention_time(1e12, fused, "bf16", core)) == \
+        pytest.approx(1e12 / (peak * fused.efficiency.attention), rel=1e-12)
+    assert float(costs.attention_time(1e12, eager, "bf16", core)) == \
+        pytest.approx(1e12 * core.ratio / (peak * eager.efficiency.attention), rel=1e-12)

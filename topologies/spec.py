@@ -229,6 +229,10 @@ class EfficiencyProfile:
     launch_s: Annotated[float, Range(0, 1)] = 0.0  # least time of one kernel (launch floor), from the stack profile
     error_band: Annotated[float, Range(0, 1)] = 0.0  # relative error band of a prediction, from the stack profile
     stack: Annotated[str, Text()] = ""  # the stack profile applied (topologies.profiles)
+    # Whether a sliding-window layer's attention kernel computes the masked entries of its query blocks (rackcast
+    # train's banded SDPA call: simulator.attention_cost) or skips them (a kernel with a native window, from the
+    # stack profile); calibrated topologies measure the trainer, so True unless a profile says otherwise.
+    masked_window_work: bool = True
 
     def __post_init__(self):
         for name in ("gemm", "grouped_gemm"):

@@ -42,6 +42,9 @@ class StackProfile:
     collectives: Annotated[float, Range(0, 10, above=True)] = 1.0  # x every collective's bus-bandwidth curve
     launch_s: Annotated[float, Range(0, 1)] = 0.0  # least seconds one GEMM kernel takes
     error_band: Annotated[float, Range(0, 1)] = 0.0  # relative band of step time, MFU and days
+    # Sliding-window attention computes its blocks' masked entries (rackcast train's banded SDPA call) rather than
+    # skipping them (FlashAttention's window_size, TE's sliding-window fused attention): simulator.attention_cost.
+    masked_window_work: bool = True
 
 
 def list_profiles() -> list[str]:
@@ -65,7 +68,8 @@ def apply_profile(topo: Topology, profile: StackProfile) -> Topology:
     another."""
     e = topo.efficiency
     if e.gemm or e.grouped_gemm:
-        return topo.with_efficiency(replace(e, stack=profile.name, error_band=profile.error_band))
+        return topo.with_efficiency(replace(e, stack=profile.name, error_band=profile.error_band,
+                                            masked_window_work=profile.masked_window_work))
     if e.stack:  # a topology file written with a profile applied (a fitted topology): never scale twice
         if e.stack == profile.name:
             return topo
@@ -80,4 +84,5 @@ def apply_profile(topo: Topology, profile: StackProfile) -> Topology:
         attention=min(1.0, e.attention * f.attention),
         attention_surface=[p.scaled(f.attention, 0.0) for p in e.attention_surface],
         memory_bound=min(1.0, e.memory_bound * f.memory_bound),
-        collectives=coll, launch_s=f.launch_s, error_band=f.error_band, stack=f.name))
+        collectives=coll, launch_s=f.launch_s, error_band=f.error_band, stack=f.name,
+        masked_window_work=f.masked_window_work))
