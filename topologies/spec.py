@@ -231,7 +231,7 @@ class EfficiencyProfile:
     stack: Annotated[str, Text()] = ""  # the stack profile applied (topologies.profiles)
     # Whether a sliding-window layer's attention kernel computes the masked entries of its query blocks (rackcast
     # train's banded SDPA call: simulator.attention_cost) or skips them (a kernel with a native window, from the
-    # stack profile); calibrated topologies measure the trainer, so True unless a profile says otherwise.
+    # stack profile); a measured (calibrated) topology keeps True whatever profile names it: it measured the trainer.
     masked_window_work: bool = True
 
     def __post_init__(self):

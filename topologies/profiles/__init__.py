@@ -68,8 +68,7 @@ def apply_profile(topo: Topology, profile: StackProfile) -> Topology:
     another."""
     e = topo.efficiency
     if e.gemm or e.grouped_gemm:
-        return topo.with_efficiency(replace(e, stack=profile.name, error_band=profile.error_band,
-                                            masked_window_work=profile.masked_window_work))
+        return topo.with_efficiency(replace(e, stack=profile.name, error_band=profile.error_band))
     if e.stack:  # a topology file written with a profile applied (a fitted topology): never scale twice
         if e.stack == profile.name:
             return topo
