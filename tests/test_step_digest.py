@@ -38,8 +38,8 @@ DIGESTS = {
     "gpt-145b-megatron": "07dd509b99ec5d2e8dec1fab84fbcb68f4459cbcb3779e9df44f01edefc85954",
     "hero": "cc1aad8857ee64318b87fde73762fd47a4cb9d7f96c30b525dba03225ff04ce8",
     "hero-16-stages": "cc869d8736f01f983e919b98fcb9107bf7f969d3c71efff1a0431fdb29688f3e",
-    "tiny-2proc-ep": "1ff57210a0775e291d001b4abcafd15db06ca9bb1b73bca49adfe224c1258373",
-    "tiny-2proc-pp": "17f8235acd5a7a7e1ae8251e8180138d9a5f00354c09c82da81e1b69d688917c",
+    "tiny-2proc-ep": "f2ef4568d7c0eb4088e55e93c2ed580ae1b05f91b3478e529a58ed4e5a618af9",
+    "tiny-2proc-pp": "d4984d6af146e7821f93908d37f86434f7a067f06ac439c82bc0aefb9b147a5e",
 }
 
 
