@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from rackcast.modelspec import FlopsConvention, ModelSpec
-from rackcast.simulator.op_counts import window_query_block
+from rackcast.simulator.op_counts import window_branches, window_query_block
 from rackcast.simulator.gemm_surface import grid_efficiency
 from rackcast.topologies.spec import ATTENTION_KINDS, Topology, attention_axes
 
@@ -52,9 +52,10 @@ class Core(NamedTuple):
 
 
 def layer_kind(spec: ModelSpec, layer: int) -> str:
-    """How the trainer calls `layer`'s attention (backend.attention.Attention._attention)."""
-    banded = not spec.is_global(layer) and spec.context(layer) < spec.seq_len and not spec.attention.sinks
-    return "banded" if banded else "causal"
+    """How the trainer calls `layer`'s attention (backend.attention.Attention._attention): banded where the op count's
+    window_branches say the layer takes the banded branch on the spec's seq_len, unless sinks make it dense."""
+    banded, _, _ = window_branches(0 if spec.is_global(layer) else spec.context(layer), spec.seq_len)
+    return "banded" if banded and not spec.attention.sinks else "causal"
 
 
 def executed_pairs(kind: str, queries, keys):
